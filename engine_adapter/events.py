@@ -1,0 +1,53 @@
+"""The event contract between engines and the HTTP side.
+
+This module is the only thing ``proxy`` and ``engine_adapter`` share (DESIGN.md). An engine
+publishes one :class:`Scheduled` per engine request, when the request is first scheduled,
+into an :class:`EventSink`. The key it publishes under is the proxy's request key, which
+the middleware puts in :data:`current_request_key` for the duration of the HTTP request;
+engine code reads it there instead of parsing its own request ids.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+Source = Literal["engine", "upstream", "estimate"]
+
+#: The proxy's ledger key for the HTTP request being served, or ``None`` outside one.
+#: Set and reset (with its token) by the middleware; read by engine taps.
+current_request_key: ContextVar[str | None] = ContextVar("cachetally_request_key", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """One engine request was scheduled; its prompt-cache accounting is now known.
+
+    ``cached_tokens`` counts prompt tokens served from any cache tier. The optional tiers
+    split it (``local_cached_tokens + external_cached_tokens == cached_tokens`` when both
+    are known) and report the tokens newly written to the cache.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    local_cached_tokens: int | None = None
+    external_cached_tokens: int | None = None
+    cache_creation_tokens: int | None = None
+    source: Source = "engine"
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0 or self.cached_tokens < 0:
+            raise ValueError("token counts must be non-negative")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"cached_tokens ({self.cached_tokens}) exceeds prompt_tokens ({self.prompt_tokens})"
+            )
+
+
+@runtime_checkable
+class EventSink(Protocol):
+    """Where engines publish. ``publish`` is synchronous and must never block."""
+
+    def publish(self, event: Scheduled) -> None: ...
