@@ -1,0 +1,243 @@
+"""A simulated OpenAI-compatible engine with a real prefix cache, for tests and benchmarks.
+
+No model: prompts are tokenized deterministically (``sim_tokenizer``), looked up in a
+block-hash prefix cache with vLLM's counting rules (``prefix_cache``), and answered with
+``max_tokens`` deterministic tokens (`` tok0 tok1 …``, ``finish_reason: length``).
+
+Each engine request (each prompt of a request; ``n`` choices share one) is scheduled
+before the handler returns, so its :class:`~engine_adapter.events.Scheduled` is published
+before the first byte of the response exists. It is keyed by the proxy's
+:data:`~engine_adapter.events.current_request_key`, or by the response id when the sim
+is served alone. Like engines that drop the number, responses carry no
+``prompt_tokens_details`` unless ``report_cached_tokens`` is set (vLLM's
+``--enable-prompt-tokens-details``).
+
+Standalone: ``python -m engine_adapter.sim --host 127.0.0.1 --port 8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from engine_adapter.events import EventSink, Scheduled, current_request_key
+from engine_adapter.prefix_cache import PrefixCache
+from engine_adapter.sim_protocol import (
+    Kind,
+    RequestError,
+    SimRequest,
+    full_response,
+    generated_token,
+    parse_request,
+    sse,
+    stream_choice,
+    usage,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    model: str = "sim-model"
+    block_size: int = 16
+    capacity_blocks: int = 4096
+    #: Delay per generation step (all choices of a request decode together).
+    token_delay_s: float = 0.0
+    default_max_tokens: int = 16
+    #: Put ``usage.prompt_tokens_details.cached_tokens`` in responses, like vLLM with
+    #: ``--enable-prompt-tokens-details`` (the sum over a request's prompts).
+    report_cached_tokens: bool = False
+
+
+class SimEngine:
+    """The simulated engine; implements :class:`~engine_adapter.engine.Engine`."""
+
+    name = "sim"
+
+    def __init__(self, sink: EventSink | None = None, config: SimConfig = SimConfig()) -> None:
+        self.sink = sink
+        self.config = config
+        self.cache = PrefixCache(config.block_size, config.capacity_blocks)
+        self.requests_total = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self._running = False
+        self._app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+            ]
+        )
+
+    async def start(self) -> Starlette:
+        self._running = True
+        return self._app
+
+    async def stop(self) -> None:
+        self._running = False
+
+    def healthy(self) -> bool:
+        return self._running
+
+    def metrics_text(self) -> bytes:
+        lines = []
+        for name, kind, value, help_ in (
+            ("sim_requests_total", "counter", self.requests_total, "Engine requests scheduled."),
+            ("sim_prompt_tokens_total", "counter", self.prompt_tokens_total, "Prompt tokens."),
+            ("sim_prompt_tokens_cached_total", "counter", self.cached_tokens_total,
+             "Prompt tokens served from the prefix cache."),
+            ("sim_prefix_cache_blocks", "gauge", self.cache.num_cached_blocks, "Cached blocks."),
+        ):
+            lines.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name} {value}\n")
+        return "".join(lines).encode()
+
+    def schedule(self, token_ids: list[int], key: str) -> int:
+        """Look the prompt up, cache it, publish its ``Scheduled``; return cached tokens."""
+        cached = self.cache.lookup(token_ids)
+        created = self.cache.insert(token_ids)
+        self.requests_total += 1
+        self.prompt_tokens_total += len(token_ids)
+        self.cached_tokens_total += cached
+        if self.sink is not None:
+            self.sink.publish(
+                Scheduled(
+                    request_id=key,
+                    prompt_tokens=len(token_ids),
+                    cached_tokens=cached,
+                    local_cached_tokens=cached,
+                    external_cached_tokens=0,
+                    cache_creation_tokens=created,
+                    source="engine",
+                )
+            )
+        return cached
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: Request, kind: Kind) -> Response:
+        cfg = self.config
+        try:
+            if not self._running:
+                raise RequestError("The engine is not running.", 503, "ServiceUnavailableError")
+            req = parse_request(await request.body(), kind, cfg.model, cfg.default_max_tokens)
+        except RequestError as exc:
+            return Response(exc.body(), exc.status, media_type="application/json")
+        response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        key = current_request_key.get() or response_id
+        cached = sum(self.schedule(ids, key) for ids in req.prompts)
+        reported = cached if cfg.report_cached_tokens else None
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, response_id, created, reported), media_type="text/event-stream"
+            )
+        if cfg.token_delay_s > 0:
+            await asyncio.sleep(cfg.token_delay_s * req.max_tokens)
+        body = orjson.dumps(full_response(req, response_id, created, reported))
+        return Response(body, media_type="application/json")
+
+    async def _stream(
+        self, req: SimRequest, response_id: str, created: int, cached: int | None
+    ) -> AsyncIterator[bytes]:
+        chat = req.kind == "chat"
+        head = {
+            "id": response_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": req.model,
+        }
+        prompt_lens = [len(p) for p in req.prompts]
+        if chat:
+            for i in range(req.n):
+                delta = {"role": "assistant", "content": ""}
+                chunk = {**head, "choices": [
+                    {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                ]}
+                if req.continuous_usage:
+                    chunk["usage"] = usage(prompt_lens[0], 0)
+                yield sse(chunk)
+        for k in range(req.max_tokens):
+            if self.config.token_delay_s > 0:
+                await asyncio.sleep(self.config.token_delay_s)
+            text, last = generated_token(k), k == req.max_tokens - 1
+            for p, prompt_len in enumerate(prompt_lens):
+                for i in range(req.n):
+                    choice = stream_choice(req.kind, p * req.n + i, text, last)
+                    chunk = {**head, "choices": [choice]}
+                    if req.continuous_usage:
+                        chunk["usage"] = usage(prompt_len, k + 1)
+                    yield sse(chunk)
+        if req.include_usage:
+            completion = len(prompt_lens) * req.n * req.max_tokens
+            yield sse({**head, "choices": [], "usage": usage(sum(prompt_lens), completion, cached)})
+        yield b"data: [DONE]\n\n"
+
+    async def _models(self, request: Request) -> Response:
+        model = self.config.model
+        card = {"id": model, "object": "model", "created": int(time.time()),
+                "owned_by": "vllm", "root": model, "parent": None}
+        return Response(orjson.dumps({"object": "list", "data": [card]}),
+                        media_type="application/json")
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=200 if self._running else 503)
+
+
+async def _serve(engine: SimEngine, host: str, port: int, log_level: str) -> None:
+    import uvicorn
+
+    app = await engine.start()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
+    )
+    try:
+        await server.serve()
+    finally:
+        await engine.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_adapter.sim", description="Serve the simulated engine alone."
+    )
+    defaults = SimConfig()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--capacity-blocks", type=int, default=defaults.capacity_blocks)
+    parser.add_argument("--token-delay-s", type=float, default=defaults.token_delay_s)
+    parser.add_argument("--max-tokens", type=int, default=defaults.default_max_tokens,
+                        help="default max_tokens when a request sets none")
+    parser.add_argument("--report-cached-tokens", action="store_true",
+                        help="include usage.prompt_tokens_details.cached_tokens in responses")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    config = SimConfig(
+        model=args.model,
+        block_size=args.block_size,
+        capacity_blocks=args.capacity_blocks,
+        token_delay_s=args.token_delay_s,
+        default_max_tokens=args.max_tokens,
+        report_cached_tokens=args.report_cached_tokens,
+    )
+    asyncio.run(_serve(SimEngine(config=config), args.host, args.port, args.log_level))
+
+
+if __name__ == "__main__":
+    main()

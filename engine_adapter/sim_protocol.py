@@ -1,0 +1,202 @@
+"""Request parsing and response shapes of the simulated engine.
+
+Shapes follow vLLM 0.32's OpenAI server (``chat_completion/serving.py``,
+``completion/serving.py``): field order in ``usage`` (``prompt_tokens``, ``total_tokens``,
+``completion_tokens``), ``stream_options`` only with ``stream=true``,
+``continuous_usage_stats`` only together with ``include_usage``, and errors as
+``{"error": {"message", "type", "param", "code"}}``. Plain dicts and orjson, no pydantic:
+this is a benchmark hot path. Unlike vLLM, non-stream bodies leave out ``null`` fields
+that carry nothing for accounting, and ``usage`` carries no ``prompt_tokens_details``
+unless asked to (``cached`` given), like an engine that drops the number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from engine_adapter.sim_tokenizer import render_chat, tokenize
+
+Kind = Literal["chat", "completion"]
+
+
+class RequestError(Exception):
+    """A request the engine refuses, with its OpenAI error shape."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        err_type: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.err_type, self.param = message, status, err_type, param
+
+    def body(self) -> bytes:
+        info = {"message": self.message, "type": self.err_type, "param": self.param}
+        return orjson.dumps({"error": {**info, "code": self.status}})
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """A parsed chat or completions request: one token-id list per engine request."""
+
+    kind: Kind
+    model: str
+    prompts: list[list[int]]
+    n: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+def _int_field(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RequestError(f"`{name}` must be an integer >= {minimum}", param=name)
+    return value
+
+
+def _completion_prompts(prompt: Any) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        prompts = [tokenize(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [tokenize(p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_token_ids(p) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    elif _is_token_ids(prompt):
+        prompts = [list(prompt)]
+    else:
+        raise RequestError(
+            "`prompt` must be a string, a list of strings or a list of token ids", param="prompt"
+        )
+    if any(not p for p in prompts):
+        raise RequestError("Prompt cannot be empty", param="prompt")
+    return prompts
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
+
+
+def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -> SimRequest:
+    """Validate a request body; raise :class:`RequestError` with vLLM's status and wording."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"Invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("Request body must be a JSON object")
+    requested = body.get("model")
+    if requested is not None and requested != model:
+        raise RequestError(
+            f"The model `{requested}` does not exist.", 404, "NotFoundError", "model"
+        )
+    if kind == "chat":
+        if "messages" not in body:
+            raise RequestError("Field required: `messages`", param="messages")
+        try:
+            prompts = [tokenize(render_chat(body["messages"]))]
+        except ValueError as exc:
+            raise RequestError(str(exc), param="messages") from None
+        max_tokens = _int_field(body, "max_completion_tokens", 0, 1) or _int_field(
+            body, "max_tokens", default_max_tokens, 1
+        )
+    else:
+        if "prompt" not in body:
+            raise RequestError("Field required: `prompt`", param="prompt")
+        prompts = _completion_prompts(body["prompt"])
+        max_tokens = _int_field(body, "max_tokens", default_max_tokens, 1)
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise RequestError("`stream` must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError("`stream_options` must be an object", param="stream_options")
+    if options and not stream:
+        raise RequestError(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    include_usage = bool(options and options.get("include_usage"))
+    return SimRequest(
+        kind=kind,
+        model=model,
+        prompts=prompts,
+        n=_int_field(body, "n", 1, 1),
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(options and options.get("continuous_usage_stats")),
+    )
+
+
+def generated_token(k: int) -> str:
+    """The text of the ``k``-th generated token."""
+    return f" tok{k}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+def full_response(
+    req: SimRequest, response_id: str, created: int, cached: int | None
+) -> dict[str, Any]:
+    """The non-stream body: every choice generated ``max_tokens`` tokens (``length``)."""
+    text = "".join(generated_token(k) for k in range(req.max_tokens))
+    choices: list[dict[str, Any]] = []
+    for index in range(len(req.prompts) * req.n):
+        if req.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+            }
+        else:
+            choice = {"index": index, "text": text}
+        choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+        choices.append(choice)
+    return {
+        "id": response_id,
+        "object": "chat.completion" if req.kind == "chat" else "text_completion",
+        "created": created,
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(
+            sum(map(len, req.prompts)), len(choices) * req.max_tokens, cached
+        ),
+    }
+
+
+def stream_choice(kind: Kind, index: int, text: str, last: bool) -> dict[str, Any]:
+    """One streamed choice delta; the last one carries ``finish_reason: length``."""
+    if kind == "chat":
+        choice: dict[str, Any] = {"index": index, "delta": {"content": text}}
+    else:
+        choice = {"index": index, "text": text}
+    choice["logprobs"] = None
+    choice["finish_reason"] = "length" if last else None
+    if last or kind == "completion":
+        choice["stop_reason"] = None
+    return choice
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

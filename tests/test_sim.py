@@ -1,0 +1,464 @@
+"""The simulated engine: vLLM-shaped responses, exact Scheduled events, standalone CLI."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import pytest_asyncio
+
+from engine_adapter.engine import Engine
+from engine_adapter.events import Scheduled, current_request_key
+from engine_adapter.sim import SimConfig, SimEngine
+from engine_adapter.sim_tokenizer import render_chat, tokenize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.events: list[Scheduled] = []
+
+    def publish(self, event: Scheduled) -> None:
+        self.events.append(event)
+
+
+def words(prefix: str, count: int) -> str:
+    """``count`` distinct one-token words."""
+    return " ".join(f"{prefix}{i}" for i in range(count))
+
+
+def sse_events(body: bytes) -> list[Any]:
+    """The data of every SSE event; ``[DONE]`` stays a string."""
+    assert body.endswith(b"data: [DONE]\n\n")
+    out: list[Any] = []
+    for event in body.split(b"\n\n")[:-1]:
+        assert event.startswith(b"data: ")
+        data = event[len(b"data: ") :]
+        out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+    return out
+
+
+@pytest.fixture
+def sink() -> ListSink:
+    return ListSink()
+
+
+@pytest_asyncio.fixture
+async def engine(sink: ListSink) -> AsyncIterator[SimEngine]:
+    engine = SimEngine(sink, SimConfig(default_max_tokens=3))
+    yield engine
+    await engine.stop()
+
+
+@pytest_asyncio.fixture
+async def client(engine: SimEngine) -> AsyncIterator[httpx.AsyncClient]:
+    app = await engine.start()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
+        yield client
+
+
+async def complete(client: httpx.AsyncClient, prompt: Any, **extra: Any) -> dict[str, Any]:
+    payload = {"model": "sim-model", "prompt": prompt, **extra}
+    resp = await client.post("/v1/completions", json=payload)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+@pytest.mark.asyncio
+async def test_cold_then_repeated_prompt(client: httpx.AsyncClient, sink: ListSink) -> None:
+    prompt = words("w", 600)
+    cold = await complete(client, prompt)
+    warm = await complete(client, prompt)
+    assert cold["usage"] == {"prompt_tokens": 600, "total_tokens": 603, "completion_tokens": 3}
+    assert "prompt_tokens_details" not in warm["usage"]
+    assert sink.events == [
+        Scheduled(cold["id"], 600, 0, 0, 0, cache_creation_tokens=592, source="engine"),
+        Scheduled(warm["id"], 600, 592, 592, 0, cache_creation_tokens=0, source="engine"),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_prompt_of_whole_blocks_recomputes_its_last_block(
+    client: httpx.AsyncClient, sink: ListSink
+) -> None:
+    prompt = words("w", 608)
+    await complete(client, prompt)
+    await complete(client, prompt)
+    assert [e.cached_tokens for e in sink.events] == [0, 592]
+
+
+@pytest.mark.asyncio
+async def test_shared_prefix_hits_its_full_blocks(
+    client: httpx.AsyncClient, sink: ListSink
+) -> None:
+    await complete(client, words("w", 600))
+    await complete(client, words("w", 300) + " " + words("x", 300))
+    assert [e.cached_tokens for e in sink.events] == [0, 288]
+
+
+@pytest.mark.asyncio
+async def test_chat_shares_system_prompt_prefix(client: httpx.AsyncClient, sink: ListSink) -> None:
+    system = {"role": "system", "content": words("s", 200)}
+    for question in ("hello there", "what now"):
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [system, {"role": "user", "content": question}]},
+        )
+        assert resp.json()["usage"]["prompt_tokens"] == 210
+    # 205 shared tokens: <|im_start|> system s0..s199 <|im_end|> <|im_start|> user.
+    assert [e.cached_tokens for e in sink.events] == [0, 192]
+
+
+@pytest.mark.asyncio
+async def test_key_comes_from_the_proxy_context(client: httpx.AsyncClient, sink: ListSink) -> None:
+    token = current_request_key.set("proxy-key-1")
+    try:
+        await complete(client, "hello world")
+    finally:
+        current_request_key.reset(token)
+    assert [e.request_id for e in sink.events] == ["proxy-key-1"]
+
+
+@pytest.mark.asyncio
+async def test_lru_eviction_with_tiny_capacity(sink: ListSink) -> None:
+    engine = SimEngine(sink, SimConfig(capacity_blocks=2))
+    app = await engine.start()
+    a, b = words("a", 40), words("b", 40)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+        for prompt in (a, a, b, a):
+            await complete(c, prompt)
+    await engine.stop()
+    assert [e.cached_tokens for e in sink.events] == [0, 32, 0, 0]
+    assert engine.cache.num_cached_blocks == 2
+
+
+@pytest.mark.asyncio
+async def test_list_of_prompts_is_one_engine_request_each(
+    client: httpx.AsyncClient, sink: ListSink
+) -> None:
+    body = await complete(client, [words("w", 100), words("x", 50)], n=2, max_tokens=2)
+    assert body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert {c["text"] for c in body["choices"]} == {" tok0 tok1"}
+    assert {c["finish_reason"] for c in body["choices"]} == {"length"}
+    assert body["usage"] == {"prompt_tokens": 150, "total_tokens": 158, "completion_tokens": 8}
+    assert [(e.request_id, e.prompt_tokens) for e in sink.events] == [
+        (body["id"], 100),
+        (body["id"], 50),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_batch_prompts_are_scheduled_in_order(
+    client: httpx.AsyncClient, sink: ListSink
+) -> None:
+    body = await complete(client, [words("w", 100)] * 2)
+    assert body["usage"]["prompt_tokens"] == 200
+    assert [e.cached_tokens for e in sink.events] == [0, 96]
+
+
+@pytest.mark.asyncio
+async def test_token_id_prompts(client: httpx.AsyncClient, sink: ListSink) -> None:
+    await complete(client, list(range(40)))
+    await complete(client, [list(range(40)), list(range(33))])
+    counts = [(e.prompt_tokens, e.cached_tokens) for e in sink.events]
+    assert counts == [(40, 0), (40, 32), (33, 32)]
+
+
+@pytest.mark.asyncio
+async def test_chat_n2_is_one_engine_request(client: httpx.AsyncClient, sink: ListSink) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}]
+    resp = await client.post("/v1/chat/completions", json={"messages": messages, "n": 2})
+    body = resp.json()
+    prompt_tokens = len(tokenize(render_chat(messages)))
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "sim-model"
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": " tok0 tok1 tok2",
+        "refusal": None,
+    }
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + 6,
+        "completion_tokens": 6,
+    }
+    assert len(sink.events) == 1
+    assert sink.events[0].prompt_tokens == prompt_tokens == 7
+
+
+@pytest.mark.asyncio
+async def test_chat_stream_include_usage(client: httpx.AsyncClient, sink: ListSink) -> None:
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp.content)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
+    content = [c for c in chunks if c["choices"]][1:]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in content) == " tok0 tok1 tok2"
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None, None, "length"]
+    usage_chunks = [c for c in chunks if "usage" in c]
+    assert usage_chunks == [chunks[-1]]
+    assert chunks[-1]["choices"] == []
+    prompt_tokens = sink.events[0].prompt_tokens
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + 3,
+        "completion_tokens": 3,
+    }
+    assert sink.events[0].request_id == chunks[0]["id"]
+
+
+@pytest.mark.asyncio
+async def test_completion_stream_continuous_usage(client: httpx.AsyncClient) -> None:
+    resp = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": [words("w", 20), words("x", 10)],
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
+    chunks = sse_events(resp.content)[:-1]
+    content, final = chunks[:-1], chunks[-1]
+    assert len(content) == 3 * 4
+    assert all("usage" in c and len(c["choices"]) == 1 for c in content)
+    by_index: dict[int, list[tuple[int, int]]] = {}
+    for c in content:
+        u = c["usage"]
+        by_index.setdefault(c["choices"][0]["index"], []).append(
+            (u["prompt_tokens"], u["completion_tokens"])
+        )
+    assert by_index == {
+        0: [(20, 1), (20, 2), (20, 3)],
+        1: [(20, 1), (20, 2), (20, 3)],
+        2: [(10, 1), (10, 2), (10, 3)],
+        3: [(10, 1), (10, 2), (10, 3)],
+    }
+    assert final["choices"] == []
+    assert final["usage"] == {"prompt_tokens": 30, "total_tokens": 42, "completion_tokens": 12}
+
+
+@pytest.mark.asyncio
+async def test_chat_stream_continuous_usage_covers_role_chunk(client: httpx.AsyncClient) -> None:
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
+    chunks = sse_events(resp.content)[:-1]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 3]
+    assert [len(c["choices"]) for c in chunks] == [1, 1, 1, 1, 0]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "stream_options", [None, {"include_usage": False}, {"continuous_usage_stats": True}]
+)
+async def test_stream_without_include_usage_has_no_usage(
+    client: httpx.AsyncClient, sink: ListSink, stream_options: dict[str, bool] | None
+) -> None:
+    for route, payload in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi there"}),
+    ):
+        payload.update(stream=True, stream_options=stream_options)
+        resp = await client.post(route, json=payload)
+        assert b"usage" not in resp.content
+        assert resp.content.endswith(b"data: [DONE]\n\n")
+    assert len(sink.events) == 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("route", "content", "param"),
+    [
+        ("/v1/chat/completions", b"{not json", None),
+        ("/v1/chat/completions", b"[1, 2]", None),
+        ("/v1/chat/completions", b'{"model": "sim-model"}', "messages"),
+        ("/v1/chat/completions", b'{"messages": []}', "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', "messages"),
+        ("/v1/completions", b'{"model": "sim-model"}', "prompt"),
+        ("/v1/completions", b'{"prompt": 5}', "prompt"),
+        ("/v1/completions", b'{"prompt": ""}', "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "n": 0}', "n"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": "3"}', "max_tokens"),
+        ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', "stream"),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "stream_options": {"include_usage": true}}',
+            "stream_options",
+        ),
+    ],
+)
+async def test_bad_requests_get_openai_errors(
+    client: httpx.AsyncClient, sink: ListSink, route: str, content: bytes, param: str | None
+) -> None:
+    resp = await client.post(route, content=content, headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == ("BadRequestError", param, 400)
+    assert error["message"]
+    assert sink.events == []
+
+
+@pytest.mark.asyncio
+async def test_unknown_model_is_404(client: httpx.AsyncClient, sink: ListSink) -> None:
+    resp = await client.post("/v1/completions", json={"model": "gpt-x", "prompt": "hi"})
+    assert resp.status_code == 404
+    assert resp.json() == {
+        "error": {
+            "message": "The model `gpt-x` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    assert sink.events == []
+
+
+@pytest.mark.asyncio
+async def test_report_cached_tokens_like_vllm_prompt_tokens_details(sink: ListSink) -> None:
+    engine = SimEngine(sink, SimConfig(report_cached_tokens=True, default_max_tokens=1))
+    app = await engine.start()
+    prompt = words("w", 40)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+        cold = await complete(c, prompt)
+        resp = await c.post(
+            "/v1/completions",
+            json={"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}},
+        )
+    await engine.stop()
+    assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    final = sse_events(resp.content)[-2]
+    assert final["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+
+
+@pytest.mark.asyncio
+async def test_models_health_metrics_and_lifecycle(sink: ListSink) -> None:
+    engine: Engine = SimEngine(sink)
+    assert engine.name == "sim"
+    assert not engine.healthy()
+    app = await engine.start()
+    assert engine.healthy()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+        assert (await c.get("/health")).status_code == 200
+        models = (await c.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["sim-model"]
+        await complete(c, words("w", 40))
+        await complete(c, words("w", 40))
+        await engine.stop()
+        await engine.stop()
+        assert not engine.healthy()
+        assert (await c.get("/health")).status_code == 503
+        resp = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert resp.status_code == 503
+    text = engine.metrics_text().decode()
+    assert "sim_requests_total 2\n" in text
+    assert "sim_prompt_tokens_total 80\n" in text
+    assert "sim_prompt_tokens_cached_total 32\n" in text
+    assert "sim_prefix_cache_blocks 2\n" in text
+
+
+@pytest.mark.asyncio
+async def test_token_delay_applies_per_step(sink: ListSink) -> None:
+    engine = SimEngine(sink, SimConfig(token_delay_s=0.02))
+    app = await engine.start()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+        start = time.perf_counter()
+        await complete(c, "hi", max_tokens=5)
+        assert time.perf_counter() - start >= 0.1
+    await engine.stop()
+
+
+@pytest.fixture
+def standalone_sim(tmp_path: Path) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "sim.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_adapter.sim", "--port", str(port), "--report-cached-tokens"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp_path / "sim.log").read_text()
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "standalone sim did not come up"
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.mark.loopback
+def test_standalone_cli_with_openai_client(standalone_sim: str) -> None:
+    messages = [
+        {"role": "system", "content": words("s", 100)},
+        {"role": "user", "content": "hello"},
+    ]
+    with openai.OpenAI(base_url=f"{standalone_sim}/v1", api_key="unused") as client:
+        first = client.chat.completions.create(model="sim-model", messages=messages, max_tokens=2)
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        stream = client.chat.completions.create(
+            model="sim-model",
+            messages=messages,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " tok0 tok1"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens == first.usage.prompt_tokens == 109
+    assert usage.prompt_tokens_details.cached_tokens == 96
