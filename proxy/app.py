@@ -1,0 +1,173 @@
+"""The cachetally ASGI app: our own routes, and the engine's routes behind the middleware.
+
+```
+/health /metrics /stats          served here
+everything else  ─▶ UsagePatchMiddleware ─▶ error guard ─▶ engine app (vLLM, sim, upstream)
+```
+
+The engine starts in the lifespan (or in :meth:`CachetallyApp.running`, for tests that
+drive the app in process), and a periodic TTL sweep runs beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine_adapter.engine import ASGIApp, Engine, Message, Receive, Scope, Send
+from engine_adapter.events import EventSink
+from proxy.errors import send_error
+from proxy.ledger import UsageLedger
+from proxy.metrics import Metrics
+from proxy.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.settings import Settings
+
+logger = logging.getLogger("cachetally.app")
+
+EngineFactory = Callable[[EventSink], Engine]
+
+
+def make_engine(settings: Settings, sink: EventSink) -> Engine:
+    """The engine ``settings`` ask for. Engines import lazily: vLLM is heavy and optional."""
+    if settings.engine == "sim":
+        from engine_adapter.sim import SimConfig, SimEngine
+
+        return SimEngine(
+            sink, SimConfig(block_size=settings.sim_block_size, token_delay_s=settings.sim_token_delay_s)
+        )
+    if settings.engine == "upstream":
+        from proxy.upstream import UpstreamEngine
+
+        return UpstreamEngine(settings)
+    from engine_adapter.model_store import ensure_default_model
+    from engine_adapter.vllm_engine import VllmEngine
+
+    model = settings.model or str(ensure_default_model())
+    return VllmEngine(sink, model, settings.engine_args)
+
+
+class CachetallyApp:
+    def __init__(self, settings: Settings, engine_factory: EngineFactory | None = None) -> None:
+        self.settings = settings
+        self.ledger = UsageLedger(ttl_s=settings.ledger_ttl_s, max_slots=settings.ledger_max_slots)
+        self.metrics = Metrics(self.ledger)
+        self.engine = (engine_factory or (lambda sink: make_engine(settings, sink)))(self.ledger)
+        self._patched: ASGIApp | None = None
+        self._local = {"/health": self._health, "/metrics": self._metrics, "/stats": self._stats}
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[CachetallyApp]:
+        """Start the engine and the TTL sweep; stop both on exit, whatever happens."""
+        try:
+            inner = await self.engine.start()
+            s = self.settings
+            config = PatchConfig(
+                missing=s.missing,  # type: ignore[arg-type]  # validated by Settings
+                max_request_bytes=s.max_request_bytes,
+                max_response_bytes=s.max_response_bytes,
+                max_event_bytes=s.max_event_bytes,
+                ghost_usage=s.engine == "upstream",
+                default_model=s.model or "unknown",
+            )
+            self._patched = UsagePatchMiddleware(
+                _ErrorGuard(inner), ledger=self.ledger, metrics=self.metrics, config=config
+            )
+            sweeper = asyncio.create_task(self._sweep_forever())
+            try:
+                yield self
+            finally:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+        finally:
+            self._patched = None
+            await self.engine.stop()
+
+    async def _sweep_forever(self) -> None:
+        period = max(1.0, self.settings.ledger_ttl_s / 10)
+        while True:
+            await asyncio.sleep(period)
+            evicted = self.ledger.sweep()
+            if evicted:
+                logger.warning("ledger TTL sweep evicted %d slot(s): a drop guard was missed", evicted)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        local = self._local.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if local is not None:
+            await local(send)
+        elif self._patched is None:
+            if scope["type"] == "http":
+                await send_error(send, 503, "cachetally is not running (engine not started)")
+        elif scope["type"] == "http" and not self.engine.healthy():
+            await send_error(send, 503, f"the {self.engine.name} engine is not healthy")
+        else:
+            await self._patched(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(self.running())
+            except Exception as exc:
+                logger.exception("startup failed")
+                await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                return
+            await send({"type": "lifespan.startup.complete"})
+            await receive()  # lifespan.shutdown
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def _health(self, send: Send) -> None:
+        if self._patched is not None and self.engine.healthy():
+            await _send_bytes(send, 200, b'{"status":"ok"}', b"application/json")
+        else:
+            await send_error(send, 503, f"the {self.engine.name} engine is not healthy")
+
+    async def _metrics(self, send: Send) -> None:
+        body = self.metrics.exposition() + self.engine.metrics_text()
+        await _send_bytes(send, 200, body, CONTENT_TYPE_LATEST.encode())
+
+    async def _stats(self, send: Send) -> None:
+        await _send_bytes(send, 200, orjson.dumps(self.metrics.stats.as_dict()), b"application/json")
+
+
+async def _send_bytes(send: Send, status: int, body: bytes, content_type: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class _ErrorGuard:
+    """An engine exception before the response started becomes a 500 in OpenAI JSON."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            # The type only: an exception's text may quote the request.
+            logger.error("engine app failed on %s: %s", scope.get("path"), type(exc).__name__)
+            if started:
+                raise
+            await send_error(send, 500, "Internal server error")

