@@ -12,6 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
+from proxy.bench.cli import add_bench_parser
 from proxy.settings import Settings, SettingsError, load_settings
 
 _SERVE_EPILOG = """\
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _model_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench":
+        return args.run(args)
     return _model(args)
 
 

@@ -22,6 +22,7 @@ Per request on a patched route:
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -49,6 +50,12 @@ from proxy.sse import SSEPatcher
 from proxy.usage import Missing, Observation, UsagePatch
 
 logger = logging.getLogger("cachetally.middleware")
+
+#: The response's own ``"model"`` field, read from the first SSE bytes of a stream whose
+#: usage chunk never comes (the client did not ask for it), so it is labelled like the rest.
+#: Inside a JSON string a quote is escaped, so this only matches a real key.
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+_MODEL_SNIFF_CHUNKS = 4
 
 DEFAULT_ROUTES: Mapping[str, str] = {
     "/v1/chat/completions": "chat",
@@ -139,7 +146,9 @@ class _Responder:
         self.mode = _Mode.PASS
         self.stream = False
         self.ghost = False
-        self.completed = False
+        self.completed = False  # a 200 response went out in full
+        self._sniff_chunks = _MODEL_SNIFF_CHUNKS
+        self.status: int | None = None
         self._start: Message | None = None
         self._chunks: list[bytes] = []
         self._size = 0
@@ -197,6 +206,7 @@ class _Responder:
         headers[self.mw.request_ids.header] = self.echo
         message = {**message, "headers": headers.raw}
         content_type = headers.get("content-type", "")
+        self.status = message["status"]
         if message["status"] != 200 or self.options is None:
             self.mode = _Mode.PASS
         elif "content-encoding" in headers:
@@ -221,9 +231,13 @@ class _Responder:
         body: bytes = message.get("body", b"")
         more = message.get("more_body", False)
         if not more:
-            self.completed = True
+            self.completed = self.options is not None and self.status == 200
         if self.mode is _Mode.SSE:
             assert self._sse is not None
+            if self.seen.model is None and self._sniff_chunks and body:
+                self._sniff_chunks -= 1
+                if match := _MODEL_FIELD.search(body):
+                    self.seen.model = match.group(1).decode("utf-8", "replace")
             out = self._sse.feed(body) if body else b""
             if not more:
                 out += self._sse.flush()
@@ -296,9 +310,9 @@ class _Responder:
 
     def finish(self, engine: SlotUsage | None) -> None:
         """Count this request once. Synchronous: runs in the middleware's ``finally``."""
-        seen, options = self.seen, self.options
-        if engine is None and seen.prompt_tokens is None and not (self.completed and options):
-            return  # rejected, failed or abandoned before the engine saw it: not counted
+        seen = self.seen
+        if engine is None and seen.prompt_tokens is None and not self.completed:
+            return  # rejected (4xx), failed or abandoned before the engine saw it: not counted
         # The engine's own model name, never the client's: labels must stay bounded.
         model = seen.model or self.mw.config.default_model
         record = RequestRecord(model=model, route=self.route, stream=self.stream, mismatches=seen.mismatches)

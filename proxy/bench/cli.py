@@ -1,0 +1,102 @@
+"""The ``cachetally bench`` command: ``add_bench_parser`` registers it and its subcommands.
+
+Each subcommand sets ``run`` (``args.run(args) -> exit code``) with ``set_defaults``, so
+``proxy.cli.main`` dispatches without knowing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_CACHE_EPILOG = """\
+examples:
+  cachetally bench cache --url http://127.0.0.1:8000
+  cachetally bench cache --url http://127.0.0.1:8000 --prompt-tokens 4096 --repeats 5 --json
+  cachetally bench cache --url http://127.0.0.1:8000 --plot ttft.png   (needs matplotlib)
+
+Requests: one untimed warm-up, one cold prompt (unique, so nothing of it is cached), K
+warm repeats of it, and K prompts sharing only its first half. TTFT is the time to the
+first streamed content chunk. An API key, if the server wants one, comes from
+OPENAI_API_KEY.
+"""
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure a running server",
+        description="Measure a running OpenAI-compatible server.",
+    )
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    cache = bsub.add_parser(
+        "cache",
+        help="cached tokens and TTFT: cold vs warm vs prefix-sharing prompts",
+        description=(
+            "Send a cold prompt, warm repeats and prefix-sharing prompts through the openai "
+            "client; print per request prompt_tokens, cached_tokens and TTFT, then the token "
+            "hit rate and warm/cold TTFT."
+        ),
+        epilog=_CACHE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cache.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    cache.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")
+    cache.add_argument("--prompt-tokens", type=_positive, default=1024, metavar="N",
+                       help="approximate prompt length in tokens (default: 1024)")
+    cache.add_argument("--repeats", type=_positive, default=3, metavar="K",
+                       help="warm repeats, and prefix-sharing prompts (default: 3 each)")
+    cache.add_argument("--max-tokens", type=_positive, default=8, metavar="T",
+                       help="tokens to generate per request (default: 8)")
+    cache.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    cache.add_argument("--plot", metavar="FILE.png", help="draw TTFT against cached fraction (needs matplotlib)")
+    cache.set_defaults(run=run_cache)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    import openai  # the bench's own dependency: only loaded when it runs
+
+    from proxy.bench import cache
+
+    if args.plot and cache.matplotlib_missing():
+        print("cachetally bench cache: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+        return 2
+    client = openai.OpenAI(
+        base_url=cache.api_base(args.url),
+        api_key=os.environ.get("OPENAI_API_KEY") or "unused",
+        max_retries=0,
+        timeout=600,
+    )
+    try:
+        with client:
+            model = args.model or cache.default_model(client)
+            with cache.progress(1 + 2 * args.repeats) as bar:
+                bench = cache.run(
+                    client,
+                    model,
+                    url=args.url,
+                    prompt_tokens=args.prompt_tokens,
+                    repeats=args.repeats,
+                    max_tokens=args.max_tokens,
+                    on_request=lambda _: bar.update(),
+                )
+    except (openai.APIError, RuntimeError) as exc:
+        print(f"cachetally bench cache: {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(bench.as_dict(), indent=2))
+    else:
+        print(cache.table(bench))
+    if args.plot:
+        cache.plot(bench, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
