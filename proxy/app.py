@@ -44,11 +44,14 @@ def make_engine(settings: Settings, sink: EventSink) -> Engine:
         from proxy.upstream import UpstreamEngine
 
         return UpstreamEngine(settings)
-    from engine_adapter.model_store import ensure_default_model
+    from engine_adapter.model_store import DEFAULT_MODEL_NAME, ensure_default_model
     from engine_adapter.vllm_engine import VllmEngine
 
-    model = settings.model or str(ensure_default_model())
-    return VllmEngine(sink, model, settings.engine_args)
+    if settings.model:
+        return VllmEngine(sink, settings.model, settings.engine_args)
+    # Serve the default model under its name, not its cache path; user flags still win.
+    served = ["--served-model-name", DEFAULT_MODEL_NAME]
+    return VllmEngine(sink, str(ensure_default_model()), served + settings.engine_args)
 
 
 class CachetallyApp:

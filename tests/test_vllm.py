@@ -1,0 +1,201 @@
+"""The main job, for real: `cachetally serve` with embedded vLLM (CPU build in CI) and the
+default model, driven over loopback by the official openai client and raw httpx.
+
+One engine for the whole module (it takes ~40 s to start); the fixture always stops it,
+with SIGTERM, and checks the engine core process went with it. vLLM's
+--enable-prompt-tokens-details stays off, so every cached_tokens below comes from the tap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import openai
+import orjson
+import psutil
+import pytest
+
+from tests.servers import metric_value, running_server
+
+pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
+
+VLLM_CACHED = "vllm:prompt_tokens_cached_total"
+VLLM_RUNNING = "vllm:num_requests_running"
+BLOCK = 128  # vLLM's prefix-cache block size on CPU
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with running_server(["-m", "proxy.cli", "serve", "--log-level", "warning"], timeout_s=600) as (url, proc):
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the engine core runs in a child process"
+        yield url
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal it captured.
+    assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"engine processes left behind: {alive}"
+
+
+@pytest.fixture
+def client(server: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def metrics(server: str) -> str:
+    return httpx.get(f"{server}/metrics").text
+
+
+def fresh_prompt(words: int = 500) -> str:
+    """Unique from its first token, so no block of it is cached yet; ~600 tokens."""
+    return " ".join([uuid.uuid4().hex, *(f"topic{i % 37} item{i}" for i in range(words // 2))])
+
+
+def model_id(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def ask(client: openai.OpenAI, route: str, stream: bool, prompt: str, **extra):
+    kwargs = {"model": model_id(client), "max_tokens": 2, "temperature": 0, **extra}
+    if stream:
+        kwargs["stream"] = True
+        kwargs.setdefault("stream_options", {"include_usage": True})
+    if route == "chat":
+        result = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kwargs)
+    else:
+        result = client.completions.create(prompt=prompt, **kwargs)
+    if not stream:
+        return result.usage
+    usages = [chunk.usage for chunk in result if chunk.usage is not None]
+    return usages[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_cold_zero_then_warm_equals_vllm_scheduler(client, server, route, stream) -> None:
+    prompt = fresh_prompt()
+    before = metric_value(metrics(server), VLLM_CACHED)
+    cold = ask(client, route, stream, prompt)
+    middle = metric_value(metrics(server), VLLM_CACHED)
+    warm = ask(client, route, stream, prompt)
+    after = metric_value(metrics(server), VLLM_CACHED)
+
+    assert cold.prompt_tokens > 2 * BLOCK
+    assert cold.prompt_tokens_details.cached_tokens == 0
+    assert middle - before == 0
+    assert warm.prompt_tokens_details.cached_tokens > 0
+    assert warm.prompt_tokens_details.cached_tokens == after - middle
+    assert warm.prompt_tokens_details.cached_tokens == ((warm.prompt_tokens - 1) // BLOCK) * BLOCK
+
+
+def test_sum_of_reported_cached_tokens_equals_vllm_counter(client, server) -> None:
+    shared = fresh_prompt(300)
+    prompts = [fresh_prompt(), shared, shared + " and then more", shared, fresh_prompt(200)]
+    before_text = metrics(server)
+    reported = 0
+    for i, prompt in enumerate(prompts):
+        for route in ("chat", "completions"):
+            reported += ask(client, route, i % 2 == 1, prompt).prompt_tokens_details.cached_tokens
+    after_text = metrics(server)
+    assert reported > 0
+    assert reported == metric_value(after_text, VLLM_CACHED) - metric_value(before_text, VLLM_CACHED)
+    # ... and cachetally's own counter says the tap (source=engine) supplied all of it.
+    ours = "cachetally_cached_tokens_total"
+    assert reported == metric_value(after_text, ours, source="engine", tier="all") - metric_value(
+        before_text, ours, source="engine", tier="all"
+    )
+
+
+def test_continuous_usage_chunks_all_carry_cached_tokens(client) -> None:
+    prompt = fresh_prompt()
+    ask(client, "chat", False, prompt)
+    result = client.chat.completions.create(
+        model=model_id(client),
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    usages = [chunk.usage for chunk in result]
+    assert len(usages) >= 3 and all(u is not None for u in usages)
+    values = {u.prompt_tokens_details.cached_tokens for u in usages}
+    assert len(values) == 1 and values.pop() == ((usages[0].prompt_tokens - 1) // BLOCK) * BLOCK
+
+
+def test_batch_of_two_prompts_and_n2_are_aggregated_like_prompt_tokens(client) -> None:
+    a, b = fresh_prompt(), fresh_prompt()
+    ask(client, "completions", False, a)
+    ask(client, "completions", False, b)
+    batch = client.completions.create(model=model_id(client), prompt=[a, b], max_tokens=2)
+    per_prompt = [((n - 1) // BLOCK) * BLOCK for n in (ask(client, "completions", False, p).prompt_tokens for p in (a, b))]
+    assert batch.usage.prompt_tokens_details.cached_tokens == sum(per_prompt)
+
+    c = fresh_prompt()
+    single = ask(client, "chat", False, c)
+    n2 = client.chat.completions.create(
+        model=model_id(client), messages=[{"role": "user", "content": c}], max_tokens=2, n=2
+    )
+    assert len(n2.choices) == 2
+    assert n2.usage.prompt_tokens == single.prompt_tokens  # the prompt counted once
+    assert n2.usage.prompt_tokens_details.cached_tokens == ((single.prompt_tokens - 1) // BLOCK) * BLOCK
+
+
+def test_client_dropping_mid_stream_aborts_the_engine_request(server, client) -> None:
+    async def drop() -> None:
+        body = {
+            "model": model_id(client),
+            "messages": [{"role": "user", "content": fresh_prompt()}],
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for _ in response.aiter_bytes():
+                    break  # first chunk in, then hang up
+
+    asyncio.run(drop())
+    for _ in range(100):
+        text = metrics(server)
+        if metric_value(text, VLLM_RUNNING) == 0:
+            break
+        time.sleep(0.1)
+    assert metric_value(text, VLLM_RUNNING) == 0, "vLLM still runs the abandoned request"
+    assert metric_value(text, "cachetally_ledger_open_slots") == 0
+
+
+def test_request_id_traces_response_and_engine(server, client) -> None:
+    prompt = fresh_prompt()
+    ask(client, "chat", False, prompt)
+
+    async def both() -> list[httpx.Response]:
+        body = {"model": model_id(client), "messages": [{"role": "user", "content": prompt}], "max_tokens": 24}
+        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+            return await asyncio.gather(
+                *(http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-7"}) for _ in range(2))
+            )
+
+    responses = asyncio.run(both())
+    for response in responses:
+        assert response.headers["x-request-id"] == "trace-7"
+        payload = orjson.loads(response.content)
+        assert payload["id"].startswith("chatcmpl-trace-7")
+        prompt_tokens = payload["usage"]["prompt_tokens"]
+        # Same client id, two engine requests: each still gets its own exact value.
+        assert payload["usage"]["prompt_tokens_details"]["cached_tokens"] == ((prompt_tokens - 1) // BLOCK) * BLOCK
+    assert responses[0].json()["id"] != responses[1].json()["id"]
+
+
+def test_vllm_routes_keep_working(server) -> None:
+    models = httpx.get(f"{server}/v1/models").json()
+    assert models["data"][0]["id"]
+    tokens = httpx.post(f"{server}/tokenize", json={"model": models["data"][0]["id"], "prompt": "hello world"})
+    assert tokens.status_code == 200 and tokens.json()["count"] >= 2
+    assert httpx.get(f"{server}/health").status_code == 200
+    text = metrics(server)
+    assert "cachetally_ledger_open_slots" in text and VLLM_CACHED.removesuffix("_total") in text
