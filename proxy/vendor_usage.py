@@ -2,7 +2,21 @@
 
 Used only when no engine event exists (``source=upstream``). Each reader takes a parsed
 response body or SSE chunk and returns a non-negative int, or ``None`` when that shape
-carries no value. The first reader that knows the value wins.
+carries no value. The first reader that knows the value wins. What each engine sends
+(fixtures with sources: ``tests/fixtures/upstream/<engine>.json``):
+
+- vLLM: ``usage.prompt_tokens_details.cached_tokens`` with
+  ``--enable-prompt-tokens-details``; without it the details are ``null`` (JSON) or
+  absent (stream). Continuous-usage chunks never carry them.
+- SGLang: the standard field with ``--enable-cache-report``, but only when it is above 0
+  (``null`` otherwise, so 0 is indistinguishable from "not reported"). With HiCache and
+  ``return_cached_tokens_details`` also ``sglext.cached_tokens_details`` =
+  ``{device, host[, storage, storage_backend]}``, which sums to the same number and does
+  report 0.
+- llama.cpp server: the standard field (recent builds) and ``timings.cache_n`` (all
+  builds with timings; ``-1`` or absent when unknown).
+- TensorRT-LLM ``trtllm-serve`` and lmdeploy >= 0.14 (chat route): the standard field.
+- Ollama: nothing; the ``missing`` policy applies.
 """
 
 from __future__ import annotations
@@ -21,9 +35,23 @@ def _count(value: Any) -> int | None:
 
 
 def _openai(payload: dict[str, Any]) -> int | None:
-    """OpenAI standard: vLLM (--enable-prompt-tokens-details), SGLang, llama.cpp, lmdeploy."""
-    details = (payload.get("usage") or {}).get("prompt_tokens_details")
+    """OpenAI standard: vLLM, SGLang, llama.cpp, TensorRT-LLM, lmdeploy."""
+    usage = payload.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     return _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+
+
+def _sglang_ext(payload: dict[str, Any]) -> int | None:
+    """SGLang ``sglext.cached_tokens_details``: device + host (+ storage) cache hits."""
+    ext = payload.get("sglext")
+    tiers = ext.get("cached_tokens_details") if isinstance(ext, dict) else None
+    if not isinstance(tiers, dict):
+        return None
+    values = [tiers.get("device"), tiers.get("host")]
+    if tiers.get("storage") is not None:  # present only with an L3 storage backend
+        values.append(tiers["storage"])
+    counts = [_count(value) for value in values]
+    return sum(c for c in counts if c is not None) if None not in counts else None
 
 
 def _llama_cpp(payload: dict[str, Any]) -> int | None:
@@ -32,7 +60,7 @@ def _llama_cpp(payload: dict[str, Any]) -> int | None:
     return _count(timings.get("cache_n")) if isinstance(timings, dict) else None
 
 
-READERS: tuple[Reader, ...] = (_openai, _llama_cpp)
+READERS: tuple[Reader, ...] = (_openai, _sglang_ext, _llama_cpp)
 
 
 def reported_cached_tokens(payload: dict[str, Any]) -> int | None:

@@ -1,0 +1,64 @@
+"""Which headers a reverse proxy passes on, each way (RFC 9110 §7.6.1).
+
+Hop-by-hop headers describe one connection, not the message: ``Connection`` and every
+header it names, ``Keep-Alive``, ``TE``, ``Trailer(s)``, ``Transfer-Encoding``,
+``Upgrade`` and the ``Proxy-*`` family. They are dropped both ways. ``Host`` is rebuilt
+for the upstream by httpx from the URL. From the upstream response, ``Date`` and
+``Server`` are dropped too, because uvicorn writes its own (as nginx does).
+
+Headers stay raw ``bytes`` pairs, in order, so repeated headers survive. Nothing here
+logs: ``Authorization`` passes through untouched and is never printed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+Headers = list[tuple[bytes, bytes]]
+
+HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade"}
+)
+_REQUEST_ONLY = frozenset({b"host"})
+_RESPONSE_ONLY = frozenset({b"date", b"server"})
+
+
+def _connection_listed(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    """Header names a ``Connection`` header declares hop-by-hop (``Connection: close, X-Foo``)."""
+    listed: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            listed.update(token.strip().lower() for token in value.split(b",") if token.strip())
+    return listed
+
+
+def _filter(headers: Headers, also: frozenset[bytes] | set[bytes]) -> Headers:
+    drop = HOP_BY_HOP | also | _connection_listed(headers)
+    return [
+        (name, value)
+        for name, value in headers
+        if (lower := name.lower()) not in drop and not lower.startswith(b"proxy-")
+    ]
+
+
+def request_headers(headers: Headers, *, identity: bool, keep_length: bool) -> Headers:
+    """The client's headers as sent upstream.
+
+    ``identity``: ask for an unencoded body (``Accept-Encoding: identity``) because the
+    middleware will parse it. ``keep_length``: keep ``Content-Length`` (a streamed body);
+    otherwise httpx measures the bytes itself.
+    """
+    also = set(_REQUEST_ONLY)
+    if identity:
+        also.add(b"accept-encoding")
+    if not keep_length:
+        also.add(b"content-length")
+    out = _filter(headers, also)
+    if identity:
+        out.append((b"accept-encoding", b"identity"))
+    return out
+
+
+def response_headers(headers: Headers) -> Headers:
+    """The upstream's response headers as sent to the client (``Content-Length`` kept)."""
+    return _filter(headers, _RESPONSE_ONLY)

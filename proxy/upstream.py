@@ -1,0 +1,124 @@
+"""``UpstreamEngine``: cachetally as a drop-in proxy in front of a running server.
+
+Every route is forwarded to ``settings.upstream`` + path + query; the middleware patches
+chat and completions on the way back, everything else (``/v1/models``, ``/tokenize``,
+errors) passes through byte for byte. The engine publishes no events: usage comes from
+the upstream's own report (``proxy.vendor_usage``, ``source=upstream``).
+
+One shared ``httpx.AsyncClient`` is created in :meth:`start` (the app's lifespan) and
+closed in :meth:`stop`. Its pool is sized for about a thousand concurrent streams; a
+request that finds it full waits ``connect_timeout_s``, then gets 503. ``trust_env`` is
+off: a reverse proxy must not route its upstream calls through ``HTTP(S)_PROXY`` or add
+``.netrc`` credentials. The per-request work is in :mod:`proxy.upstream_forward`.
+"""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import quote
+
+import httpx
+
+from engine_adapter.engine import ASGIApp, Receive, Scope, Send
+from proxy.errors import send_error
+from proxy.middleware import DEFAULT_ROUTES
+from proxy.settings import Settings
+from proxy.upstream_forward import Forward
+
+logger = logging.getLogger("cachetally.upstream")
+
+#: Upper bound on connections to the upstream (each open stream holds one).
+MAX_CONNECTIONS = 1024
+KEEPALIVE_EXPIRY_S = 30.0
+
+#: Routes whose bodies the middleware parses: the upstream must not compress them.
+_PATCHED_PATHS = frozenset(DEFAULT_ROUTES)
+
+
+class UpstreamEngine:
+    """Forwards to a running OpenAI-compatible server; implements ``Engine``."""
+
+    name = "upstream"
+
+    def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        if not settings.upstream:
+            raise ValueError("UpstreamEngine needs settings.upstream (http://HOST:PORT)")
+        self.base_url = settings.upstream.rstrip("/")
+        self.timeout = httpx.Timeout(
+            connect=settings.connect_timeout_s,
+            read=settings.read_timeout_s,
+            write=settings.read_timeout_s,
+            pool=settings.connect_timeout_s,
+        )
+        self.limits = httpx.Limits(
+            max_connections=MAX_CONNECTIONS,
+            max_keepalive_connections=MAX_CONNECTIONS,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> ASGIApp:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                transport=self._transport,
+                limits=self.limits,
+                timeout=self.timeout,
+                trust_env=False,
+                follow_redirects=False,
+            )
+        return self.app
+
+    async def stop(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    def healthy(self) -> bool:
+        # Started is healthy: an unreachable upstream is answered per request (502), and
+        # the app refuses every request while this is False, so it must not flap.
+        return self._client is not None
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1003})  # not forwarded
+            return
+        if scope["type"] != "http":
+            return
+        client = self._client
+        if client is None:
+            await send_error(send, 503, "The upstream engine is not running")
+            return
+        path: str = scope["path"]
+        await Forward(client, self.url_for(scope), path in _PATCHED_PATHS, scope, receive, send).run()
+
+    def url_for(self, scope: Scope) -> str:
+        """``upstream`` + the request's raw path + query, encoding left as the client sent it."""
+        raw_path: bytes | None = scope.get("raw_path")
+        path = raw_path.decode("latin-1") if raw_path else quote(scope["path"])
+        query: bytes = scope.get("query_string", b"")
+        return self.base_url + path + ("?" + query.decode("latin-1") if query else "")
+
+    def metrics_text(self) -> bytes:
+        """Pool gauges, read from httpcore's pool when it has the expected shape (else empty)."""
+        pool = getattr(getattr(self._client, "_transport", None), "_pool", None)
+        try:
+            connections = list(pool.connections)  # type: ignore[union-attr]
+            requests = list(pool._requests)  # type: ignore[union-attr]
+            queued = sum(1 for request in requests if request.is_queued())
+            idle = sum(1 for connection in connections if connection.is_idle())
+        except (AttributeError, TypeError):
+            return b""
+        gauges = (
+            ("cachetally_upstream_connections_open", len(connections), "Connections to the upstream."),
+            ("cachetally_upstream_connections_idle", idle, "Idle keep-alive connections to the upstream."),
+            (
+                "cachetally_upstream_connections_checked_out",
+                len(requests) - queued,
+                "Upstream requests holding a connection (an unclosed response stays here).",
+            ),
+            ("cachetally_upstream_requests_queued", queued, "Upstream requests waiting for a connection."),
+        )
+        return "".join(
+            f"# HELP {name} {help_}\n# TYPE {name} gauge\n{name} {value}\n" for name, value, help_ in gauges
+        ).encode()

@@ -1,0 +1,699 @@
+"""Upstream mode: cachetally as a drop-in proxy in front of a running server.
+
+Loopback tests run the standalone sim (``python -m engine_adapter.sim``) as a subprocess
+and cachetally in process, served by a real uvicorn on 127.0.0.1 in a thread; both are
+always stopped. Message-level and in-process tests cover what a real server cannot be
+made to do on cue (a read error at an exact byte, a client leaving at an exact point).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import uvicorn
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine_adapter.engine import Engine, Message
+from proxy.app import CachetallyApp
+from proxy.hop_headers import request_headers, response_headers
+from proxy.settings import Settings
+from proxy.upstream import MAX_CONNECTIONS, UpstreamEngine
+from proxy.upstream_forward import UpstreamBodyError
+from tests.servers import free_port, metric_value, running_server
+
+loopback = pytest.mark.loopback
+SIM = ["-m", "engine_adapter.sim", "--log-level", "warning"]
+
+
+# -- fixtures: the sim as a subprocess, cachetally in a uvicorn thread --------------------
+
+
+@dataclass
+class Sim:
+    url: str
+    proc: Any
+
+
+@dataclass
+class Proxy:
+    url: str
+    app: CachetallyApp
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=5).text
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(self.metrics(), name, **labels)
+
+    def settle(self, name: str, expected: float, timeout_s: float = 2.0, **labels: str) -> float:
+        """Poll a gauge until it equals ``expected`` (the server finishes after the client)."""
+        deadline = time.monotonic() + timeout_s
+        while (value := self.metric(name, **labels)) != expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return value
+
+
+@pytest.fixture
+def start_sim() -> Iterator[Callable[..., Sim]]:
+    with contextlib.ExitStack() as stack:
+
+        def start(*args: str) -> Sim:
+            url, proc = stack.enter_context(running_server([*SIM, *args], timeout_s=20))
+            return Sim(url, proc)
+
+        yield start
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: CachetallyApp) -> Iterator[str]:
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"cachetally-{port}", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "cachetally did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "cachetally did not stop"
+
+
+@pytest.fixture
+def start_proxy(start_sim: Callable[..., Sim]) -> Iterator[Callable[..., Proxy]]:
+    # Depends on start_sim so proxies stop before the sims they front.
+    with contextlib.ExitStack() as stack:
+
+        def start(upstream: str, **overrides: Any) -> Proxy:
+            settings = Settings(engine="upstream", upstream=upstream, **overrides).validate()
+            app = CachetallyApp(settings)
+            return Proxy(stack.enter_context(serve_in_thread(app)), app)
+
+        yield start
+
+
+def fresh_prompt(words: int = 599) -> str:
+    """A prompt of ``words + 1`` sim tokens whose blocks are new to the cache."""
+    return " ".join([uuid.uuid4().hex, *(f"w{i}" for i in range(words))])
+
+
+def events(raw: bytes) -> list[Any]:
+    """The data of every SSE event; ``[DONE]`` stays a string."""
+    out: list[Any] = []
+    for event in raw.split(b"\n\n"):
+        if event.startswith(b"data: "):
+            data = event[len(b"data: ") :]
+            out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+    return out
+
+
+def without_ids(raw: bytes) -> bytes:
+    raw = re.sub(rb'"id":"[^"]*"', b'"id":"X"', raw)
+    return re.sub(rb'"created":\d+', b'"created":0', raw)
+
+
+def stream_bytes(url: str, body: dict[str, Any], **kwargs: Any) -> tuple[httpx.Response, bytes]:
+    with httpx.Client(timeout=10) as client, client.stream("POST", url, json=body, **kwargs) as resp:
+        return resp, b"".join(resp.iter_raw())
+
+
+# -- loopback: accounting --------------------------------------------------------------------
+
+
+@loopback
+def test_cached_tokens_come_from_the_upstream_report(start_sim: Any, start_proxy: Any) -> None:
+    sim = start_sim("--report-cached-tokens")
+    proxy = start_proxy(sim.url)
+    prompt = fresh_prompt()
+    with openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0) as client:
+        cold = client.completions.create(model="sim-model", prompt=prompt, max_tokens=2)
+        warm = client.completions.create(model="sim-model", prompt=prompt, max_tokens=2)
+        stream = client.chat.completions.create(
+            model="sim-model",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usages = [chunk.usage for chunk in stream if chunk.usage is not None]
+        chat_warm = client.chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": prompt}], max_tokens=2
+        )
+    assert cold.usage is not None and warm.usage is not None
+    assert cold.usage.prompt_tokens == 600
+    assert cold.usage.prompt_tokens_details is not None
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details is not None
+    assert warm.usage.prompt_tokens_details.cached_tokens == 592
+    assert len(usages) == 1 and usages[0].prompt_tokens_details is not None
+    assert usages[0].prompt_tokens_details.cached_tokens == 0  # the chat template: new blocks
+    assert chat_warm.usage is not None and chat_warm.usage.prompt_tokens_details is not None
+    chat_cached = chat_warm.usage.prompt_tokens_details.cached_tokens
+    assert chat_cached == ((chat_warm.usage.prompt_tokens - 1) // 16) * 16
+    metrics = proxy.metrics()
+    assert metric_value(metrics, "cachetally_cached_tokens_total", source="upstream", tier="all") == (
+        592 + chat_cached
+    )
+    assert metric_value(metrics, "cachetally_requests_total", cache="hit") == 2
+    assert metric_value(metrics, "cachetally_requests_total", cache="miss") == 2
+    assert metric_value(metrics, "cachetally_requests_total", cache="unknown") == 0
+
+
+@loopback
+def test_without_a_report_cached_tokens_is_zero_and_unknown(start_sim: Any, start_proxy: Any) -> None:
+    sim = start_sim()
+    proxy = start_proxy(sim.url)
+    prompt = fresh_prompt()
+    with openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0) as client:
+        for _ in range(2):
+            result = client.completions.create(model="sim-model", prompt=prompt, max_tokens=2)
+            assert result.usage is not None and result.usage.prompt_tokens_details is not None
+            assert result.usage.prompt_tokens_details.cached_tokens == 0  # the `missing` policy
+    metrics = proxy.metrics()
+    assert metric_value(metrics, "cachetally_requests_total", cache="unknown") == 2
+    assert metric_value(metrics, "cachetally_cached_tokens_total") == 0
+
+
+@loopback
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_ghost_usage_leaves_the_clients_stream_byte_identical(
+    start_sim: Any, start_proxy: Any, route: str
+) -> None:
+    sim = start_sim("--report-cached-tokens")
+    proxy = start_proxy(sim.url)
+    prompt = fresh_prompt(100)
+    body: dict[str, Any] = {"model": "sim-model", "max_tokens": 3, "stream": True}
+    body |= {"messages": [{"role": "user", "content": prompt}]} if "chat" in route else {"prompt": prompt}
+    _, direct = stream_bytes(sim.url + route, body)
+    resp, proxied = stream_bytes(proxy.url + route, body)
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert b"usage" not in proxied
+    assert without_ids(proxied) == without_ids(direct)
+    # ... yet the proxy saw the usage it asked for, and counted the request (a hit: the
+    # direct request warmed the sim's cache).
+    name = "chat" if "chat" in route else "completions"
+    assert proxy.metric("cachetally_requests_total", route=name, stream="true", cache="hit") == 1
+    assert proxy.metric("cachetally_prompt_tokens_total") > 100
+
+
+@loopback
+def test_continuous_usage_chunks_gain_cached_tokens(start_sim: Any, start_proxy: Any) -> None:
+    sim = start_sim("--report-cached-tokens")
+    proxy = start_proxy(sim.url)
+    prompt = fresh_prompt()
+    body = {
+        "model": "sim-model",
+        "prompt": prompt,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    stream_bytes(proxy.url + "/v1/completions", body)  # cold
+    _, raw = stream_bytes(proxy.url + "/v1/completions", body)
+    chunks = [e for e in events(raw) if isinstance(e, dict)]
+    assert len(chunks) == 4 and all("usage" in c for c in chunks)
+    cached = [c["usage"]["prompt_tokens_details"]["cached_tokens"] for c in chunks]
+    # The upstream reports the number only in its final usage chunk; the continuous ones
+    # before it follow the `missing` policy (zero) rather than stay without the field.
+    assert cached == [0, 0, 0, 592]
+    assert chunks[-1]["choices"] == []
+
+
+# -- loopback: pass-through and failures ---------------------------------------------------
+
+
+@loopback
+def test_upstream_errors_and_other_routes_pass_through_intact(start_sim: Any, start_proxy: Any) -> None:
+    sim = start_sim()
+    proxy = start_proxy(sim.url)
+    for method, path, content in (
+        ("POST", "/v1/chat/completions", b'{"model": "gpt-x", "messages": []}'),
+        ("POST", "/v1/completions", b'{"model": "sim-model"}'),
+        ("POST", "/v1/completions", b'{"prompt": "x", "n": 0}'),
+        ("GET", "/v1/nowhere", b""),
+    ):
+        headers = {"content-type": "application/json"}
+        direct = httpx.request(method, sim.url + path, content=content, headers=headers)
+        proxied = httpx.request(method, proxy.url + path, content=content, headers=headers)
+        assert 400 <= direct.status_code < 500
+        assert (proxied.status_code, proxied.content) == (direct.status_code, direct.content)
+        assert proxied.headers["content-type"] == direct.headers["content-type"]
+    models = httpx.get(proxy.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["sim-model"]
+    assert proxy.metric("cachetally_requests_total") == 0  # refused requests are not counted
+
+
+@loopback
+def test_upstream_down_is_502_in_openai_json(start_proxy: Any) -> None:
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}", connect_timeout_s=2.0)
+    resp = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": []})
+    assert resp.status_code == 502
+    assert resp.json()["error"]["type"] == "BadGatewayError"
+    assert resp.json()["error"]["code"] == 502
+    with openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0) as client:
+        with pytest.raises(openai.APIStatusError) as info:
+            client.models.list()
+    assert info.value.status_code == 502
+    assert proxy.metric("cachetally_ledger_open_slots") == 0
+
+
+@loopback
+def test_read_timeout_is_504_before_headers_and_an_sse_event_after(start_sim: Any, start_proxy: Any) -> None:
+    sim = start_sim("--token-delay-s", "1.0")
+    proxy = start_proxy(sim.url, read_timeout_s=0.3)
+    started = time.monotonic()
+    resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+    assert time.monotonic() - started < 2.5
+    assert resp.status_code == 504
+    assert resp.json()["error"]["type"] == "GatewayTimeoutError"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    resp, raw = stream_bytes(proxy.url + "/v1/chat/completions", body)
+    assert resp.status_code == 200
+    last = events(raw)[-1]
+    assert last["error"]["code"] == 504
+    assert "[DONE]" not in events(raw)
+    assert proxy.settle("cachetally_ledger_open_slots", 0) == 0
+    assert proxy.settle("cachetally_upstream_connections_checked_out", 0) == 0
+
+
+@loopback
+def test_killing_the_upstream_mid_stream_ends_the_stream_with_an_error_event(
+    start_sim: Any, start_proxy: Any
+) -> None:
+    sim = start_sim("--token-delay-s", "0.1", "--report-cached-tokens")
+    proxy = start_proxy(sim.url)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}
+    received = b""
+    with httpx.Client(timeout=10) as client, client.stream(
+        "POST", proxy.url + "/v1/chat/completions", json=body
+    ) as resp:
+        chunks = resp.iter_raw()
+        while b"tok1" not in received:
+            received += next(chunks)
+        assert proxy.metric("cachetally_upstream_connections_checked_out") == 1
+        killed = time.monotonic()
+        sim.proc.kill()
+        received += b"".join(chunks)
+        waited = time.monotonic() - killed
+    assert waited < 1.0, f"the client waited {waited:.3f} s after the upstream died"
+    parsed = events(received)
+    error = parsed[-1]["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"]) == ("BadGatewayError", 502)
+    assert "[DONE]" not in parsed
+    assert proxy.settle("cachetally_ledger_open_slots", 0) == 0
+    assert proxy.settle("cachetally_upstream_connections_checked_out", 0) == 0
+    assert proxy.metric("cachetally_upstream_connections_open") == 0
+
+
+@loopback
+def test_killing_the_upstream_before_a_json_response_is_502(start_sim: Any, start_proxy: Any) -> None:
+    sim = start_sim("--token-delay-s", "0.2")
+    proxy = start_proxy(sim.url)
+    killer = threading.Timer(0.5, sim.proc.kill)
+    killer.start()
+    try:
+        resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 50}, timeout=10)
+    finally:
+        killer.join()
+    assert resp.status_code == 502
+    assert resp.json()["error"]["type"] == "BadGatewayError"
+    assert proxy.settle("cachetally_ledger_open_slots", 0) == 0
+    assert proxy.settle("cachetally_upstream_connections_checked_out", 0) == 0
+
+
+@loopback
+def test_a_client_that_leaves_closes_the_upstream_stream(start_sim: Any, start_proxy: Any) -> None:
+    sim = start_sim("--token-delay-s", "0.1")
+    proxy = start_proxy(sim.url)
+    body = {"prompt": "hi", "max_tokens": 200, "stream": True}
+    url = proxy.url + "/v1/completions"
+    with httpx.Client(timeout=10) as client, client.stream("POST", url, json=body) as resp:
+        chunks = resp.iter_raw()
+        while b"tok1" not in next(chunks):
+            pass
+        assert proxy.metric("cachetally_upstream_connections_open") == 1
+    # The client closed its connection mid-stream: the proxy closes its upstream one.
+    assert proxy.settle("cachetally_upstream_connections_open", 0) == 0
+    assert proxy.metric("cachetally_upstream_connections_checked_out") == 0
+    assert proxy.settle("cachetally_ledger_open_slots", 0) == 0
+    # ... and the pool still serves the next request.
+    assert httpx.get(proxy.url + "/v1/models").status_code == 200
+
+
+# -- in process: a llama.cpp-shaped upstream reporting only timings.cache_n -----------------
+
+
+LLAMA_CPP_TIMINGS = {"cache_n": 256, "prompt_n": 44, "prompt_ms": 30.1, "predicted_n": 2, "predicted_ms": 16}
+
+
+async def llama_cpp(request: Request) -> Response:
+    body = orjson.loads(await request.body())
+    usage = {"completion_tokens": 2, "prompt_tokens": 300, "total_tokens": 302}
+    if not body.get("stream"):
+        message = {"role": "assistant", "content": "a b"}
+        return JSONResponse(
+            {"choices": [{"finish_reason": "length", "index": 0, "message": message}],
+             "created": 1, "model": "gguf", "object": "chat.completion", "usage": usage, "id": "chatcmpl-1",
+             "timings": LLAMA_CPP_TIMINGS}
+        )
+    head = {"created": 1, "id": "chatcmpl-2", "model": "gguf", "object": "chat.completion.chunk"}
+    chunks = [
+        {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": "a"}}], **head},
+        {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], **head, "usage": usage,
+         "timings": LLAMA_CPP_TIMINGS},
+    ]
+    data = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    return Response(data, media_type="text/event-stream")
+
+
+@contextlib.asynccontextmanager
+async def in_process(upstream_app: Any, upstream: str = "http://fake-upstream:9") -> AsyncIterator[Any]:
+    settings = Settings(engine="upstream", upstream=upstream).validate()
+    transport = httpx.ASGITransport(app=upstream_app)
+    app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, transport))
+    async with app.running(), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://cachetally"
+    ) as client:
+        yield client, app
+
+
+async def starlette_endpoint(scope: Any, receive: Any, send: Any) -> None:
+    response = await llama_cpp(Request(scope, receive))
+    await response(scope, receive, send)
+
+
+@pytest.mark.asyncio
+async def test_llama_cpp_timings_cache_n_becomes_the_standard_field() -> None:
+    async with in_process(starlette_endpoint) as (client, app):
+        messages = [{"role": "user", "content": "hi"}]
+        resp = await client.post("/v1/chat/completions", json={"messages": messages})
+        assert resp.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+        assert resp.json()["timings"] == LLAMA_CPP_TIMINGS  # the vendor field stays
+        resp = await client.post("/v1/chat/completions", json={"messages": messages, "stream": True})
+        final = [e for e in events(resp.content) if isinstance(e, dict) and "usage" in e]
+        assert [e["usage"]["prompt_tokens_details"] for e in final] == [{"cached_tokens": 256}]
+        metrics = app.metrics.exposition().decode()
+    assert metric_value(metrics, "cachetally_cached_tokens_total", source="upstream", tier="all") == 512
+    assert metric_value(metrics, "cachetally_requests_total", cache="hit") == 2
+
+
+# -- in process: what is forwarded -------------------------------------------------------------
+
+
+async def echo(scope: Any, receive: Any, send: Any) -> None:
+    body = await Request(scope, receive).body()
+    seen = {
+        "method": scope["method"],
+        "raw_path": scope["raw_path"].decode(),
+        "query": scope["query_string"].decode(),
+        "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]],
+        "body": body.decode(),
+    }
+    extra = {"keep-alive": "timeout=5", "x-upstream": "yes", "server": "fake", "connection": "keep-alive"}
+    await JSONResponse(seen, headers=extra)(scope, receive, send)
+
+
+@pytest.mark.asyncio
+async def test_request_is_forwarded_with_path_query_and_end_to_end_headers_only() -> None:
+    async with in_process(echo, "http://fake-upstream:9/base/") as (client, _):
+        resp = await client.post(
+            "/v1/chat/completions?a=1&b=%2F",
+            content=b'{"messages": [{"role": "user", "content": "hi"}]}',
+            headers={
+                "authorization": "Bearer sk-secret",
+                "accept-encoding": "gzip, br",
+                "connection": "keep-alive, x-hop",
+                "x-hop": "1",
+                "keep-alive": "timeout=5",
+                "te": "trailers",
+                "proxy-authorization": "Basic abc",
+                "x-custom": "kept",
+                "content-type": "application/json",
+            },
+        )
+        seen = resp.json()
+        assert resp.headers["x-upstream"] == "yes"
+        assert "keep-alive" not in resp.headers
+        assert resp.headers.get("server") != "fake"
+        headers = dict(seen["headers"])
+        assert (seen["method"], seen["raw_path"]) == ("POST", "/base/v1/chat/completions")
+        assert seen["query"] == "a=1&b=%2F"
+        assert headers["host"] == "fake-upstream:9"
+        assert headers["authorization"] == "Bearer sk-secret"
+        assert headers["accept-encoding"] == "identity"
+        assert headers["x-custom"] == "kept"
+        assert headers["x-request-id"]  # the proxy's request key, for the engine's logs
+        assert int(headers["content-length"]) == len(seen["body"])
+        for hop in ("connection", "x-hop", "keep-alive", "te", "proxy-authorization"):
+            assert hop not in headers
+        # Only what the client sent: none of httpx's own defaults.
+        assert "user-agent" in headers and headers["user-agent"] == dict(resp.request.headers)["user-agent"]
+        resp = await client.get("/v1/models?x=%20y", headers={"accept-encoding": "gzip"})
+        seen = resp.json()
+        assert (seen["method"], seen["raw_path"], seen["query"]) == ("GET", "/base/v1/models", "x=%20y")
+        assert dict(seen["headers"])["accept-encoding"] == "gzip"  # not parsed: left alone
+        resp = await client.get("/v1/models", headers={"accept-encoding": "", "user-agent": ""})
+        sent = {name for name, _ in resp.json()["headers"]}
+        assert sent == {"host", "accept", "connection", "accept-encoding", "user-agent"} - {"connection"}
+
+
+def test_hop_by_hop_headers_are_dropped_both_ways() -> None:
+    raw = [
+        (b"Host", b"client"), (b"Connection", b"close, X-Foo"), (b"X-Foo", b"1"), (b"Upgrade", b"h2c"),
+        (b"Transfer-Encoding", b"chunked"), (b"Content-Length", b"3"), (b"X-Keep", b"a"), (b"X-Keep", b"b"),
+    ]
+    assert request_headers(raw, identity=False, keep_length=True) == [
+        (b"Content-Length", b"3"), (b"X-Keep", b"a"), (b"X-Keep", b"b"),
+    ]
+    assert request_headers(raw, identity=True, keep_length=False) == [
+        (b"X-Keep", b"a"), (b"X-Keep", b"b"), (b"accept-encoding", b"identity"),
+    ]
+    upstream = [(b"date", b"x"), (b"server", b"y"), (b"content-length", b"3"), (b"te", b"z")]
+    assert response_headers(upstream) == [(b"content-length", b"3")]
+
+
+# -- message level: failures at exact points -------------------------------------------------
+
+
+class ScriptedStream(httpx.AsyncByteStream):
+    """Yields ``chunks``, then raises ``error`` (or waits until cancelled if ``hang``)."""
+
+    def __init__(self, chunks: list[bytes], error: Exception | None = None, hang: bool = False) -> None:
+        self.chunks, self.error, self.hang = chunks, error, hang
+        self.closed = False
+        self.hanging = asyncio.Event()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+        if self.hang:
+            self.hanging.set()
+            await asyncio.Event().wait()
+        if self.error is not None:
+            raise self.error
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class ScriptedTransport(httpx.AsyncBaseTransport):
+    def __init__(self, respond: Callable[[httpx.Request], httpx.Response]) -> None:
+        self.respond = respond
+        self.requests: list[httpx.Request] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        self.requests.append(request)
+        return self.respond(request)
+
+
+def engine_with(respond: Callable[[httpx.Request], httpx.Response]) -> UpstreamEngine:
+    settings = Settings(engine="upstream", upstream="http://up:1")
+    return UpstreamEngine(settings, ScriptedTransport(respond))
+
+
+def http_scope(path: str = "/v1/chat/completions", method: str = "POST") -> dict[str, Any]:
+    return {
+        "type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
+        "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+    }
+
+
+async def drive(
+    engine: UpstreamEngine, disconnect: asyncio.Event | None = None, scope: dict[str, Any] | None = None
+) -> list[Message]:
+    app = await engine.start()
+    sent: list[Message] = []
+    first = True
+
+    async def receive() -> Message:
+        nonlocal first
+        if first:
+            first = False
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await (disconnect or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    try:
+        await asyncio.wait_for(app(scope or http_scope(), receive, send), 5)
+    finally:
+        await engine.stop()
+    return sent
+
+
+def sse_response(stream: ScriptedStream) -> Callable[[httpx.Request], httpx.Response]:
+    return lambda request: httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("error", "status"), [(httpx.ReadError("reset"), 502), (httpx.ReadTimeout("slow"), 504)]
+)
+async def test_mid_stream_failure_sends_one_sse_error_event_and_closes(error: Exception, status: int) -> None:
+    stream = ScriptedStream([b'data: {"a":1}\n\n', b'data: {"b":'], error)
+    sent = await drive(engine_with(sse_response(stream)))
+    assert sent[0]["status"] == 200
+    bodies = [m["body"] for m in sent[1:]]
+    assert bodies[:2] == [b'data: {"a":1}\n\n', b'data: {"b":']
+    # The half-sent event is closed first, so the error event parses on its own.
+    assert bodies[2].startswith(b"\n\ndata: ")
+    assert orjson.loads(bodies[2][len(b"\n\ndata: ") :])["error"]["code"] == status
+    assert sent[-1]["more_body"] is False and len(sent) == 4
+    assert stream.closed
+
+
+@pytest.mark.asyncio
+async def test_mid_body_failure_of_a_non_sse_response_cuts_it_off() -> None:
+    stream = ScriptedStream([b'{"partial":'], httpx.RemoteProtocolError("peer closed"))
+    json_type = {"content-type": "application/json"}
+    engine = engine_with(lambda r: httpx.Response(200, headers=json_type, stream=stream))
+    with pytest.raises(UpstreamBodyError):
+        await drive(engine)
+    assert stream.closed
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (httpx.ConnectError("refused"), 502),
+        (httpx.RemoteProtocolError("no response"), 502),
+        (httpx.ConnectTimeout("slow"), 504),
+        (httpx.ReadTimeout("slow"), 504),
+        (httpx.PoolTimeout("full"), 503),
+    ],
+)
+async def test_failures_before_the_headers_are_openai_errors(error: Exception, status: int) -> None:
+    def respond(request: httpx.Request) -> httpx.Response:
+        raise error
+
+    sent = await drive(engine_with(respond))
+    assert sent[0]["status"] == status
+    assert orjson.loads(sent[1]["body"])["error"]["code"] == status
+
+
+@pytest.mark.asyncio
+async def test_client_disconnect_closes_the_upstream_stream_at_once() -> None:
+    stream = ScriptedStream([b'data: {"a":1}\n\n'], hang=True)
+    disconnect = asyncio.Event()
+    engine = engine_with(sse_response(stream))
+    task = asyncio.ensure_future(drive(engine, disconnect))
+    await asyncio.wait_for(stream.hanging.wait(), 5)
+    assert not stream.closed
+    disconnect.set()
+    sent = await asyncio.wait_for(task, 1)
+    assert stream.closed
+    assert [m.get("body") for m in sent[1:]] == [b'data: {"a":1}\n\n']  # no end, no error
+
+
+@pytest.mark.asyncio
+async def test_streamed_request_body_is_forwarded_as_it_comes() -> None:
+    transport = ScriptedTransport(lambda r: httpx.Response(200, stream=ScriptedStream([b"ok"])))
+    engine = UpstreamEngine(Settings(engine="upstream", upstream="http://up:1"), transport)
+    app = await engine.start()
+    parts = [b'{"a":', b' 1', b"}"]
+    messages = [{"type": "http.request", "body": p, "more_body": i < 2} for i, p in enumerate(parts)]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # no disconnect: the client stays
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = http_scope("/v1/embeddings") | {
+        "headers": [(b"transfer-encoding", b"chunked"), (b"content-type", b"application/json")]
+    }
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    await engine.stop()
+    request = transport.requests[0]
+    assert request.headers["transfer-encoding"] == "chunked"  # httpx re-chunks; ours was dropped
+    assert request.content == b'{"a": 1}'
+    assert [m.get("body") for m in sent] == [None, b"ok", b""]
+
+
+@pytest.mark.asyncio
+async def test_lifecycle_health_pool_gauges_and_websockets() -> None:
+    engine: Engine = UpstreamEngine(Settings(engine="upstream", upstream="http://127.0.0.1:9"))
+    assert engine.name == "upstream"
+    assert not engine.healthy()
+    assert engine.metrics_text() == b""
+    app = await engine.start()
+    assert engine.healthy()
+    text = engine.metrics_text().decode()
+    for name in ("open", "idle", "checked_out"):
+        assert f"cachetally_upstream_connections_{name} 0\n" in text
+    assert "cachetally_upstream_requests_queued 0\n" in text
+    assert isinstance(engine, UpstreamEngine) and engine.limits.max_connections == MAX_CONNECTIONS >= 1000
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app({"type": "websocket", "path": "/ws"}, None, send)  # type: ignore[arg-type]
+    assert sent == [{"type": "websocket.close", "code": 1003}]
+    await engine.stop()
+    await engine.stop()
+    assert not engine.healthy()
+
+
+@loopback
+def test_authorization_is_never_logged(start_proxy: Any, caplog: pytest.LogCaptureFixture) -> None:
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
+    with caplog.at_level("DEBUG"):
+        resp = httpx.post(
+            proxy.url + "/v1/completions?api_key=q-secret",
+            json={"prompt": "hi"},
+            headers={"authorization": "Bearer sk-very-secret"},
+        )
+    assert resp.status_code == 502
+    # Everything cachetally's server thread logged (the test's own client logs its URL).
+    served = "\n".join(r.getMessage() for r in caplog.records if r.threadName.startswith("cachetally-"))
+    assert "upstream POST /v1/completions: ConnectError -> 502" in served
+    assert "sk-very-secret" not in served and "q-secret" not in served
