@@ -75,6 +75,7 @@ class CachetallyApp:
                 max_response_bytes=s.max_response_bytes,
                 max_event_bytes=s.max_event_bytes,
                 ghost_usage=s.engine == "upstream",
+                strip_details_flag=s.engine != "upstream",
                 default_model=s.model or "unknown",
             )
             self._patched = UsagePatchMiddleware(

@@ -125,6 +125,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream request with its full URL, query string included.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _model(args: argparse.Namespace) -> int:

@@ -73,6 +73,9 @@ class PatchConfig:
     #: Ask the inner app for a usage chunk the client did not request, and drop it
     #: before the client sees it, so every streamed request is counted (upstream mode).
     ghost_usage: bool = False
+    #: Strip ``return_cached_tokens_details`` (our opt-in) before the inner app sees it.
+    #: Off in upstream mode: the field is SGLang's own, and SGLang answers it itself.
+    strip_details_flag: bool = True
     default_model: str = "unknown"
 
 
@@ -181,7 +184,7 @@ class _Responder:
         options, config = self.options, self.mw.config
         assert options is not None
         changed = False
-        if DETAILS_FLAG in payload:  # ours: engines may reject unknown fields
+        if config.strip_details_flag and DETAILS_FLAG in payload:
             del payload[DETAILS_FLAG]
             changed = True
         if config.ghost_usage and options.stream and not options.include_usage:

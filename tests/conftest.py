@@ -1,0 +1,25 @@
+"""Shared fixtures. The embedded-vLLM server is session-scoped: one engine start (~40 s on
+CPU) serves every real-engine test module, and it is always stopped at the end."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from tests.servers import running_server
+
+
+@pytest.fixture(scope="session")
+def vllm_server() -> Iterator[str]:
+    """`cachetally serve` with no engine flags: embedded vLLM and the default model."""
+    with running_server(["-m", "proxy.cli", "serve", "--log-level", "warning"], timeout_s=600) as (url, proc):
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the engine core runs in a child process"
+        yield url
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal it captured.
+    assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"engine processes left behind: {alive}"
