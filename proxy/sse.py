@@ -33,6 +33,7 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
         return None  # `"usage": null` on every chunk (OpenAI style): nothing to patch
     lines: list[tuple[bytes, bytes]] = []
     data: list[bytes] = []
+    last_data = -1
     start = 0
     for match in _TERMINATOR.finditer(event):
         line = event[start : match.start()]
@@ -40,6 +41,7 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
         if line[:4] == b"data" and (len(line) == 4 or line[4:5] == b":"):
             value = line[5:]
             data.append(value[1:] if value[:1] == b" " else value)
+            last_data = len(lines) - 1
         start = match.end()
     if not data:
         return None
@@ -55,13 +57,13 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
     if verdict is False:
         return b""
     out = bytearray()
-    wrote_data = False
-    for line, terminator in lines:
+    for index, (line, terminator) in enumerate(lines):
         if line[:4] == b"data" and (len(line) == 4 or line[4:5] == b":"):
-            if wrote_data:
-                continue  # multi-line data collapses into the one re-serialized line
-            out += b"data: " + orjson.dumps(payload) + terminator
-            wrote_data = True
+            # Multi-line data collapses into one re-serialized line, in the place of the
+            # last data line: the line before the blank line stays the one it was, so a
+            # "\r" before a "\n" blank line never fuses into one "\r\n" terminator.
+            if index == last_data:
+                out += b"data: " + orjson.dumps(payload) + terminator
         else:
             out += line + terminator
     out += event[start:]

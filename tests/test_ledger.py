@@ -1,0 +1,202 @@
+"""UsageLedger: slot lifetime, aggregation over engine requests, and the drop guards."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_adapter.events import EventSink, Scheduled
+from proxy.ledger import SlotUsage, UsageLedger
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ledger_is_an_event_sink() -> None:
+    assert isinstance(UsageLedger(), EventSink)
+
+
+def test_two_events_sum_prompt_and_cached_tokens() -> None:
+    ledger = UsageLedger()
+    ledger.open("r1")
+    ledger.publish(Scheduled("r1", prompt_tokens=40, cached_tokens=32))
+    ledger.publish(Scheduled("r1", prompt_tokens=24, cached_tokens=16))
+
+    usage = ledger.usage("r1")
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.events) == (64, 48, 2)
+    assert usage.per_request == [(40, 32), (24, 16)]
+
+    closed = ledger.close("r1")
+    assert closed is usage
+    assert len(ledger) == 0
+    assert "r1" not in ledger
+
+
+def test_tiers_sum_and_unknown_tiers_stay_none() -> None:
+    ledger = UsageLedger()
+    ledger.open("r1")
+    ledger.publish(Scheduled("r1", 40, 32, local_cached_tokens=16, external_cached_tokens=16))
+    ledger.publish(
+        Scheduled("r1", 24, 16, local_cached_tokens=16, external_cached_tokens=0, cache_creation_tokens=8)
+    )
+    usage = ledger.close("r1")
+    assert usage is not None
+    assert usage.local_cached_tokens == 32
+    assert usage.external_cached_tokens == 16
+    # Only the second event knew cache creation: the sum is its value, not None.
+    assert usage.cache_creation_tokens == 8
+
+
+def test_tiers_nobody_reported_stay_none() -> None:
+    ledger = UsageLedger()
+    ledger.open("r1")
+    ledger.publish(Scheduled("r1", 10, 0))
+    ledger.publish(Scheduled("r1", 10, 10))
+    usage = ledger.close("r1")
+    assert usage is not None
+    assert usage.cached_tokens == 10
+    assert (usage.local_cached_tokens, usage.external_cached_tokens, usage.cache_creation_tokens) == (
+        None,
+        None,
+        None,
+    )
+
+
+def test_zero_cached_tokens_is_a_value_not_absence() -> None:
+    ledger = UsageLedger()
+    ledger.open("r1")
+    assert ledger.usage("r1") is None  # no event yet
+    ledger.publish(Scheduled("r1", 12, 0))
+    usage = ledger.usage("r1")
+    assert usage is not None and usage.cached_tokens == 0
+
+
+def test_close_without_events_returns_none_and_frees_the_slot() -> None:
+    ledger = UsageLedger()
+    ledger.open("r1")
+    assert ledger.close("r1") is None
+    assert len(ledger) == 0
+    assert ledger.close("r1") is None  # closing twice is harmless
+
+
+def test_unmatched_events_are_counted_and_not_stored() -> None:
+    ledger = UsageLedger()
+    ledger.publish(Scheduled("ghost", 10, 5))
+    assert ledger.counters.unmatched_events == 1
+    assert len(ledger) == 0
+
+    # A slot opened later under that key does not see the earlier event.
+    ledger.open("ghost")
+    assert ledger.usage("ghost") is None
+
+    # Nor does an event arriving after the slot closed land anywhere.
+    ledger.close("ghost")
+    ledger.publish(Scheduled("ghost", 10, 5))
+    assert ledger.counters.unmatched_events == 2
+    assert len(ledger) == 0
+
+
+def test_slot_context_manager_closes_on_exception() -> None:
+    ledger = UsageLedger()
+    with pytest.raises(RuntimeError, match="boom"):
+        with ledger.slot("r1") as key:
+            assert key == "r1"
+            ledger.publish(Scheduled("r1", 8, 8))
+            assert len(ledger) == 1
+            raise RuntimeError("boom")
+    assert len(ledger) == 0
+    ledger.publish(Scheduled("r1", 8, 8))
+    assert ledger.counters.unmatched_events == 1
+
+
+def test_duplicate_open_raises_and_keeps_the_first_slot() -> None:
+    ledger = UsageLedger()
+    ledger.open("r1")
+    ledger.publish(Scheduled("r1", 8, 4))
+    with pytest.raises(KeyError):
+        ledger.open("r1")
+    usage = ledger.usage("r1")
+    assert usage is not None and usage.cached_tokens == 4
+    assert len(ledger) == 1
+
+
+def test_ttl_sweep_evicts_only_stale_slots_and_counts_them() -> None:
+    clock = FakeClock()
+    ledger = UsageLedger(ttl_s=60.0, clock=clock)
+    ledger.open("old")
+    clock.now += 30
+    ledger.open("young")
+    clock.now += 31  # "old" is 61 s old, "young" 31 s
+
+    assert ledger.sweep() == 1
+    assert "old" not in ledger and "young" in ledger
+    assert ledger.counters.evicted_ttl == 1
+
+    assert ledger.sweep() == 0  # nothing else is stale
+    assert ledger.counters.evicted_ttl == 1
+
+    clock.now += 30
+    assert ledger.sweep() == 1
+    assert len(ledger) == 0
+    assert ledger.counters.evicted_ttl == 2
+    assert ledger.counters.evicted_cap == 0
+
+
+def test_cap_evicts_the_oldest_slot_first_and_counts_it() -> None:
+    ledger = UsageLedger(max_slots=2)
+    ledger.open("a")
+    ledger.open("b")
+    ledger.open("c")
+    assert len(ledger) == 2
+    assert "a" not in ledger and "b" in ledger and "c" in ledger
+    assert ledger.counters.evicted_cap == 1
+
+    ledger.close("b")
+    ledger.open("d")  # room again: no eviction
+    assert ledger.counters.evicted_cap == 1
+    ledger.open("e")  # evicts "c", now the oldest
+    assert len(ledger) == 2
+    assert "c" not in ledger and "d" in ledger and "e" in ledger
+    assert ledger.counters.evicted_cap == 2
+
+
+def test_max_slots_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        UsageLedger(max_slots=0)
+
+
+def _usage(*requests: tuple[int, int]) -> SlotUsage:
+    usage = SlotUsage()
+    for prompt, cached in requests:
+        usage.add(Scheduled("k", prompt, cached))
+    return usage
+
+
+def test_cached_for_whole_request_matches_the_aggregate() -> None:
+    usage = _usage((40, 32), (24, 16))
+    assert usage.cached_for(64) == 48
+    # A usage object without an int prompt_tokens gets the aggregate too.
+    assert usage.cached_for(None) == 48
+
+
+def test_cached_for_a_per_prompt_usage_object_matches_its_engine_request() -> None:
+    usage = _usage((40, 32), (24, 16))
+    assert usage.cached_for(40) == 32
+    assert usage.cached_for(24) == 16
+
+
+def test_cached_for_ambiguous_or_unknown_prompt_length_is_none() -> None:
+    usage = _usage((40, 32), (40, 0), (24, 16))
+    assert usage.cached_for(40) is None  # two prompts of 40 tokens, different hits
+    assert usage.cached_for(7) is None  # no engine request of that length
+
+
+def test_cached_for_same_length_same_value_is_not_ambiguous() -> None:
+    # n > 1 or identical prompts: equal lengths with equal hits give one answer.
+    usage = _usage((40, 32), (40, 32), (24, 16))
+    assert usage.cached_for(40) == 32

@@ -1,0 +1,824 @@
+"""UsagePatchMiddleware at the ASGI message level.
+
+Each test calls ``await mw(scope, receive, send)`` with a scripted client (``receive``)
+and a list-collecting ``send``. Inner apps are small ASGI functions that publish a
+``Scheduled`` under ``current_request_key`` (as an engine tap does) and then answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+
+from engine_adapter.engine import Message, Receive, Scope, Send
+from engine_adapter.events import Scheduled, current_request_key
+from proxy.ledger import UsageLedger
+from proxy.metrics import Metrics
+from proxy.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.request_id import is_valid_request_id
+
+CHAT = "/v1/chat/completions"
+InnerApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+# -- the client side -----------------------------------------------------------------------
+
+
+Headers = list[tuple[bytes, bytes]]
+
+
+def http_scope(path: str = CHAT, *, method: str = "POST", headers: Headers | None = None) -> Scope:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"), *(headers or [])],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
+class Client:
+    """Scripted ``receive`` (the request body, then a disconnect once ``leave`` is called)
+    and a list-collecting ``send``."""
+
+    def __init__(self, body: bytes | list[bytes] = b"") -> None:
+        chunks = [body] if isinstance(body, bytes) else body
+        self.pending: list[Message] = [
+            {"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+            for i, chunk in enumerate(chunks)
+        ]
+        self.gone = asyncio.Event()
+        self.sent: list[Message] = []
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    async def receive(self) -> Message:
+        if self.pending:
+            return self.pending.pop(0)
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        self.sent.append(message)
+
+    # what the client got
+    @property
+    def start(self) -> Message:
+        starts = [m for m in self.sent if m["type"] == "http.response.start"]
+        assert len(starts) == 1
+        return starts[0]
+
+    @property
+    def status(self) -> int:
+        return self.start["status"]
+
+    def header(self, name: str) -> str | None:
+        headers = self.start["headers"]
+        values = [v.decode("latin-1") for k, v in headers if k.decode("latin-1").lower() == name]
+        assert len(values) <= 1, f"{name} sent {len(values)} times"
+        return values[0] if values else None
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
+
+    @property
+    def complete(self) -> bool:
+        last = self.sent[-1] if self.sent else {}
+        return last.get("type") == "http.response.body" and not last.get("more_body", False)
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+def chat_request(*, stream: bool = False, **extra: Any) -> bytes:
+    payload = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}
+    return orjson.dumps(payload)
+
+
+# -- the engine side -----------------------------------------------------------------------
+
+
+class Harness:
+    def __init__(self, config: PatchConfig = PatchConfig()) -> None:
+        self.ledger = UsageLedger()
+        self.metrics = Metrics(self.ledger)
+        self.config = config
+        self.inner_keys: list[str | None] = []
+        self.inner_headers: list[dict[bytes, bytes]] = []
+        self.inner_bodies: list[bytes] = []
+
+    def middleware(self, respond: InnerApp, *events: tuple[int, int]) -> UsagePatchMiddleware:
+        """An inner app that publishes ``events`` for the current request, then ``respond``s."""
+
+        async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+            key = current_request_key.get()
+            self.inner_keys.append(key)
+            self.inner_headers.append(dict(scope["headers"]))
+            message = await receive()
+            self.inner_bodies.append(message["body"])
+            assert key is not None
+            for prompt, cached in events:
+                self.ledger.publish(Scheduled(key, prompt, cached))
+            await respond(scope, receive, send)
+
+        return UsagePatchMiddleware(inner, ledger=self.ledger, metrics=self.metrics, config=self.config)
+
+    async def call(self, mw: UsagePatchMiddleware, client: Client, scope: Scope | None = None) -> None:
+        await mw(scope or http_scope(), client.receive, client.send)
+        self.assert_clean()
+
+    def assert_clean(self) -> None:
+        assert len(self.ledger) == 0
+        assert current_request_key.get() is None
+        assert self.sample("cachetally_ledger_open_slots") == 0
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels)
+
+    def requests(self) -> dict[str, float]:
+        """``cachetally_requests_total`` by cache label, summed over the other labels."""
+        out: dict[str, float] = {}
+        for family in self.metrics.registry.collect():
+            for s in family.samples:
+                if s.name == "cachetally_requests_total":
+                    out[s.labels["cache"]] = out.get(s.labels["cache"], 0) + s.value
+        return out
+
+
+async def start(send: Send, content_type: bytes, status: int = 200, extra: Headers | None = None) -> None:
+    headers = [(b"content-type", content_type), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+
+
+def json_response(body: bytes, *, status: int = 200, chunk: int | None = None) -> InnerApp:
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        await start(send, b"application/json", status, [(b"content-length", str(len(body)).encode())])
+        parts = [body] if chunk is None else [body[i : i + chunk] for i in range(0, len(body), chunk)]
+        for i, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i < len(parts) - 1})
+
+    return respond
+
+
+def sse_response(*events: bytes, content_length: bool = False) -> InnerApp:
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        extra = [(b"content-length", str(sum(map(len, events))).encode())] if content_length else []
+        await start(send, b"text/event-stream; charset=utf-8", extra=extra)
+        for event in events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return respond
+
+
+def chat_completion(**usage: Any) -> bytes:
+    return orjson.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": "m",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 64, "completion_tokens": 2, "total_tokens": 66, **usage},
+        }
+    )
+
+
+def chunk(delta: dict[str, Any] | None = None, **extra: Any) -> bytes:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": None}]
+    payload = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m", "choices": choices}
+    payload.update(extra)
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+ROLE = chunk({"role": "assistant", "content": ""})
+TOKEN = chunk({"content": "hello"})
+USAGE = chunk(usage={"prompt_tokens": 64, "completion_tokens": 2, "total_tokens": 66})
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_payloads(body: bytes) -> list[Any]:
+    events = body.split(b"\n\n")
+    assert events[-1] == b""
+    return [
+        "[DONE]" if event == b"data: [DONE]" else orjson.loads(event.removeprefix(b"data: "))
+        for event in events[:-1]
+    ]
+
+
+# -- JSON and SSE patching --------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_json_body_is_patched_exactly_with_a_recomputed_content_length() -> None:
+    h = Harness()
+    client = Client(chat_request())
+    await h.call(h.middleware(json_response(chat_completion(), chunk=7), (64, 48)), client)
+
+    assert client.status == 200
+    assert client.json()["usage"] == {
+        "prompt_tokens": 64,
+        "completion_tokens": 2,
+        "total_tokens": 66,
+        "prompt_tokens_details": {"cached_tokens": 48},
+    }
+    assert client.header("content-length") == str(len(client.body))
+    assert h.requests() == {"hit": 1}
+    assert h.sample("cachetally_cached_tokens_total", model="m", source="engine", tier="all") == 48
+    assert h.sample("cachetally_prompt_tokens_total", model="m") == 64
+
+
+@pytest.mark.asyncio
+async def test_json_body_already_right_goes_out_unchanged() -> None:
+    h = Harness()
+    original = chat_completion(prompt_tokens_details={"cached_tokens": 48})
+    client = Client(chat_request())
+    await h.call(h.middleware(json_response(original), (64, 48)), client)
+    assert client.body == original
+    assert client.header("content-length") == str(len(original))
+
+
+@pytest.mark.asyncio
+async def test_sse_is_patched_with_content_length_removed_and_first_event_passed_immediately() -> None:
+    h = Harness()
+    seen_by_client_after_first_send: list[bytes] = []
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        await start(send, b"text/event-stream", extra=[(b"content-length", b"999")])
+        await send({"type": "http.response.body", "body": ROLE, "more_body": True})
+        seen_by_client_after_first_send.append(client.body)
+        for event in (TOKEN, USAGE, DONE):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    client = Client(chat_request(stream=True, stream_options={"include_usage": True}))
+    await h.call(h.middleware(respond, (64, 48)), client)
+
+    assert seen_by_client_after_first_send == [ROLE]
+    assert client.header("content-length") is None
+    assert client.header("content-type") == "text/event-stream"
+    assert client.complete
+    events = client.body.split(b"\n\n")
+    assert client.body.startswith(ROLE + TOKEN)
+    assert client.body.endswith(b"\n\n" + DONE)
+    usage = orjson.loads(events[2].removeprefix(b"data: "))
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert usage["choices"] == []
+    assert h.requests() == {"hit": 1}
+
+
+@pytest.mark.asyncio
+async def test_sse_stream_with_continuous_usage_is_counted_once() -> None:
+    h = Harness()
+    continuous = [
+        chunk(
+            {"content": f"t{i}"},
+            usage={"prompt_tokens": 64, "completion_tokens": i, "total_tokens": 64 + i},
+        )
+        for i in (1, 2)
+    ]
+    body = chat_request(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    client = Client(body)
+    await h.call(h.middleware(sse_response(ROLE, *continuous, USAGE, DONE), (64, 0)), client)
+
+    payloads = sse_payloads(client.body)
+    cached = [p["usage"]["prompt_tokens_details"]["cached_tokens"] for p in payloads[1:4]]
+    assert cached == [0, 0, 0]  # 0 is written, never omitted
+    assert h.requests() == {"miss": 1}
+
+
+# -- request ids -------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_client_request_id_is_echoed_and_is_the_key_the_engine_sees() -> None:
+    h = Harness()
+    client = Client(chat_request())
+    scope = http_scope(headers=[(b"x-request-id", b"client-id.1:A_b")])
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client, scope)
+
+    assert client.header("x-request-id") == "client-id.1:A_b"
+    assert h.inner_keys == ["client-id.1:A_b"]
+    assert h.inner_headers[0][b"x-request-id"] == b"client-id.1:A_b"
+
+
+@pytest.mark.asyncio
+async def test_request_id_is_minted_when_absent() -> None:
+    h = Harness()
+    client = Client(chat_request())
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client)
+
+    echoed = client.header("x-request-id")
+    assert echoed is not None and is_valid_request_id(echoed)
+    assert h.inner_keys == [echoed]
+    assert h.inner_headers[0][b"x-request-id"] == echoed.encode()
+    assert client.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"a" * 129,
+        b"abc\r\nset-cookie: x=1",
+        "caf\u00e9".encode(),
+        "\u2028".encode(),
+        b"a\x00b",
+        b"a\x1bb",
+        b"a\tb",
+        b"has space",
+        b"",
+    ],
+    ids=["too-long", "crlf", "non-ascii", "u2028", "nul", "esc", "tab", "space", "empty"],
+)
+async def test_invalid_request_id_is_replaced_and_never_echoed(bad: bytes) -> None:
+    h = Harness()
+    client = Client(chat_request())
+    scope = http_scope(headers=[(b"x-request-id", bad)])
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client, scope)
+
+    echoed = client.header("x-request-id")
+    assert echoed is not None and is_valid_request_id(echoed)
+    assert echoed.encode("latin-1") != bad
+    assert all(value != bad for _, value in client.start["headers"])
+    assert h.inner_keys == [echoed]
+    assert client.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+
+
+@pytest.mark.asyncio
+async def test_two_request_id_headers_are_not_trusted() -> None:
+    h = Harness()
+    client = Client(chat_request())
+    scope = http_scope(headers=[(b"x-request-id", b"one"), (b"x-request-id", b"two")])
+    await h.call(h.middleware(json_response(chat_completion())), client, scope)
+    echoed = client.header("x-request-id")
+    assert echoed not in (None, "one", "two")
+
+
+@pytest.mark.asyncio
+async def test_concurrent_requests_with_the_same_id_each_get_their_own_cached_tokens() -> None:
+    h = Harness()
+    arrived = 0
+    both_in_flight = asyncio.Event()
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal arrived
+        key = current_request_key.get()
+        assert key is not None
+        assert dict(scope["headers"])[b"x-request-id"] == key.encode()
+        cached = orjson.loads((await receive())["body"])["cached"]
+        h.inner_keys.append(key)
+        h.ledger.publish(Scheduled(key, 64, cached))
+        arrived += 1
+        if arrived == 2:
+            both_in_flight.set()
+        await both_in_flight.wait()  # both slots open at once, same client id
+        await json_response(chat_completion())(scope, receive, send)
+
+    mw = UsagePatchMiddleware(inner, ledger=h.ledger, metrics=h.metrics)
+    clients = [Client(chat_request(cached=16)), Client(chat_request(cached=40))]
+    scope = http_scope(headers=[(b"x-request-id", b"same")])
+    await asyncio.gather(*(mw(dict(scope), c.receive, c.send) for c in clients))
+
+    assert [c.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for c in clients] == [16, 40]
+    assert [c.header("x-request-id") for c in clients] == ["same", "same"]
+    assert len(set(h.inner_keys)) == 2 and "same" in h.inner_keys
+    h.assert_clean()
+    assert h.requests() == {"hit": 2}
+
+
+# -- the request side -------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_body_is_forwarded_byte_for_byte_when_nothing_is_rewritten() -> None:
+    h = Harness()
+    body = b'{"model":"m","messages":[{"role":"user","content":"\\u00e9 hi"}],  "stream": false}'
+    client = Client([body[:10], body[10:]])
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client)
+    assert h.inner_bodies == [body]
+    assert h.inner_headers[0][b"content-length"] == str(len(body)).encode()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b""])
+async def test_invalid_request_json_gets_an_openai_400(body: bytes) -> None:
+    h = Harness()
+    client = Client(body)
+    scope = http_scope(headers=[(b"x-request-id", b"r1")])
+    await h.call(h.middleware(json_response(chat_completion())), client, scope)
+
+    assert client.status == 400
+    error = client.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("BadRequestError", 400, None)
+    assert error["message"]
+    assert client.header("x-request-id") == "r1"
+    assert client.header("content-length") == str(len(client.body))
+    assert h.inner_keys == []  # the inner app never ran
+    assert h.requests() == {}
+
+
+@pytest.mark.asyncio
+async def test_oversized_body_by_content_length_gets_413_without_reading() -> None:
+    h = Harness(PatchConfig(max_request_bytes=100))
+
+    async def must_not_read() -> Message:
+        raise AssertionError("the body was read")
+
+    client = Client()
+    scope = http_scope(headers=[(b"content-length", b"101")])
+    await h.middleware(json_response(chat_completion()))(scope, must_not_read, client.send)
+    h.assert_clean()
+
+    assert client.status == 413
+    assert client.json()["error"]["code"] == 413
+    assert client.json()["error"]["type"] == "RequestEntityTooLargeError"
+    assert h.inner_keys == []
+    assert h.requests() == {}
+
+
+@pytest.mark.asyncio
+async def test_oversized_streamed_body_gets_413() -> None:
+    h = Harness(PatchConfig(max_request_bytes=100))
+    client = Client([b"x" * 60, b"x" * 41, b"never read"])
+    await h.call(h.middleware(json_response(chat_completion())), client)
+    assert client.status == 413
+    assert client.pending == [{"type": "http.request", "body": b"never read", "more_body": False}]
+    assert h.inner_keys == []
+
+
+@pytest.mark.asyncio
+async def test_body_at_the_limit_is_accepted() -> None:
+    body = chat_request()
+    h = Harness(PatchConfig(max_request_bytes=len(body)))
+    client = Client(body)
+    scope = http_scope(headers=[(b"content-length", str(len(body)).encode())])
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client, scope)
+    assert client.status == 200
+
+
+@pytest.mark.asyncio
+async def test_details_flag_is_stripped_from_the_request_and_answered() -> None:
+    h = Harness()
+    client = Client(chat_request(return_cached_tokens_details=True))
+
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client)
+    assert b"return_cached_tokens_details" not in h.inner_bodies[0]
+    assert orjson.loads(h.inner_bodies[0])["messages"] == [{"role": "user", "content": "hi"}]
+    details = client.json()["cached_tokens_details"]
+    assert details == {"local": None, "external": None, "created": None, "source": "engine"}
+
+
+@pytest.mark.asyncio
+async def test_a_different_reported_value_is_overwritten_and_counted_as_a_mismatch() -> None:
+    h = Harness()
+    client = Client(chat_request())
+    reported = chat_completion(prompt_tokens_details={"cached_tokens": 32})
+    await h.call(h.middleware(json_response(reported), (64, 48)), client)
+    assert client.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert h.sample("cachetally_cached_tokens_mismatch_total") == 1
+    assert h.sample("cachetally_cached_tokens_total", model="m", source="engine", tier="all") == 48
+
+
+# -- passthrough ---------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_non_200_passes_through_byte_identical() -> None:
+    h = Harness()
+    error = orjson.dumps({"error": {"message": "no", "usage": {"prompt_tokens": 1}}})
+    client = Client(chat_request())
+    await h.call(h.middleware(json_response(error, status=400), (64, 48)), client)
+    assert client.status == 400
+    assert client.body == error
+    assert client.header("content-length") == str(len(error))
+
+
+@pytest.mark.asyncio
+async def test_encoded_response_passes_through_and_is_counted() -> None:
+    h = Harness()
+    compressed = gzip.compress(chat_completion())
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        extra = [(b"content-encoding", b"gzip"), (b"content-length", str(len(compressed)).encode())]
+        await start(send, b"application/json", extra=extra)
+        await send({"type": "http.response.body", "body": compressed[:5], "more_body": True})
+        await send({"type": "http.response.body", "body": compressed[5:], "more_body": False})
+
+    client = Client(chat_request())
+    await h.call(h.middleware(respond, (64, 48)), client)
+    assert client.body == compressed
+    assert client.header("content-length") == str(len(compressed))
+    assert h.sample("cachetally_patch_skipped_total", reason="encoded") == 1
+    # The engine still told us: the request is counted exactly.
+    assert h.requests() == {"hit": 1}
+
+
+@pytest.mark.asyncio
+async def test_other_routes_pass_through_with_an_echoed_id_and_no_slot() -> None:
+    h = Harness()
+    body = b'{"data":[]}'
+    seen: list[str | None] = []
+
+    async def models(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(current_request_key.get())
+        assert len(h.ledger) == 0
+        await json_response(body)(scope, receive, send)
+
+    mw = UsagePatchMiddleware(models, ledger=h.ledger, metrics=h.metrics)
+    client = Client()
+    await h.call(mw, client, http_scope("/v1/models", method="GET", headers=[(b"x-request-id", b"m-1")]))
+    assert client.body == body
+    assert client.header("x-request-id") == "m-1"
+    assert seen == [None]
+    assert h.requests() == {}
+
+
+@pytest.mark.asyncio
+async def test_json_response_over_the_limit_passes_through_and_is_counted() -> None:
+    h = Harness(PatchConfig(max_response_bytes=50))
+    original = chat_completion()
+    client = Client(chat_request())
+    await h.call(h.middleware(json_response(original, chunk=40), (64, 48)), client)
+    assert client.body == original
+    assert client.header("content-length") == str(len(original))
+    assert client.complete
+    assert h.sample("cachetally_patch_skipped_total", reason="body_too_large") == 1
+    assert h.requests() == {"hit": 1}
+
+
+@pytest.mark.asyncio
+async def test_sse_event_over_the_limit_passes_through_and_is_counted() -> None:
+    h = Harness(PatchConfig(max_event_bytes=64))
+    big = chunk({"content": "x" * 200})
+    split = [big[:50], big[50:120], big[120:]]
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        await start(send, b"text/event-stream")
+        for part in [*split, USAGE, DONE]:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    client = Client(STREAM_BODY)
+    await h.call(h.middleware(respond, (64, 48)), client)
+    assert client.body.startswith(big)
+    assert sse_payloads(client.body)[1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert h.sample("cachetally_patch_skipped_total", reason="event_too_large") == 1
+
+
+@pytest.mark.asyncio
+async def test_malformed_json_response_passes_through_and_is_counted() -> None:
+    h = Harness()
+    client = Client(chat_request())
+    await h.call(h.middleware(json_response(b"{oops"), (64, 48)), client)
+    assert client.body == b"{oops"
+    assert h.sample("cachetally_patch_skipped_total", reason="malformed") == 1
+
+
+# -- disconnects and failures --------------------------------------------------------------------
+
+STREAM_BODY = chat_request(stream=True, stream_options={"include_usage": True})
+# How far the inner app gets before the client leaves: (start sent?, events sent).
+POINTS = {
+    "before-start": (False, ()),
+    "after-start": (True, ()),
+    "mid-body": (True, (ROLE, TOKEN)),
+    "before-usage": (True, (ROLE, TOKEN, chunk({}, finish_reason="stop"))),
+    "after-done": (True, (ROLE, TOKEN, USAGE, DONE)),
+}
+
+
+def stops_at(point: str, then: Callable[[Receive], Awaitable[None]]) -> InnerApp:
+    started, events = POINTS[point]
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        if started:
+            await start(send, b"text/event-stream")
+        for event in events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await then(receive)
+
+    return respond
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("point", list(POINTS))
+async def test_client_disconnect_leaves_nothing_behind(point: str) -> None:
+    h = Harness()
+    client = Client(STREAM_BODY)
+
+    async def wait_for_disconnect(receive: Receive) -> None:
+        client.leave()
+        assert (await receive())["type"] == "http.disconnect"
+
+    await h.call(h.middleware(stops_at(point, wait_for_disconnect), (64, 48)), client)
+    assert not client.complete
+    if point == "after-done":
+        payloads = sse_payloads(client.body)
+        assert payloads[2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    # The engine saw the request: it is counted once, with the engine's figures.
+    assert h.requests() == {"hit": 1}
+    # The model label comes from the response; before any event there is none.
+    model = "m" if POINTS[point][1] else "unknown"
+    assert h.sample("cachetally_cached_tokens_total", model=model, source="engine", tier="all") == 48
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("point", list(POINTS))
+async def test_cancelled_request_leaves_nothing_behind(point: str) -> None:
+    h = Harness()
+    client = Client(STREAM_BODY)
+    reached = asyncio.Event()
+    key_after: list[str | None] = []
+
+    async def hang(receive: Receive) -> None:
+        reached.set()
+        await asyncio.Event().wait()
+
+    mw = h.middleware(stops_at(point, hang), (64, 48))
+
+    async def server() -> None:
+        try:
+            await mw(http_scope(), client.receive, client.send)
+        finally:
+            key_after.append(current_request_key.get())
+
+    task = asyncio.create_task(server())
+    await reached.wait()
+    assert len(h.ledger) == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert key_after == [None]
+    h.assert_clean()
+    assert h.requests() == {"hit": 1}
+
+
+@pytest.mark.asyncio
+async def test_disconnect_while_the_body_is_being_read() -> None:
+    h = Harness()
+    client = Client([b'{"model": ', b"never"])
+    client.pending.pop()  # the second half never comes
+    client.leave()
+    await h.call(h.middleware(json_response(chat_completion())), client)
+    assert client.sent == []
+    assert h.inner_keys == []
+    assert h.requests() == {}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("started", [False, True], ids=["before-start", "after-start"])
+async def test_inner_app_raising_leaves_nothing_behind(started: bool) -> None:
+    h = Harness()
+    client = Client(STREAM_BODY)
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        if started:
+            await start(send, b"text/event-stream")
+            await send({"type": "http.response.body", "body": ROLE, "more_body": True})
+        raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        await h.middleware(respond, (64, 48))(http_scope(), client.receive, client.send)
+    h.assert_clean()
+    assert h.requests() == {"hit": 1}
+
+
+@pytest.mark.asyncio
+async def test_inner_app_raising_before_the_engine_saw_it_is_not_counted() -> None:
+    h = Harness()
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        raise RuntimeError("no engine")
+
+    with pytest.raises(RuntimeError):
+        await h.middleware(respond)(http_scope(), Client(chat_request()).receive, Client().send)
+    h.assert_clean()
+    assert h.requests() == {}
+
+
+# -- ghost usage (upstream mode) -----------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_ghost_usage_asks_for_usage_drops_it_and_still_counts_the_request() -> None:
+    h = Harness(PatchConfig(ghost_usage=True))
+    client = Client(chat_request(stream=True))
+    # An upstream that reports the number itself; no engine event.
+    upstream_usage = chunk(
+        usage={
+            "prompt_tokens": 64,
+            "completion_tokens": 2,
+            "total_tokens": 66,
+            "prompt_tokens_details": {"cached_tokens": 32},
+        }
+    )
+    await h.call(h.middleware(sse_response(ROLE, TOKEN, upstream_usage, DONE)), client)
+
+    forwarded = orjson.loads(h.inner_bodies[0])
+    assert forwarded["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+    assert h.inner_headers[0][b"content-length"] == str(len(h.inner_bodies[0])).encode()
+    assert client.body == ROLE + TOKEN + DONE  # the client did not ask for usage
+    assert h.requests() == {"hit": 1}
+    assert h.sample("cachetally_cached_tokens_total", model="m", source="upstream", tier="all") == 32
+    assert h.sample("cachetally_prompt_tokens_total", model="m") == 64
+
+
+@pytest.mark.asyncio
+async def test_ghost_usage_leaves_a_client_that_asked_for_usage_alone() -> None:
+    h = Harness(PatchConfig(ghost_usage=True))
+    body = chat_request(stream=True, stream_options={"include_usage": True})
+    client = Client(body)
+    await h.call(h.middleware(sse_response(ROLE, TOKEN, USAGE, DONE), (64, 48)), client)
+    assert h.inner_bodies == [body]
+    payloads = sse_payloads(client.body)
+    assert payloads[2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert h.requests() == {"hit": 1}
+
+
+@pytest.mark.asyncio
+async def test_ghost_usage_does_not_touch_non_streaming_requests() -> None:
+    h = Harness(PatchConfig(ghost_usage=True))
+    body = chat_request()
+    client = Client(body)
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client)
+    assert h.inner_bodies == [body]
+
+
+# -- one count per request, with the right cache label -------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("events", "response", "want"),
+    [
+        (((64, 48),), chat_completion(), "hit"),
+        (((64, 0),), chat_completion(), "miss"),
+        ((), chat_completion(prompt_tokens_details={"cached_tokens": 8}), "hit"),
+        ((), chat_completion(prompt_tokens_details={"cached_tokens": 0}), "miss"),
+        ((), chat_completion(), "unknown"),
+    ],
+    ids=["engine-hit", "engine-miss", "upstream-hit", "upstream-miss", "unknown"],
+)
+async def test_each_request_is_counted_once_with_its_cache_label(
+    events: tuple[tuple[int, int], ...], response: bytes, want: str
+) -> None:
+    h = Harness()
+    mw = h.middleware(json_response(response), *events)
+    for _ in range(3):
+        await h.call(mw, Client(chat_request()))
+    assert h.requests() == {want: 3}
+    assert h.sample("cachetally_requests_total", model="m", route="chat", stream="false", cache=want) == 3
+    stats = h.metrics.stats
+    assert stats.total_requests == 3
+    if want == "unknown":
+        assert stats.unknown_requests == 3
+        # The zero policy wrote 0 into the response; the metrics do not pretend it was known.
+        assert h.sample("cachetally_prompt_tokens_total", model="m") is None
+
+
+@pytest.mark.asyncio
+async def test_completions_route_is_labelled() -> None:
+    h = Harness()
+    text = orjson.dumps(
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "model": "m",
+            "choices": [{"index": 0, "text": "x"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
+        }
+    )
+    client = Client(orjson.dumps({"model": "m", "prompt": "hi"}))
+    await h.call(h.middleware(json_response(text), (10, 0)), client, http_scope("/v1/completions"))
+    assert client.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    labels = {"model": "m", "route": "completions", "stream": "false", "cache": "miss"}
+    assert h.sample("cachetally_requests_total", **labels) == 1
+
+
+@pytest.mark.asyncio
+async def test_lifespan_scope_passes_through() -> None:
+    h = Harness()
+    calls: list[str] = []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        calls.append(scope["type"])
+
+    mw = UsagePatchMiddleware(inner, ledger=h.ledger, metrics=h.metrics)
+    await mw({"type": "lifespan"}, Client().receive, Client().send)
+    assert calls == ["lifespan"]

@@ -1,0 +1,134 @@
+"""Settings: file < environment < flags, strict keys, clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from proxy.settings import DEFAULT_CONFIG, Settings, SettingsError, load_settings
+
+
+def toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cachetally.toml"
+    path.write_text(text)
+    return path
+
+
+def test_file_then_env_then_flags_later_wins(tmp_path: Path) -> None:
+    config = toml(
+        tmp_path,
+        '[cachetally]\nport = 7000\nhost = "0.0.0.0"\nmissing = "omit"\nmax_event_bytes = 4096\n',
+    )
+    env = {"CACHETALLY_PORT": "8001", "CACHETALLY_MISSING": "zero", "CACHETALLY_LEDGER_TTL_S": "30.5"}
+    settings = load_settings(config, env=env, overrides={"port": 9000})
+
+    assert settings.port == 9000  # flag beats env beats file
+    assert settings.missing == "zero"  # env beats file
+    assert settings.host == "0.0.0.0"  # file beats default
+    assert settings.max_event_bytes == 4096
+    assert settings.ledger_ttl_s == 30.5
+    assert settings.max_request_bytes == Settings().max_request_bytes  # untouched default
+
+
+def test_flags_left_as_none_do_not_override(tmp_path: Path) -> None:
+    config = toml(tmp_path, "[cachetally]\nport = 7000\n")
+    settings = load_settings(config, env={}, overrides={"port": None, "host": None})
+    assert settings.port == 7000
+    assert settings.host == "127.0.0.1"
+
+
+def test_unknown_key_in_toml_is_an_error(tmp_path: Path) -> None:
+    config = toml(tmp_path, "[cachetally]\nprot = 8000\n")
+    with pytest.raises(SettingsError, match="unknown setting 'prot'"):
+        load_settings(config, env={})
+
+
+def test_unknown_flag_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="unknown setting"):
+        load_settings(toml(tmp_path, ""), env={}, overrides={"colour": "blue"})
+
+
+def test_bad_int_in_env_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="CACHETALLY_PORT|port"):
+        load_settings(toml(tmp_path, ""), env={"CACHETALLY_PORT": "eighty"})
+
+
+def test_bad_value_in_toml_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="port"):
+        load_settings(toml(tmp_path, '[cachetally]\nport = "eighty"\n'), env={})
+
+
+def test_invalid_toml_and_missing_file_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="cannot read config"):
+        load_settings(toml(tmp_path, "[cachetally\n"), env={})
+    with pytest.raises(SettingsError, match="cannot read config"):
+        load_settings(tmp_path / "absent.toml", env={})
+
+
+def test_env_vars_without_the_prefix_or_unknown_are_ignored(tmp_path: Path) -> None:
+    env = {"PORT": "1", "CACHETALLY_NOT_A_SETTING": "x", "CACHETALLY_ENGINE_ARGS": "--max-model-len 4096"}
+    settings = load_settings(toml(tmp_path, ""), env=env)
+    assert settings.port == 8000
+    assert settings.engine_args == ["--max-model-len", "4096"]
+
+
+def test_upstream_implies_the_upstream_engine(tmp_path: Path) -> None:
+    settings = load_settings(toml(tmp_path, ""), env={}, overrides={"upstream": "http://127.0.0.1:8001"})
+    assert (settings.engine, settings.upstream) == ("upstream", "http://127.0.0.1:8001")
+
+    # Even when a lower layer chose another engine.
+    settings = load_settings(
+        toml(tmp_path, '[cachetally]\nengine = "sim"\n'), env={}, overrides={"upstream": "http://h:1"}
+    )
+    assert settings.engine == "upstream"
+
+
+def test_upstream_engine_without_a_url_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="upstream URL"):
+        load_settings(toml(tmp_path, '[cachetally]\nengine = "upstream"\n'), env={})
+    # An empty URL in the file means "none".
+    with pytest.raises(SettingsError, match="upstream URL"):
+        load_settings(toml(tmp_path, '[cachetally]\nengine = "upstream"\nupstream = ""\n'), env={})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("engine", '"tgi"', "engine must be"),
+        ("missing", '"estimate"', "missing must be"),
+        ("port", "0", "port"),
+    ],
+)
+def test_invalid_values_are_errors(tmp_path: Path, key: str, value: str, message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        load_settings(toml(tmp_path, f"[cachetally]\n{key} = {value}\n"), env={})
+
+
+def test_settings_constructor_does_no_io() -> None:
+    # Keyword fields with defaults; validate() is separate and pure.
+    settings = Settings(engine="sim", port=9)
+    assert settings.validate() is settings
+
+
+def _uncommented_default_config() -> str:
+    if not DEFAULT_CONFIG.exists():
+        pytest.skip(f"{DEFAULT_CONFIG} is not in this checkout")
+    # The file shows every key commented out with its built-in default.
+    return re.sub(r"(?m)^# ([a-z_]+ = )", r"\1", DEFAULT_CONFIG.read_text())
+
+
+def test_default_config_file_as_shipped_changes_nothing() -> None:
+    _uncommented_default_config()  # skips when absent
+    assert load_settings(DEFAULT_CONFIG, env={}) == Settings().validate()
+
+
+def test_default_config_file_names_only_real_settings_with_their_defaults(tmp_path: Path) -> None:
+    uncommented = _uncommented_default_config()
+    keys = set(tomllib.loads(uncommented)["cachetally"])
+    assert keys, "no settings found in the default config"
+    assert keys <= {f.name for f in dataclasses.fields(Settings)}
+    assert load_settings(toml(tmp_path, uncommented), env={}) == Settings().validate()
