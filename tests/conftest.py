@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 
+import openai
 import psutil
 import pytest
 
@@ -23,3 +24,17 @@ def vllm_server() -> Iterator[str]:
     assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes left behind: {alive}"
+
+
+@pytest.fixture(scope="session")
+def sim_server() -> Iterator[str]:
+    """`cachetally serve --engine sim` on loopback, shared by the tests that only add to it."""
+    args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"]
+    with running_server(args) as (url, _):
+        yield url
+
+
+@pytest.fixture
+def sim_client(sim_server: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{sim_server}/v1", api_key="unused", max_retries=0) as client:
+        yield client

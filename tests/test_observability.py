@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from tests.clients import ask, scrape
 from tests.servers import metric_value, running_server
 
 pytestmark = pytest.mark.loopback
@@ -50,39 +51,14 @@ class Seen:
         return "hit" if self.cached_tokens > 0 else "miss"
 
 
-def call(
-    client: openai.OpenAI,
-    route: str,
-    stream: bool,
-    text: str | list[str],
-    *,
-    include_usage: bool = True,
-    **extra: Any,
-) -> Any:
-    """One request; returns the usage the client saw (``None`` if it asked for none)."""
-    kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": 3, **extra}
-    if stream:
-        kwargs |= {"stream": True, "stream_options": {"include_usage": include_usage}}
-    if route == "chat":
-        assert isinstance(text, str)
-        result = client.chat.completions.create(messages=[{"role": "user", "content": text}], **kwargs)
-    else:
-        result = client.completions.create(prompt=text, **kwargs)
-    if not stream:
-        return result.usage
-    usages = [chunk.usage for chunk in result if chunk.usage is not None]
-    assert len(usages) == (1 if include_usage else 0)
-    return usages[0] if usages else None
+def call(client: openai.OpenAI, route: str, stream: bool, text: str | list[str], **kw: Any) -> Any:
+    return ask(client, route, stream, text, model=MODEL, **kw)
 
 
 def record(seen: list[Seen], route: str, stream: bool, usage: Any) -> Seen:
     item = Seen(route, stream, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
     seen.append(item)
     return item
-
-
-def metrics(url: str) -> str:
-    return httpx.get(f"{url}/metrics").text
 
 
 @dataclass(slots=True)
@@ -113,13 +89,13 @@ def sequence(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sequence]:
         # A stream whose client asked for no usage is still counted: the engine's figures.
         chat_text = prompt()
         record(seen, "chat", False, call(client, "chat", False, chat_text))
-        text = metrics(url)
+        text = scrape(url)
         before = (
             metric_value(text, "sim_prompt_tokens_total"),
             metric_value(text, "sim_prompt_tokens_cached_total"),
         )
         assert call(client, "chat", True, chat_text, include_usage=False) is None
-        text = metrics(url)
+        text = scrape(url)
         prompt_tokens = metric_value(text, "sim_prompt_tokens_total") - before[0]
         cached_tokens = metric_value(text, "sim_prompt_tokens_cached_total") - before[1]
         assert cached_tokens > 0
@@ -150,7 +126,7 @@ def sequence(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sequence]:
         while (stats := httpx.get(f"{url}/stats").json())["total_requests"] < len(seen):
             assert time.monotonic() < deadline, stats
             time.sleep(0.05)
-        yield Sequence(seen, metrics(url), stats, log_path.read_text())
+        yield Sequence(seen, scrape(url), stats, log_path.read_text())
 
 
 def test_counters_equal_what_the_responses_reported(sequence: Sequence) -> None:
@@ -252,18 +228,6 @@ def test_debug_log_has_one_stats_line_per_request_and_no_prompt_text(sequence: S
 # -- return_cached_tokens_details --------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with running_server(["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"]) as (url, _):
-        yield url
-
-
-@pytest.fixture
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def with_details(client: openai.OpenAI, route: str, stream: bool, text: str) -> tuple[Any, dict]:
     """(usage, cached_tokens_details) of one request that asks for the details."""
     kwargs: dict[str, Any] = {
@@ -289,10 +253,10 @@ def with_details(client: openai.OpenAI, route: str, stream: bool, text: str) -> 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("route", ["chat", "completions"])
-def test_cached_tokens_details_on_request(client: openai.OpenAI, route: str, stream: bool) -> None:
+def test_cached_tokens_details_on_request(sim_client: openai.OpenAI, route: str, stream: bool) -> None:
     text = prompt()
-    cold_usage, cold = with_details(client, route, stream, text)
-    warm_usage, warm = with_details(client, route, stream, text)
+    cold_usage, cold = with_details(sim_client, route, stream, text)
+    warm_usage, warm = with_details(sim_client, route, stream, text)
     full_blocks = cold_usage.prompt_tokens // BLOCK * BLOCK
     assert cold == {"local": 0, "external": 0, "created": full_blocks, "source": "engine"}
     cached = warm_usage.prompt_tokens_details.cached_tokens
@@ -302,7 +266,7 @@ def test_cached_tokens_details_on_request(client: openai.OpenAI, route: str, str
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("route", ["chat", "completions"])
-def test_no_extension_unless_asked(base_url: str, route: str, stream: bool) -> None:
+def test_no_extension_unless_asked(sim_server: str, route: str, stream: bool) -> None:
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 3}
     if route == "chat":
         body["messages"] = [{"role": "user", "content": prompt()}]
@@ -311,7 +275,7 @@ def test_no_extension_unless_asked(base_url: str, route: str, stream: bool) -> N
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    response = httpx.post(f"{base_url}{path}", json=body)
+    response = httpx.post(f"{sim_server}{path}", json=body)
     assert response.status_code == 200
     assert '"usage"' in response.text
     assert "cached_tokens_details" not in response.text

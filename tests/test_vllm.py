@@ -18,6 +18,7 @@ import openai
 import orjson
 import pytest
 
+from tests import clients
 from tests.servers import metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -38,10 +39,6 @@ def client(server: str) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def metrics(server: str) -> str:
-    return httpx.get(f"{server}/metrics").text
-
-
 def fresh_prompt(words: int = 500) -> str:
     """Unique from its first token, so no block of it is cached yet; ~600 tokens."""
     return " ".join([uuid.uuid4().hex, *(f"topic{i % 37} item{i}" for i in range(words // 2))])
@@ -51,30 +48,19 @@ def model_id(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
-def ask(client: openai.OpenAI, route: str, stream: bool, prompt: str, **extra):
-    kwargs = {"model": model_id(client), "max_tokens": 2, "temperature": 0, **extra}
-    if stream:
-        kwargs["stream"] = True
-        kwargs.setdefault("stream_options", {"include_usage": True})
-    if route == "chat":
-        result = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kwargs)
-    else:
-        result = client.completions.create(prompt=prompt, **kwargs)
-    if not stream:
-        return result.usage
-    usages = [chunk.usage for chunk in result if chunk.usage is not None]
-    return usages[-1]
+def ask(client: openai.OpenAI, route: str, stream: bool, prompt: str | list[str], **extra):
+    return clients.ask(client, route, stream, prompt, model=model_id(client), max_tokens=2, temperature=0, **extra)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_cold_zero_then_warm_equals_vllm_scheduler(client, server, route, stream) -> None:
     prompt = fresh_prompt()
-    before = metric_value(metrics(server), VLLM_CACHED)
+    before = metric_value(clients.scrape(server), VLLM_CACHED)
     cold = ask(client, route, stream, prompt)
-    middle = metric_value(metrics(server), VLLM_CACHED)
+    middle = metric_value(clients.scrape(server), VLLM_CACHED)
     warm = ask(client, route, stream, prompt)
-    after = metric_value(metrics(server), VLLM_CACHED)
+    after = metric_value(clients.scrape(server), VLLM_CACHED)
 
     assert cold.prompt_tokens > 2 * BLOCK
     assert cold.prompt_tokens_details.cached_tokens == 0
@@ -87,12 +73,12 @@ def test_cold_zero_then_warm_equals_vllm_scheduler(client, server, route, stream
 def test_sum_of_reported_cached_tokens_equals_vllm_counter(client, server) -> None:
     shared = fresh_prompt(300)
     prompts = [fresh_prompt(), shared, shared + " and then more", shared, fresh_prompt(200)]
-    before_text = metrics(server)
+    before_text = clients.scrape(server)
     reported = 0
     for i, prompt in enumerate(prompts):
         for route in ("chat", "completions"):
             reported += ask(client, route, i % 2 == 1, prompt).prompt_tokens_details.cached_tokens
-    after_text = metrics(server)
+    after_text = clients.scrape(server)
     assert reported > 0
     assert reported == metric_value(after_text, VLLM_CACHED) - metric_value(before_text, VLLM_CACHED)
     # ... and cachetally's own counter says the tap (source=engine) supplied all of it.
@@ -152,7 +138,7 @@ def test_client_dropping_mid_stream_aborts_the_engine_request(server, client) ->
 
     asyncio.run(drop())
     for _ in range(100):
-        text = metrics(server)
+        text = clients.scrape(server)
         if metric_value(text, VLLM_RUNNING) == 0:
             break
         time.sleep(0.1)
@@ -183,10 +169,10 @@ def test_request_id_traces_response_and_engine(server, client) -> None:
 
 
 def test_metrics_and_stats_equal_what_responses_reported(server, client) -> None:
-    before_text, before_stats = metrics(server), httpx.get(f"{server}/stats").json()
+    before_text, before_stats = clients.scrape(server), httpx.get(f"{server}/stats").json()
     prompt = fresh_prompt()
     usages = [ask(client, route, stream, prompt) for route in ("chat", "completions") for stream in (False, True)]
-    after_text, after_stats = metrics(server), httpx.get(f"{server}/stats").json()
+    after_text, after_stats = clients.scrape(server), httpx.get(f"{server}/stats").json()
 
     def delta(name: str, **labels: str) -> float:
         return metric_value(after_text, name, **labels) - metric_value(before_text, name, **labels)
@@ -240,5 +226,5 @@ def test_vllm_routes_keep_working(server) -> None:
     tokens = httpx.post(f"{server}/tokenize", json={"model": models["data"][0]["id"], "prompt": "hello world"})
     assert tokens.status_code == 200 and tokens.json()["count"] >= 2
     assert httpx.get(f"{server}/health").status_code == 200
-    text = metrics(server)
+    text = clients.scrape(server)
     assert "cachetally_ledger_open_slots" in text and VLLM_CACHED.removesuffix("_total") in text
