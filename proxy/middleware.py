@@ -113,8 +113,8 @@ class UsagePatchMiddleware:
             return
         key = self.request_ids.unique_key(client_id, self.ledger)
         responder = _Responder(self, route, key, client_id or key, send)
-        token = current_request_key.set(key)
         self.ledger.open(key)
+        token = current_request_key.set(key)
         try:
             await responder.run(scope, receive)
         finally:

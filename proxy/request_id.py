@@ -46,9 +46,8 @@ class RequestIds:
 
     def unique_key(self, client_id: str | None, taken: Container[str]) -> str:
         """The ledger key: the client's id while it is free, else a suffixed one."""
-        if client_id is None:
-            return self.generate()
-        key = client_id
+        base = self.generate() if client_id is None else client_id
+        key = base
         while key in taken:
-            key = f"{client_id[:119]}.{secrets.token_hex(4)}"
+            key = f"{base[:119]}.{secrets.token_hex(4)}"
         return key

@@ -108,6 +108,7 @@ class SSEPatcher:
         rest = bytes(self._pending)
         self._pending.clear()
         self._scanned = self._line_start = 0
+        self._oversize = False
         return out + rest
 
     def _drain(self, *, final: bool) -> bytes:
