@@ -236,7 +236,13 @@ def main(argv: list[str] | None = None) -> None:
         default_max_tokens=args.max_tokens,
         report_cached_tokens=args.report_cached_tokens,
     )
-    asyncio.run(_serve(SimEngine(config=config), args.host, args.port, args.log_level))
+    # uvloop when installed, as `uvicorn.run` (and so `cachetally serve`) would pick it:
+    # a benchmark baseline must not run on a slower loop than the proxy in front of it.
+    try:
+        from uvloop import run
+    except ImportError:
+        run = asyncio.run
+    run(_serve(SimEngine(config=config), args.host, args.port, args.log_level))
 
 
 if __name__ == "__main__":

@@ -24,10 +24,21 @@ OPENAI_API_KEY.
 """
 
 
+_PROXY_EPILOG = """\
+examples:
+  cachetally bench proxy            the table (takes a few minutes)
+  cachetally bench proxy --json     every figure as JSON (docs/PERFORMANCE.md holds one)
+  cachetally bench proxy --quick    seconds; checks that everything runs
+
+Starts its own servers on free ports and stops them when done. With two or more cores the
+proxy is pinned to one core and the sim and load generator to the others.
+"""
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="measure a running server",
+        help="measure a running server, or the proxy itself",
         description="Measure a running OpenAI-compatible server.",
     )
     bsub = p.add_subparsers(dest="bench_command", required=True)
@@ -53,6 +64,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     cache.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cache.add_argument("--plot", metavar="FILE.png", help="draw TTFT against cached fraction (needs matplotlib)")
     cache.set_defaults(run=run_cache)
+    proxy = bsub.add_parser(
+        "proxy",
+        help="what the proxy costs: cachetally in front of the sim vs the sim direct",
+        description=(
+            "Start the simulated engine and cachetally (upstream mode) in front of it on "
+            "127.0.0.1, alternate direct and proxied rounds, and print added latency, "
+            "throughput, SSE events/s, TTFT overhead, memory per open stream, the embedded "
+            "middleware's cost and micro timings of the SSE patcher, with the targets they meet."
+        ),
+        epilog=_PROXY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    proxy.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    proxy.add_argument("--quick", action="store_true", help="tiny counts: a smoke test, not a measurement")
+    proxy.add_argument("--rounds", type=_positive, metavar="R", help="direct/proxied round pairs (default: 5)")
+    proxy.set_defaults(run=run_proxy)
 
 
 def _positive(text: str) -> int:
@@ -99,4 +126,21 @@ def run_cache(args: argparse.Namespace) -> int:
     if args.plot:
         cache.plot(bench, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from proxy.bench import proxy, report
+
+    counts = proxy.QUICK if args.quick else proxy.Counts()
+    if args.rounds:
+        counts = dataclasses.replace(counts, rounds=args.rounds)
+    try:
+        figures = proxy.run(counts, progress=proxy.tqdm_progress)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"cachetally bench proxy: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(figures, indent=2) if args.json else report.table(figures))
     return 0

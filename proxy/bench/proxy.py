@@ -1,0 +1,403 @@
+"""``cachetally bench proxy``: what the proxy costs, measured side by side with a direct connection.
+
+Processes on 127.0.0.1, each started here and stopped in ``finally``:
+
+- ``sim``: the simulated engine alone (no model cost), and ``proxy``: ``cachetally serve
+  --upstream`` in front of it; a second such pair whose sim paces its tokens (TTFT,
+  memory per open stream);
+- ``bare`` (the sim alone) and ``embedded`` (``cachetally serve --engine sim``: the same
+  routes behind ``UsagePatchMiddleware`` in one process);
+- the load generator (:mod:`proxy.bench.loadgen`).
+
+With two or more cores the proxies and the embedded pair are pinned to one core and
+everything else to the others, so "per proxy core" means one core. Every figure comes
+from rounds that alternate direct and proxied (A B A B ...): the figure is the median of
+the per-round medians, and each ratio or difference is taken within a round pair, then
+its median. The micro figures time :class:`~proxy.sse.SSEPatcher` in this process.
+
+The direct baseline is the load generator's proof: it must reach well above the proxied
+throughput, or the load generator (not the proxy) was the limit (``loadgen_ok``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from proxy.bench import report
+from proxy.bench.micro import micro
+
+Figures = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    rounds: int = 5
+    c1_requests: int = 1000
+    c64_per_conn: int = 40
+    sse1_tokens: int = 4000
+    sse1_streams: int = 2  # one after another
+    sse100_tokens: int = 300
+    ttft_conns: int = 8
+    ttft_per_conn: int = 4
+    paced_delay_s: float = 0.2
+    held_streams: int = 500
+    embedded_per_conn: int = 40
+    micro_events: int = 100_000
+
+
+QUICK = Counts(
+    rounds=2, c1_requests=10, c64_per_conn=2, sse1_tokens=40, sse1_streams=1, sse100_tokens=4,
+    ttft_conns=2, ttft_per_conn=2, paced_delay_s=0.05, held_streams=20, embedded_per_conn=2,
+    micro_events=2000,
+)
+
+
+def _chat(max_tokens: int, stream: bool) -> str:
+    body: dict[str, Any] = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "How many of these prompt tokens were cached?"}],
+        "max_tokens": max_tokens,
+    }
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return json.dumps(body)
+
+
+def _completion_stream(max_tokens: int) -> str:
+    # Completions, not chat: its first event is the first token (chat sends a role chunk first).
+    return json.dumps(
+        {"model": "sim-model", "prompt": "time to first token", "max_tokens": max_tokens, "stream": True,
+         "stream_options": {"include_usage": True}}
+    )
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` (Linux ``/proc``), or None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class _Placement:
+    """Which cores the proxy side and the rest get (no pinning with one core or no API)."""
+
+    def __init__(self) -> None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.pinned = len(cores) >= 2
+        self.proxy = {cores[0]} if self.pinned else None
+        self.rest = set(cores[1:]) if self.pinned else None
+
+    def pin(self, pid: int, cores: set[int] | None) -> None:
+        if cores is not None:
+            os.sched_setaffinity(pid, cores)
+
+
+class _Servers(contextlib.ExitStack):
+    def __init__(self, placement: _Placement) -> None:
+        super().__init__()
+        self.placement = placement
+
+    def start(self, args: list[str], cores: set[int] | None) -> tuple[int, subprocess.Popen[bytes]]:
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, *args, "--port", str(port), "--log-level", "warning"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.callback(_stop, proc)
+        self.placement.pin(proc.pid, cores)
+        return port, proc
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_healthy(ports: list[tuple[int, subprocess.Popen[bytes]]], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for port, proc in ports:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server {proc.args} exited with code {proc.returncode}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server on port {port} not healthy after {timeout_s} s")
+            time.sleep(0.1)
+
+
+class _LoadGen:
+    def __init__(self, servers: _Servers) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.bench.loadgen"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        servers.callback(_stop, self.proc)
+        servers.callback(self._exit)
+        servers.placement.pin(self.proc.pid, servers.placement.rest)
+
+    def _exit(self) -> None:
+        try:
+            with contextlib.suppress(OSError, ValueError):
+                self.send({"op": "exit"})
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        finally:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+
+    def send(self, job: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"load generator exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self, port: int, path: str, body: str, conns: int, per_conn: int) -> dict[str, Any]:
+        self.send({"op": "run", "port": port, "path": path, "body": body, "conns": conns, "per_conn": per_conn})
+        result = self.answer()
+        if result["errors"]:
+            raise RuntimeError(f"{result['errors']} failed request(s) against port {port}")
+        return result
+
+
+# -- statistics --------------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def _med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _ab(rounds: int, measure: Callable[[str], dict[str, float]], tick: Callable[[], None]) -> dict[str, list[dict[str, float]]]:
+    sides: dict[str, list[dict[str, float]]] = {"direct": [], "proxied": []}
+    for _ in range(rounds):
+        for side in sides:  # A B A B ...
+            sides[side].append(measure(side))
+            tick()
+    return sides
+
+
+def _summary(
+    sides: dict[str, list[dict[str, float]]], keys: list[str], a: str = "direct", b: str = "proxied"
+) -> Figures:
+    """Medians per side (named ``a`` and ``b``), and per round pair the difference
+    (``added_``) and ratio (b/a), medians too."""
+    out: Figures = {}
+    for key in keys:
+        xs, ys = [r[key] for r in sides["direct"]], [r[key] for r in sides["proxied"]]
+        out[f"{a}_{key}"] = _med(xs)
+        out[f"{b}_{key}"] = _med(ys)
+        out[f"added_{key}"] = _med([y - x for x, y in zip(xs, ys, strict=True)])
+        out[f"ratio_{key}"] = _med([y / x for x, y in zip(xs, ys, strict=True) if x])
+    return out
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+def run(counts: Counts = Counts(), progress: Callable[[int], Any] | None = None) -> Figures:
+    """Start everything, measure, stop everything; return the figures (see module docstring)."""
+    steps = counts.rounds * 2 * 6 + 2
+    bar = progress(steps) if progress else contextlib.nullcontext()
+    with bar as tick_bar, _Servers(_Placement()) as servers:
+        tick = (lambda: tick_bar.update()) if tick_bar is not None else (lambda: None)
+        return _measure(counts, servers, tick)
+
+
+def _measure(counts: Counts, servers: _Servers, tick: Callable[[], None]) -> Figures:
+    place = servers.placement
+    sim = servers.start(["-m", "engine_adapter.sim"], place.rest)
+    paced = servers.start(["-m", "engine_adapter.sim", "--token-delay-s", str(counts.paced_delay_s)], place.rest)
+    bare = servers.start(["-m", "engine_adapter.sim"], place.proxy)
+    started = [sim, paced, bare]
+    _wait_healthy(started)
+    proxy = servers.start(["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{sim[0]}"], place.proxy)
+    paced_proxy = servers.start(
+        ["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{paced[0]}"], place.proxy
+    )
+    embedded = servers.start(["-m", "proxy.cli", "serve", "--engine", "sim"], place.proxy)
+    _wait_healthy([proxy, paced_proxy, embedded])
+    gen = _LoadGen(servers)
+    port = {"direct": sim[0], "proxied": proxy[0]}
+    paced_port = {"direct": paced[0], "proxied": paced_proxy[0]}
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    plain = _chat(8, stream=False)
+    for warm in (sim, proxy, bare, embedded):  # connections, pools, caches, lazy imports
+        gen.run(warm[0], chat, plain, 64, 3)
+        gen.run(warm[0], chat, _chat(8, stream=True), 8, 2)
+    for warm in (paced, paced_proxy):
+        gen.run(warm[0], completions, _completion_stream(1), 8, 1)
+    tick()
+
+    def latency(conns: int, per_conn: int) -> Callable[[str], dict[str, float]]:
+        def measure(side: str) -> dict[str, float]:
+            cpu0 = _cpu_s(proxy[1].pid)
+            r = gen.run(port[side], chat, plain, conns, per_conn)
+            cpu = (_cpu_s(proxy[1].pid) or 0.0) - (cpu0 or 0.0)
+            n = len(r["latency_ms"])
+            return {"p50_ms": _pct(r["latency_ms"], 0.5), "p99_ms": _pct(r["latency_ms"], 0.99),
+                    "rps": n / r["wall_s"], "proxy_cpu_s_per_req": cpu / n}
+
+        return measure
+
+    def sse(conns: int, tokens: int, per_conn: int) -> Callable[[str], dict[str, float]]:
+        body = _chat(tokens, stream=True)
+
+        def measure(side: str) -> dict[str, float]:
+            r = gen.run(port[side], chat, body, conns, per_conn)
+            return {"events_per_s": r["events"] / r["wall_s"]}
+
+        return measure
+
+    def ttft(side: str) -> dict[str, float]:
+        r = gen.run(paced_port[side], completions, _completion_stream(1), counts.ttft_conns, counts.ttft_per_conn)
+        return {"p50_ms": _pct(r["ttfb_ms"], 0.5), "p99_ms": _pct(r["ttfb_ms"], 0.99)}
+
+    embedded_port = {"direct": bare[0], "proxied": embedded[0]}
+    embedded_pid = {"direct": bare[1].pid, "proxied": embedded[1].pid}
+
+    def embedded_round(side: str) -> dict[str, float]:
+        cpu0 = _cpu_s(embedded_pid[side])
+        r = gen.run(embedded_port[side], chat, plain, 64, counts.embedded_per_conn)
+        cpu = (_cpu_s(embedded_pid[side]) or 0.0) - (cpu0 or 0.0)
+        n = len(r["latency_ms"])
+        return {"rps": n / r["wall_s"], "cpu_us_per_req": cpu / n * 1e6}
+
+    c1 = _ab(counts.rounds, latency(1, counts.c1_requests), tick)
+    c64 = _ab(counts.rounds, latency(64, counts.c64_per_conn), tick)
+    s1 = _ab(counts.rounds, sse(1, counts.sse1_tokens, counts.sse1_streams), tick)
+    s100 = _ab(counts.rounds, sse(100, counts.sse100_tokens, 1), tick)
+    t = _ab(counts.rounds, ttft, tick)
+    e = _ab(counts.rounds, embedded_round, tick)
+    memory = _held_streams(gen, paced_proxy, completions, counts)
+    tick()
+
+    throughput = c64["proxied"]
+    cpu_per_req = _med([r["proxy_cpu_s_per_req"] for r in throughput])
+    figures: Figures = {
+        "machine": _machine(place),
+        "counts": asdict(counts),
+        "latency_c1": _summary(c1, ["p50_ms", "p99_ms"]),
+        "latency_c64": _summary(c64, ["p50_ms", "p99_ms"]),
+        "throughput": {
+            "direct_rps": _med([r["rps"] for r in c64["direct"]]),
+            "proxied_rps": _med([r["rps"] for r in throughput]),
+            "proxy_cpu_us_per_req": cpu_per_req * 1e6,
+            "rps_per_proxy_core": 1 / cpu_per_req if cpu_per_req > 0 else None,
+        },
+        "sse_1": _summary(s1, ["events_per_s"]),
+        "sse_100": _summary(s100, ["events_per_s"]),
+        "ttft_paced": _summary(t, ["p50_ms", "p99_ms"]),
+        "memory": memory,
+        "embedded": _summary(e, ["rps", "cpu_us_per_req"], a="without", b="with"),
+        "micro": micro(counts.micro_events),
+    }
+    tp = figures["throughput"]
+    tp["loadgen_headroom"] = tp["direct_rps"] / tp["proxied_rps"]
+    # "Well above": a load generator that can't outrun the proxy by half again measured itself.
+    tp["loadgen_ok"] = tp["loadgen_headroom"] >= 1.5
+    figures["targets"] = report.check(figures)
+    return figures
+
+
+def _held_streams(gen: _LoadGen, proxy: tuple[int, subprocess.Popen[bytes]], path: str, counts: Counts) -> Figures:
+    """RSS of the proxy with ``held_streams`` streams open, minus before, per stream."""
+    pid = proxy[1].pid
+    before = _rss_kib(pid)
+    gen.send({"op": "hold", "port": proxy[0], "path": path, "body": _completion_stream(1_000_000),
+              "conns": counts.held_streams, "timeout_s": 60 + counts.paced_delay_s * 2})
+    ready = gen.answer()
+    time.sleep(max(0.5, counts.paced_delay_s * 3))  # a few events through every stream
+    held = _rss_kib(pid)
+    gen.send({"op": "release"})
+    gen.answer()
+    after = _rss_kib(pid)
+    per_stream = (held - before) / ready["ready"] if held is not None and before is not None else None
+    return {"streams": ready["ready"], "rss_before_kib": before, "rss_held_kib": held,
+            "rss_after_kib": after, "kib_per_stream": per_stream}
+
+
+def _machine(place: _Placement) -> Figures:
+    import platform
+
+    import httpcore
+
+    def installed(name: str) -> bool:
+        with contextlib.suppress(ImportError):
+            __import__(name)
+            return True
+        return False
+
+    return {
+        "cpus": os.cpu_count(),
+        "pinned": place.pinned,
+        "proxy_cores": sorted(place.proxy) if place.proxy else None,
+        "python": platform.python_version(),
+        "uvloop": installed("uvloop"),
+        "httptools": installed("httptools"),
+        "httpx": httpx.__version__,
+        "httpcore": httpcore.__version__,
+    }
+
+
+@contextlib.contextmanager
+def tqdm_progress(total: int) -> Iterator[Any]:
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc="bench proxy", unit="step", file=sys.stderr, leave=False) as bar:
+        yield bar
