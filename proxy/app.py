@@ -1,6 +1,7 @@
 """The cachetally ASGI app: our own routes, and the engine's routes behind the middleware.
 
 ```
+API key check (only with --api-key; exempt paths configurable)
 /health /metrics /stats          served here
 everything else  ─▶ UsagePatchMiddleware ─▶ error guard ─▶ engine app (vLLM, sim, upstream)
 ```
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine_adapter.engine import ASGIApp, Engine, Message, Receive, Scope, Send
 from engine_adapter.events import EventSink
+from proxy.auth import ApiKeyGuard
 from proxy.errors import send_error
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
@@ -62,6 +64,7 @@ class CachetallyApp:
         self.engine = (engine_factory or (lambda sink: make_engine(settings, sink)))(self.ledger)
         self._patched: ASGIApp | None = None
         self._local = {"/health": self._health, "/metrics": self._metrics, "/stats": self._stats}
+        self._auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths) if settings.api_key else None
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[CachetallyApp]:
@@ -103,6 +106,9 @@ class CachetallyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+            return
+        if self._auth is not None and scope["type"] in ("http", "websocket") and not self._auth.allows(scope):
+            await self._auth.refuse(scope, send)
             return
         local = self._local.get(scope.get("path", "")) if scope["type"] == "http" else None
         if local is not None:

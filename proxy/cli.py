@@ -55,6 +55,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=["zero", "omit"],
         help="what to write when no source knows cached_tokens (default: zero)",
     )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every request (prefer CACHETALLY_API_KEY: "
+        "flags show in the process list)",
+    )
+    p.add_argument(
+        "--auth-exempt-path",
+        action="append",
+        metavar="PATH",
+        help="a path open without the API key, e.g. /health or /metrics (repeatable; default: none)",
+    )
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help='vLLM engine flags, after "--"')
 
 
@@ -100,6 +112,8 @@ def _serve(args: argparse.Namespace) -> int:
                 "port": args.port,
                 "log_level": args.log_level,
                 "missing": args.missing,
+                "api_key": args.api_key,
+                "auth_exempt_paths": args.auth_exempt_path,
                 "engine_args": engine_args or None,
             },
         )

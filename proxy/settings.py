@@ -34,6 +34,9 @@ class Settings:
     upstream: str | None = None
     model: str | None = None  # None: the default model, materialized on first use
     engine_args: list[str] = field(default_factory=list)
+    # the proxy's own API key (None: open), and the paths open without it
+    api_key: str | None = field(default=None, repr=False)  # never printed
+    auth_exempt_paths: list[str] = field(default_factory=list)
     # usage policy
     missing: str = "zero"
     # limits

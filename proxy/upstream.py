@@ -89,13 +89,25 @@ class UpstreamEngine:
         if client is None:
             await send_error(send, 503, "The upstream engine is not running")
             return
+        url = self.url_for(scope)
+        if url is None:
+            await send_error(send, 400, "The request target must be an absolute path")
+            return
         path: str = scope["path"]
-        await Forward(client, self.url_for(scope), path in _PATCHED_PATHS, scope, receive, send).run()
+        await Forward(client, url, path in _PATCHED_PATHS, scope, receive, send).run()
 
-    def url_for(self, scope: Scope) -> str:
-        """``upstream`` + the request's raw path + query, encoding left as the client sent it."""
+    def url_for(self, scope: Scope) -> str | None:
+        """``upstream`` + the request's raw path + query, encoding left as the client sent it.
+
+        ``None`` unless the path starts with ``/``: the upstream is fixed by configuration,
+        and a target such as ``@evil.example/x`` (which h11 passes on as ``raw_path``)
+        appended to ``http://host:port`` would turn the configured address into userinfo
+        and pick another host.
+        """
         raw_path: bytes | None = scope.get("raw_path")
         path = raw_path.decode("latin-1") if raw_path else quote(scope["path"])
+        if not path.startswith("/"):
+            return None
         query: bytes = scope.get("query_string", b"")
         return self.base_url + path + ("?" + query.decode("latin-1") if query else "")
 

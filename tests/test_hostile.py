@@ -1,0 +1,356 @@
+"""Bad input from clients, the proxy's own API key, and what must never reach a log.
+
+Loopback servers in sim and upstream mode run at ``--log-level debug`` with their output
+captured to a file, and with an API key (``CACHETALLY_API_KEY``) so every request also
+exercises the key check; ``/health`` and ``/metrics`` are configured exempt. Every test
+ends with the same log check: no prompt text, completion text, ``Authorization`` value,
+API key, raw invalid request id, or traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from engine_adapter.engine import Message
+from proxy.app import CachetallyApp
+from proxy.settings import Settings, load_settings
+from proxy.upstream import UpstreamEngine
+from tests.load import count, log_failures, report
+from tests.servers import running_server
+
+KEY = "sk-KEYMARKER-" + uuid.uuid4().hex
+AUTH = {"authorization": f"Bearer {KEY}"}
+PROMPT_MARKER = "PROMPTMARKER"
+ID_MARKER = "IDMARKER"
+COMPLETION_MARKER = "tok1 tok2"  # the sim's generated text
+SECRETS = (KEY, "KEYMARKER", PROMPT_MARKER, ID_MARKER, COMPLETION_MARKER)
+SIM = ["-m", "engine_adapter.sim", "--log-level", "warning"]
+
+
+@dataclass
+class Server:
+    url: str
+    log: Path
+    mode: str
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def other_sim() -> Iterator[str]:
+    """A second upstream the proxy must never be steered to."""
+    with running_server([*SIM, "--model", "model-b"]) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module", params=["sim", "upstream"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("hostile") / f"{request.param}.log"
+    env = {"CACHETALLY_API_KEY": KEY, "CACHETALLY_AUTH_EXEMPT_PATHS": "/health /metrics"}
+    serve = ["-m", "proxy.cli", "serve", "--log-level", "debug"]
+    with contextlib.ExitStack() as stack:
+        if request.param == "sim":
+            args = [*serve, "--engine", "sim"]
+        else:
+            upstream, _ = stack.enter_context(running_server([*SIM, "--model", "model-a"]))
+            args = [*serve, "--upstream", upstream]
+        url, _ = stack.enter_context(running_server(args, env=env, log_path=log))
+        yield Server(url, log, request.param)
+    text = log.read_text(errors="replace")
+    assert " DEBUG " in text  # the check ran against a debug-level log
+    leaked = [secret for secret in SECRETS if secret in text]
+    assert not leaked, f"{leaked} in the {request.param} server log"
+    assert not log_failures(log)
+
+
+def raw_exchange(port: int, data: bytes, timeout_s: float = 5.0) -> bytes:
+    """Send raw bytes, read until the server closes or ``timeout_s`` passes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(data)
+        out = b""
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while time.monotonic() < deadline:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+                if b"\r\n\r\n" in out and out.split(b"\r\n\r\n", 1)[1].endswith(b"}"):
+                    break  # a complete JSON error body
+    return out
+
+
+def head(method: str, path: str, *headers: str, length: int | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "host: 127.0.0.1", f"authorization: Bearer {KEY}", *headers]
+    if length is not None:
+        lines.append(f"content-length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def status_and_body(raw: bytes) -> tuple[int, bytes]:
+    start, _, body = raw.partition(b"\r\n\r\n")
+    return int(start.split(b" ", 2)[1]), body
+
+
+def completion(prompt: str = f"{PROMPT_MARKER} hello", **extra: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": 4, **extra}
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.loopback
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_invalid_json_is_an_openai_400(server: Server, body: bytes) -> None:
+    resp = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers=AUTH)
+    assert resp.status_code == 400
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert resp.json()["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.loopback
+def test_a_64_mib_content_length_is_refused_with_413_before_the_body_arrives(server: Server) -> None:
+    started = time.monotonic()
+    raw = raw_exchange(
+        server.port, head("POST", "/v1/completions", "content-type: application/json", length=64 << 20) + b'{"pro'
+    )
+    status, body = status_and_body(raw)
+    assert status == 413, raw[:200]
+    assert orjson.loads(body)["error"]["type"] == "RequestEntityTooLargeError"
+    assert time.monotonic() - started < 5.0  # it never waited for the other 64 MiB
+
+
+@pytest.mark.loopback
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ID_MARKER + "x" * 200,  # too long
+        ID_MARKER + "\x01\x7f",  # control characters
+        ID_MARKER + "é",  # non-ASCII (sent as UTF-8)
+        ID_MARKER + "%0d%0aset-cookie: a=b",  # an encoded CRLF injection
+        ID_MARKER + " with spaces",
+    ],
+    ids=["too-long", "control", "non-ascii", "crlf-encoded", "spaces"],
+)
+def test_an_invalid_request_id_is_replaced_and_never_echoed(server: Server, bad: str) -> None:
+    body = orjson.dumps(completion())
+    raw = raw_exchange(
+        server.port,
+        head("POST", "/v1/completions", "content-type: application/json", length=len(body)).replace(
+            b"\r\n\r\n", b"\r\nx-request-id: " + bad.encode() + b"\r\n\r\n"
+        )
+        + body,
+    )
+    assert ID_MARKER.encode() not in raw
+    status, _ = status_and_body(raw)
+    if status == 200:
+        headers = dict(line.split(b": ", 1) for line in raw.split(b"\r\n\r\n")[0].split(b"\r\n")[1:])
+        assert len(headers[b"x-request-id"]) == 32  # a minted uuid4 hex
+    else:
+        assert status == 400  # the HTTP parser refused the header before the app saw it
+
+
+@pytest.mark.loopback
+def test_a_raw_crlf_in_a_request_id_cannot_inject_a_response_header(server: Server) -> None:
+    # On the wire a CRLF ends the header: what follows is a separate request header that
+    # is not echoed, and the id before it is a valid one.
+    body = orjson.dumps(completion())
+    raw = raw_exchange(
+        server.port,
+        head(
+            "POST", "/v1/completions", "content-type: application/json",
+            "x-request-id: safe-id\r\nset-cookie: injected=1", length=len(body),
+        )
+        + body,
+    )
+    assert status_and_body(raw)[0] == 200
+    assert b"set-cookie" not in raw.lower() and b"injected" not in raw
+    assert b"x-request-id: safe-id\r\n" in raw
+
+
+@pytest.mark.loopback
+def test_duplicated_and_large_headers_are_handled_and_oversized_ones_refused(server: Server) -> None:
+    headers = {"x-dup-" + str(i % 3): "v" * 64 for i in range(100)} | {"x-big": "b" * 8192}
+    dup = [("x-request-id", "one"), ("x-request-id", "two"), *AUTH.items(), *headers.items()]
+    dup += [("x-same", "a")] * 100
+    resp = httpx.post(f"{server.url}/v1/completions", json=completion(), headers=dup)
+    assert resp.status_code == 200
+    assert resp.headers["x-request-id"] not in ("one", "two")  # two ids: neither is trusted
+    raw = raw_exchange(
+        server.port, head("POST", "/v1/completions", "x-huge: " + "h" * (1 << 20), length=2) + b"{}"
+    )
+    # The HTTP parser refuses a 1 MiB header line, or drops the connection: never a 5xx.
+    assert raw == b"" or 400 <= status_and_body(raw)[0] < 500
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.loopback
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_a_wrong_method_is_405(server: Server, method: str) -> None:
+    resp = httpx.request(method, f"{server.url}/v1/chat/completions", headers=AUTH)
+    assert resp.status_code == 405
+
+
+@pytest.mark.loopback
+@pytest.mark.asyncio
+async def test_concurrent_requests_sharing_one_id_each_get_their_own_cached_tokens(server: Server) -> None:
+    if server.mode != "sim":
+        pytest.skip("exact engine figures per request: the embedded engine's events")
+    n = count(1000, 1000)
+    prefixes = [" ".join([uuid.uuid4().hex, *(f"w{j}" for j in range(10 + 7 * (i % 11)))]) for i in range(n)]
+    limits = httpx.Limits(max_connections=n)
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120, limits=limits) as client:
+
+        async def warm(prefix: str) -> int:
+            resp = await client.post("/v1/completions", json={"prompt": prefix, "max_tokens": 1})
+            return resp.json()["usage"]["prompt_tokens"]
+
+        prompt_tokens = await asyncio.gather(*(warm(p) for p in prefixes))
+
+    # A fresh client: idle keep-alive connections may be closed by the server meanwhile.
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120, limits=limits) as client:
+
+        async def shared_id(prefix: str) -> httpx.Response:
+            body = {"prompt": prefix + " " + uuid.uuid4().hex, "max_tokens": 1}
+            return await client.post("/v1/completions", json=body, headers={"x-request-id": "shared-id"})
+
+        responses = await asyncio.gather(*(shared_id(p) for p in prefixes))
+    block = 16
+    for resp, warmed in zip(responses, prompt_tokens, strict=True):
+        assert resp.status_code == 200
+        assert resp.headers["x-request-id"] == "shared-id"
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == warmed // block * block
+    assert len({warmed // block for warmed in prompt_tokens}) > 3  # the answers differ
+    report("shared-request-id", requests=n, exact=n)
+
+
+# -- the upstream is fixed by configuration ---------------------------------------------------
+
+
+@pytest.mark.loopback
+def test_no_request_can_steer_the_upstream(server: Server, other_sim: str) -> None:
+    if server.mode != "upstream":
+        pytest.skip("upstream mode only")
+    other = other_sim.split("//", 1)[1]
+    for target, extra in (
+        (f"http://{other}/v1/models", ()),  # absolute-form request target
+        ("/v1/models", (f"x-forwarded-host: {other}", f"forwarded: host={other}")),
+        ("/v1/models", (f"x-original-url: http://{other}/v1/models", f"x-rewrite-url: http://{other}/")),
+    ):
+        raw = raw_exchange(server.port, head("GET", target, *extra, "connection: close").replace(
+            b"host: 127.0.0.1", f"host: {other}".encode()
+        ))
+        status, body = status_and_body(raw)
+        assert status == 200, raw[:300]
+        assert [m["id"] for m in orjson.loads(body)["data"]] == ["model-a"]
+    # A target that is not an absolute path never reaches the URL builder's host part
+    # (httptools refuses it; h11 would pass it on as raw_path).
+    raw = raw_exchange(server.port, head("GET", f"@{other}/v1/models", "connection: close"))
+    assert status_and_body(raw)[0] == 400
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("target", [b"@evil.example/v1/models", b"http://evil.example/v1/models", b"evil"])
+async def test_a_non_path_request_target_is_refused_upstream_not_forwarded(target: bytes) -> None:
+    engine = UpstreamEngine(Settings(engine="upstream", upstream="http://127.0.0.1:9"))
+    app = await engine.start()
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": target.decode(), "raw_path": target,
+             "query_string": b"", "headers": []}
+    try:
+        assert engine.url_for(scope) is None
+        await asyncio.wait_for(app(scope, receive, send), 5)
+    finally:
+        await engine.stop()
+    assert sent[0]["status"] == 400
+
+
+# -- the proxy's own API key -------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def in_process(**settings: Any):
+    app = CachetallyApp(Settings(engine="sim", **settings).validate())
+    async with app.running():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client
+
+
+@pytest.mark.asyncio
+async def test_api_key_is_required_and_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import proxy.auth
+
+    compared: list[tuple[bytes, bytes]] = []
+    real = proxy.auth.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(proxy.auth.hmac, "compare_digest", spy)
+    body = {"prompt": "hi", "max_tokens": 1}
+    async with in_process(api_key="k-123") as client:
+        for headers in ({}, {"authorization": "Bearer k-12"}, {"authorization": "Bearer k-1234"},
+                        {"authorization": "Basic k-123"}, {"authorization": "k-123"}):
+            resp = await client.post("/v1/completions", json=body, headers=headers)
+            assert resp.status_code == 401, headers
+            assert resp.json()["error"] == {
+                "message": "Missing or invalid API key", "type": "AuthenticationError", "param": None, "code": 401,
+            }
+            assert resp.headers["www-authenticate"] == "Bearer"
+        two = [("authorization", "Bearer k-123"), ("authorization", "Bearer k-123")]
+        assert (await client.post("/v1/completions", json=body, headers=two)).status_code == 401
+        for scheme in ("Bearer", "bearer"):
+            ok = await client.post("/v1/completions", json=body, headers={"authorization": f"{scheme} k-123"})
+            assert ok.status_code == 200
+        # Not exempt unless configured: every route, ours included.
+        for path in ("/health", "/metrics", "/stats", "/v1/models"):
+            assert (await client.get(path)).status_code == 401
+    assert compared and all(b == b"k-123" for _, b in compared)
+
+
+@pytest.mark.asyncio
+async def test_exempt_paths_are_open_and_only_those() -> None:
+    async with in_process(api_key="k", auth_exempt_paths=["/health", "/metrics"]) as client:
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/metrics")).status_code == 200
+        assert (await client.get("/stats")).status_code == 401
+        assert (await client.get("/health/")).status_code == 401
+    async with in_process() as client:  # no key: open
+        assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+
+
+def test_api_key_comes_from_env_or_flag_and_is_never_printed() -> None:
+    settings = load_settings(env={"CACHETALLY_API_KEY": "from-env", "CACHETALLY_AUTH_EXEMPT_PATHS": "/health"})
+    assert (settings.api_key, settings.auth_exempt_paths) == ("from-env", ["/health"])
+    assert "from-env" not in repr(settings)
+    flags = load_settings(env={"CACHETALLY_API_KEY": "from-env"}, overrides={"api_key": "from-flag"})
+    assert flags.api_key == "from-flag"
+    assert load_settings(env={"CACHETALLY_API_KEY": ""}).api_key is None
+
+    from proxy.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--api-key", "k", "--auth-exempt-path", "/health"])
+    assert (args.api_key, args.auth_exempt_path) == ("k", ["/health"])
