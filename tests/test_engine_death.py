@@ -1,0 +1,116 @@
+"""The embedded vLLM engine, on its own server: logs stay free of secrets at debug level,
+and when the engine core process dies the proxy says so at once instead of hanging.
+
+Not the shared ``vllm_server``: this module kills its engine. Its server runs with
+``--log-level debug`` (and vLLM's own logger at DEBUG), an API key, and its output in a
+file that the first test greps for prompt and completion text, the ``Authorization``
+value and the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.load import report
+from tests.servers import running_server
+
+pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
+
+KEY = "sk-KEYMARKER-" + uuid.uuid4().hex
+AUTH = {"authorization": f"Bearer {KEY}"}
+PROMPT_MARKER = "PROMPTMARKER" + uuid.uuid4().hex[:8]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: psutil.Process
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("engine-death") / "server.log"
+    env = {
+        "CACHETALLY_API_KEY": KEY,
+        "CACHETALLY_AUTH_EXEMPT_PATHS": "/health /metrics",
+        "VLLM_LOGGING_LEVEL": "DEBUG",
+    }
+    args = ["-m", "proxy.cli", "serve", "--log-level", "debug"]
+    with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
+        yield Server(url, psutil.Process(proc.pid), log)
+
+
+def engine_core(server: Server) -> psutil.Process:
+    children = server.proc.children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if "EngineCore" in child.name() or any("EngineCore" in part for part in child.cmdline()):
+                return child
+    candidates = [c for c in server.proc.children() if "resource_tracker" not in " ".join(c.cmdline())]
+    assert len(candidates) == 1, [(c.pid, c.name(), c.cmdline()) for c in children]
+    return candidates[0]
+
+
+def test_debug_logs_hold_no_prompt_completion_authorization_or_key(server: Server) -> None:
+    model = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+    texts = []
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
+        assert client.post("/v1/completions", json={"prompt": "x"}, headers={"authorization": "Bearer no"}).status_code == 401
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"{PROMPT_MARKER} say hi"}]}),
+            ("/v1/completions", {"prompt": f"{PROMPT_MARKER} once upon a time"}),
+        ):
+            for stream in (False, True):
+                payload = {**body, "model": model, "max_tokens": 12, "temperature": 0, "stream": stream}
+                resp = client.post(path, json=payload)
+                assert resp.status_code == 200
+                if not stream:
+                    choice = resp.json()["choices"][0]
+                    texts.append(choice.get("text") or choice["message"]["content"])
+    time.sleep(1.0)  # let the engine's periodic log lines land
+    text = server.log.read_text(errors="replace")
+    assert " DEBUG " in text
+    completions = [t.strip() for t in texts if len(t.strip()) >= 12]
+    leaked = [s for s in (KEY, "KEYMARKER", PROMPT_MARKER, *completions) if s in text]
+    assert not leaked, leaked
+    assert "Traceback" not in text
+
+
+def test_engine_death_turns_health_503_and_requests_fail_fast(server: Server) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    model = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+    core = engine_core(server)
+    core.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    core.wait(timeout=10)
+    while httpx.get(f"{server.url}/health").status_code != 503:
+        assert time.monotonic() - killed < 5.0, "/health still 200 five seconds after the engine died"
+        time.sleep(0.05)
+    flipped = time.monotonic() - killed
+    health = httpx.get(f"{server.url}/health")
+    assert health.json()["error"]["type"] == "ServiceUnavailableError"
+    timings = {}
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi", "stream": True}),
+    ):
+        started = time.monotonic()
+        resp = httpx.post(f"{server.url}{path}", json={**body, "model": model, "max_tokens": 4},
+                          headers=AUTH, timeout=30)
+        timings[path] = time.monotonic() - started
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == 503
+        assert timings[path] < 5.0
+    assert server.proc.is_running() and server.proc.status() != psutil.STATUS_ZOMBIE
+    report("engine-death", health_503_after_s=round(flipped, 3), request_503_s={k: round(v, 3) for k, v in timings.items()})
