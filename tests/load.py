@@ -33,7 +33,7 @@ def count(ci: int, soak: int) -> int:
 
 def report(name: str, **figures: Any) -> None:
     """Print a figure (shown with ``-s`` or on failure) and append it to ``$CACHETALLY_FIGURES``."""
-    line = orjson.dumps({"test": name, "soak": SOAK, **figures})
+    line = orjson.dumps({"test": name, "soak": SOAK, **figures}, option=orjson.OPT_NON_STR_KEYS)
     print(line.decode())
     if path := os.environ.get("CACHETALLY_FIGURES"):
         with open(path, "ab") as fh:
