@@ -34,6 +34,7 @@ from starlette.datastructures import MutableHeaders
 from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.events import current_request_key
 from proxy.errors import send_error
+from proxy.ghost import GhostHold
 from proxy.ledger import SlotUsage, UsageLedger
 from proxy.metrics import Metrics, RequestRecord
 from proxy.request_body import (
@@ -156,6 +157,7 @@ class _Responder:
         self._chunks: list[bytes] = []
         self._size = 0
         self._sse: SSEPatcher | None = None
+        self._hold: GhostHold | None = None
 
     async def run(self, scope: Scope, receive: Receive) -> None:
         config = self.mw.config
@@ -216,6 +218,8 @@ class _Responder:
             self._skip("encoded")
         elif content_type.startswith("text/event-stream"):
             self.mode, self.stream = _Mode.SSE, True
+            if self.ghost:
+                self._hold = GhostHold()
             del headers["content-length"]
             self._sse = SSEPatcher(
                 self._patch_event,
@@ -244,6 +248,10 @@ class _Responder:
             out = self._sse.feed(body) if body else b""
             if not more:
                 out += self._sse.flush()
+            if self._hold is not None:
+                out = self._hold.filter(out)
+                if not more:
+                    out += self._hold.release()
             if out or not more:
                 await self._send({"type": "http.response.body", "body": out, "more_body": more})
         elif self.mode is _Mode.JSON:
@@ -290,8 +298,9 @@ class _Responder:
         ).apply(payload, self.seen)
 
     def _patch_event(self, payload: dict[str, Any]) -> bool | None:
-        if self.ghost and payload.get("usage") is not None and payload.get("choices") == []:
+        if self._hold is not None and payload.get("usage") is not None and payload.get("choices") == []:
             self._patch(payload)  # observe it for the metrics, then drop it
+            self._hold.usage_dropped(payload)
             return False
         options = self.options
         assert options is not None

@@ -739,6 +739,51 @@ async def test_ghost_usage_asks_for_usage_drops_it_and_still_counts_the_request(
     assert h.sample("cachetally_prompt_tokens_total", model="m") == 64
 
 
+def finishing(index: int = 0, **extra: Any) -> bytes:
+    """A chunk with a finish_reason, serialized the way vLLM's pydantic models are."""
+    choice = {"index": index, "delta": {"content": "!"}, "finish_reason": "length"}
+    payload = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m", "choices": [choice], **extra}
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+GHOST_USAGE = chunk(
+    usage={"prompt_tokens": 64, "completion_tokens": 2, "total_tokens": 66}, system_fingerprint="fp-1"
+)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("together", [False, True], ids=["separate-sends", "one-send"])
+async def test_ghost_usage_puts_the_fingerprint_back_where_vllm_would_have(together: bool) -> None:
+    # vLLM 0.32 stamps system_fingerprint on finishing chunks only without include_usage;
+    # with it, the (dropped) usage chunk carries it. n=2: two finishing chunks.
+    h = Harness(PatchConfig(ghost_usage=True))
+    client = Client(chat_request(stream=True))
+    upstream = [ROLE, TOKEN, finishing(0), TOKEN, finishing(1), GHOST_USAGE, DONE]
+    if together:
+        upstream = [b"".join(upstream)]
+    await h.call(h.middleware(sse_response(*upstream)), client)
+    direct = ROLE + TOKEN + finishing(0, system_fingerprint="fp-1") + TOKEN
+    direct += finishing(1, system_fingerprint="fp-1") + DONE
+    assert client.body == direct
+    assert h.requests() == {"unknown": 1}
+
+
+@pytest.mark.asyncio
+async def test_ghost_hold_releases_unchanged_when_no_usage_chunk_comes() -> None:
+    h = Harness(PatchConfig(ghost_usage=True))
+    client = Client(chat_request(stream=True))
+    await h.call(h.middleware(sse_response(ROLE, finishing(0), DONE)), client)
+    assert client.body == ROLE + finishing(0) + DONE
+
+
+@pytest.mark.asyncio
+async def test_ghost_usage_without_a_fingerprint_changes_nothing_else() -> None:
+    h = Harness(PatchConfig(ghost_usage=True))
+    client = Client(chat_request(stream=True))
+    await h.call(h.middleware(sse_response(ROLE, finishing(0), USAGE, DONE)), client)
+    assert client.body == ROLE + finishing(0) + DONE
+
+
 @pytest.mark.asyncio
 async def test_ghost_usage_leaves_a_client_that_asked_for_usage_alone() -> None:
     h = Harness(PatchConfig(ghost_usage=True))
