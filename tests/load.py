@@ -148,7 +148,10 @@ async def run_mix(
         drop = drop_points[rng.randrange(len(drop_points))] if rng.random() < drop_share else None
         plan.append((ROUTES[route], body(rng, route, stream), drop))
 
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
+    # Keep-alive shorter than uvicorn's 5 s: a pooled connection the server is closing just
+    # as the client reuses it fails with ReadError, a client-side race, not a proxy fault.
+    limits = httpx.Limits(max_connections=concurrency, keepalive_expiry=1.0)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
 
         async def one(path: str, content: bytes, drop: DropPoint | None) -> None:
             async with limit:
