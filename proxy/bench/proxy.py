@@ -50,7 +50,7 @@ class Counts:
     sse1_streams: int = 2  # one after another
     sse100_tokens: int = 300
     ttft_conns: int = 8
-    ttft_per_conn: int = 4
+    ttft_per_conn: int = 3
     paced_delay_s: float = 0.2
     held_streams: int = 500
     embedded_per_conn: int = 40
