@@ -1,6 +1,6 @@
 """One request forwarded upstream and its response streamed back (``UpstreamEngine``'s app).
 
-Per request, two tasks race:
+Per request, two tasks race in one anyio task group:
 
 - the exchange: send the request (body streamed as ``receive`` yields it), relay the
   response chunk by chunk (``aiter_raw``), and close the upstream response in ``finally``,
@@ -25,6 +25,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+import anyio
 import httpx
 
 from engine_adapter.engine import Receive, Scope, Send
@@ -54,17 +55,9 @@ def failure(exc: httpx.TransportError) -> tuple[int, str]:
 
 
 async def aclose_shielded(response: httpx.Response) -> None:
-    """``response.aclose()`` run to completion even if this task is cancelled meanwhile."""
-    closing = asyncio.ensure_future(response.aclose())
-    cancelled = False
-    while not closing.done():
-        try:
-            await asyncio.shield(closing)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    closing.result()
+    """``response.aclose()`` run to completion even if the request is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        await response.aclose()
 
 
 class Forward:
@@ -76,16 +69,30 @@ class Forward:
         self.body_done = asyncio.Event()
 
     async def run(self) -> None:
-        exchange = asyncio.create_task(self._exchange())
-        watcher = asyncio.create_task(self._watch_disconnect())
-        try:
-            await asyncio.wait((exchange, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (watcher, exchange):
-                task.cancel()
-            await asyncio.wait((exchange, watcher))
-        if not exchange.cancelled():
-            exchange.result()  # re-raise what the exchange raised
+        # An anyio task group, not bare asyncio tasks: httpcore guards its close path with
+        # anyio shielded scopes, which stop anyio's cancellation but not a raw
+        # Task.cancel(). Cancelled natively mid-close, a response stayed checked out of the
+        # pool for good (about 1.5% of client drops in the disconnect soak).
+        error: Exception | None = None
+        async with anyio.create_task_group() as tasks:
+
+            async def exchange() -> None:
+                nonlocal error
+                try:
+                    await self._exchange()
+                except Exception as exc:  # re-raised below, outside the task group
+                    error = exc
+                finally:
+                    tasks.cancel_scope.cancel()
+
+            async def watch() -> None:
+                await self._watch_disconnect()
+                tasks.cancel_scope.cancel()
+
+            tasks.start_soon(exchange)
+            tasks.start_soon(watch)
+        if error is not None:
+            raise error
 
     async def _watch_disconnect(self) -> None:
         await self.body_done.wait()
