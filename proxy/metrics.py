@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -64,6 +65,7 @@ class Metrics:
     def __init__(self, ledger: UsageLedger) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
         self.stats = CacheStats()
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self.prompt_tokens = Counter(
             "cachetally_prompt_tokens", "Prompt tokens of counted requests", ["model"], registry=registry
         )
@@ -108,8 +110,18 @@ class Metrics:
         open_slots.set_function(lambda: len(ledger))
         registry.register(_LedgerCollector(ledger))
 
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """``metric.labels(*labels)``, memoized: ``labels()`` costs microseconds per call,
+        and the label sets are few (models x routes x outcomes)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def record(self, rec: RequestRecord) -> None:
-        self.requests.labels(rec.model, rec.route, "true" if rec.stream else "false", rec.cache).inc()
+        child = self._child
+        child(self.requests, rec.model, rec.route, "true" if rec.stream else "false", rec.cache).inc()
         if rec.mismatches:
             self.mismatch.inc(rec.mismatches)
         self.stats.add(rec.prompt_tokens, rec.cached_tokens)
@@ -117,15 +129,15 @@ class Metrics:
             return
         assert rec.prompt_tokens is not None and rec.cached_tokens is not None
         source = rec.source or "upstream"
-        self.prompt_tokens.labels(rec.model).inc(rec.prompt_tokens)
-        self.cached_tokens.labels(rec.model, source, "all").inc(rec.cached_tokens)
+        child(self.prompt_tokens, rec.model).inc(rec.prompt_tokens)
+        child(self.cached_tokens, rec.model, source, "all").inc(rec.cached_tokens)
         if rec.local_cached_tokens is not None:
-            self.cached_tokens.labels(rec.model, source, "local").inc(rec.local_cached_tokens)
+            child(self.cached_tokens, rec.model, source, "local").inc(rec.local_cached_tokens)
         if rec.external_cached_tokens is not None:
-            self.cached_tokens.labels(rec.model, source, "external").inc(rec.external_cached_tokens)
-        self.request_cached.labels(rec.model).observe(rec.cached_tokens)
+            child(self.cached_tokens, rec.model, source, "external").inc(rec.external_cached_tokens)
+        child(self.request_cached, rec.model).observe(rec.cached_tokens)
         if rec.prompt_tokens:
-            self.request_ratio.labels(rec.model).observe(rec.cached_tokens / rec.prompt_tokens)
+            child(self.request_ratio, rec.model).observe(rec.cached_tokens / rec.prompt_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
