@@ -31,6 +31,9 @@ logger = logging.getLogger("cachetally.upstream")
 MAX_CONNECTIONS = 1024
 KEEPALIVE_EXPIRY_S = 30.0
 
+#: Parsed upstream URLs kept (by path + query); the cache is cleared when it is full.
+URL_CACHE_SIZE = 1024
+
 #: Routes whose bodies the middleware parses: the upstream must not compress them.
 _PATCHED_PATHS = frozenset(DEFAULT_ROUTES)
 
@@ -50,6 +53,7 @@ class UpstreamEngine:
             write=settings.read_timeout_s,
             pool=settings.connect_timeout_s,
         )
+        self._timeouts = self.timeout.as_dict()  # the per-request extension, built once
         self.limits = httpx.Limits(
             max_connections=MAX_CONNECTIONS,
             max_keepalive_connections=MAX_CONNECTIONS,
@@ -57,6 +61,9 @@ class UpstreamEngine:
         )
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        # Parsing a URL string is a good share of httpx's cost per request; the targets
+        # repeat (a handful of routes), so each is parsed once (httpx.URL is immutable).
+        self._urls: dict[bytes, httpx.URL] = {}
 
     async def start(self) -> ASGIApp:
         if self._client is None:
@@ -89,12 +96,29 @@ class UpstreamEngine:
         if client is None:
             await send_error(send, 503, "The upstream engine is not running")
             return
-        url = self.url_for(scope)
+        url = self._parsed_url(scope)
         if url is None:
             await send_error(send, 400, "The request target must be an absolute path")
             return
         path: str = scope["path"]
-        await Forward(client, url, path in _PATCHED_PATHS, scope, receive, send).run()
+        await Forward(client, url, self._timeouts, path in _PATCHED_PATHS, scope, receive, send).run()
+
+    def _parsed_url(self, scope: Scope) -> httpx.URL | None:
+        """:meth:`url_for`, parsed, from a cache keyed by the raw target."""
+        raw_path: bytes | None = scope.get("raw_path")
+        if not raw_path:
+            url = self.url_for(scope)
+            return None if url is None else httpx.URL(url)
+        key = raw_path + b"?" + scope.get("query_string", b"")
+        parsed = self._urls.get(key)
+        if parsed is None:
+            url = self.url_for(scope)
+            if url is None:
+                return None
+            if len(self._urls) >= URL_CACHE_SIZE:
+                self._urls.clear()
+            parsed = self._urls[key] = httpx.URL(url)
+        return parsed
 
     def url_for(self, scope: Scope) -> str | None:
         """``upstream`` + the request's raw path + query, encoding left as the client sent it.

@@ -62,9 +62,16 @@ async def aclose_shielded(response: httpx.Response) -> None:
 
 class Forward:
     def __init__(
-        self, client: httpx.AsyncClient, url: str, identity: bool, scope: Scope, receive: Receive, send: Send
+        self,
+        client: httpx.AsyncClient,
+        url: httpx.URL | str,
+        timeout: dict[str, float | None],
+        identity: bool,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
     ) -> None:
-        self.client, self.url, self.identity = client, url, identity
+        self.client, self.url, self.timeout, self.identity = client, url, timeout, identity
         self.scope, self.receive, self.send = scope, receive, send
         self.body_done = asyncio.Event()
 
@@ -119,7 +126,7 @@ class Forward:
             self.url,
             headers=request_headers(self.scope["headers"], identity=self.identity, keep_length=streamed),
             content=self._stream_body(body) if streamed else body,
-            extensions={"timeout": self.client.timeout.as_dict()},
+            extensions={"timeout": self.timeout},
         )
         try:
             response = await self.client.send(request, stream=True)
