@@ -6,8 +6,11 @@ errors) passes through byte for byte. The engine publishes no events: usage come
 the upstream's own report (``proxy.vendor_usage``, ``source=upstream``).
 
 One shared ``httpx.AsyncClient`` is created in :meth:`start` (the app's lifespan) and
-closed in :meth:`stop`. Its pool is sized for about a thousand concurrent streams; a
-request that finds it full waits ``connect_timeout_s``, then gets 503. ``trust_env`` is
+closed in :meth:`stop`. Its transport is an ``aiohttp.ClientSession`` with one
+``TCPConnector`` (:mod:`proxy.upstream_aiohttp`: about 3x httpcore's throughput, see
+docs/PERFORMANCE.md) unless a transport is injected (tests). The pool is sized for about
+a thousand concurrent streams; a request that finds it full waits ``connect_timeout_s``,
+then gets 503. ``trust_env`` is
 off: a reverse proxy must not route its upstream calls through ``HTTP(S)_PROXY`` or add
 ``.netrc`` credentials. The per-request work is in :mod:`proxy.upstream_forward`.
 """
@@ -23,6 +26,7 @@ from engine_adapter.engine import ASGIApp, Receive, Scope, Send
 from proxy.errors import send_error
 from proxy.middleware import DEFAULT_ROUTES
 from proxy.settings import Settings
+from proxy.upstream_aiohttp import AiohttpTransport
 from proxy.upstream_forward import Forward
 
 logger = logging.getLogger("cachetally.upstream")
@@ -67,8 +71,12 @@ class UpstreamEngine:
 
     async def start(self) -> ASGIApp:
         if self._client is None:
+            transport = self._transport
+            if transport is None:
+                transport = AiohttpTransport(self.limits)
+                transport.open()
             self._client = httpx.AsyncClient(
-                transport=self._transport,
+                transport=transport,
                 limits=self.limits,
                 timeout=self.timeout,
                 trust_env=False,
@@ -135,22 +143,33 @@ class UpstreamEngine:
         query: bytes = scope.get("query_string", b"")
         return self.base_url + path + ("?" + query.decode("latin-1") if query else "")
 
-    def metrics_text(self) -> bytes:
-        """Pool gauges, read from httpcore's pool when it has the expected shape (else empty)."""
-        pool = getattr(getattr(self._client, "_transport", None), "_pool", None)
+    def _pool_state(self) -> tuple[int, int, int, int] | None:
+        """(open, idle, checked out, queued): aiohttp's connector, or an injected httpcore pool."""
+        transport = getattr(self._client, "_transport", None)
+        if isinstance(transport, AiohttpTransport):
+            return transport.pool_state()
+        pool = getattr(transport, "_pool", None)
         try:
             connections = list(pool.connections)  # type: ignore[union-attr]
             requests = list(pool._requests)  # type: ignore[union-attr]
             queued = sum(1 for request in requests if request.is_queued())
             idle = sum(1 for connection in connections if connection.is_idle())
         except (AttributeError, TypeError):
+            return None
+        return len(connections), idle, len(requests) - queued, queued
+
+    def metrics_text(self) -> bytes:
+        """Pool gauges, read from the connection pool when it has the expected shape (else empty)."""
+        state = self._pool_state()
+        if state is None:
             return b""
+        open_, idle, checked_out, queued = state
         gauges = (
-            ("cachetally_upstream_connections_open", len(connections), "Connections to the upstream."),
+            ("cachetally_upstream_connections_open", open_, "Connections to the upstream."),
             ("cachetally_upstream_connections_idle", idle, "Idle keep-alive connections to the upstream."),
             (
                 "cachetally_upstream_connections_checked_out",
-                len(requests) - queued,
+                checked_out,
                 "Upstream requests holding a connection (an unclosed response stays here).",
             ),
             ("cachetally_upstream_requests_queued", queued, "Upstream requests waiting for a connection."),

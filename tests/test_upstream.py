@@ -697,3 +697,105 @@ def test_authorization_is_never_logged(start_proxy: Any, caplog: pytest.LogCaptu
     served = "\n".join(r.getMessage() for r in caplog.records if r.threadName.startswith("cachetally-"))
     assert "upstream POST /v1/completions: ConnectError -> 502" in served
     assert "sk-very-secret" not in served and "q-secret" not in served
+
+
+# -- the default transport (aiohttp) against a raw upstream on 127.0.0.1 ---------------------
+
+
+class RawUpstream:
+    """A TCP server that records each request head and answers with scripted bytes."""
+
+    def __init__(self, answers: list[bytes]) -> None:
+        self.answers, self.heads = answers, []
+        self.server: asyncio.Server | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
+                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                if length:
+                    await reader.readexactly(int(length.group(1)))
+                writer.write(self.answers.pop(0))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+async def call(app: Any, path: str, query: bytes = b"", headers: list[Any] | None = None) -> list[Message]:
+    sent: list[Message] = []
+    requests = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> Message:
+        if not requests:
+            await asyncio.Event().wait()  # the client stays
+        return requests.pop()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(),
+             "query_string": query, "headers": headers or [], "http_version": "1.1"}
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    return sent
+
+
+@loopback
+@pytest.mark.asyncio
+async def test_default_transport_adds_nothing_decodes_nothing_follows_nothing() -> None:
+    import gzip
+
+    packed = gzip.compress(b'{"data": []}')
+    answers = [
+        b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-type: application/json\r\n"
+        b"set-cookie: s=1\r\ncontent-length: %d\r\n\r\n" % len(packed) + packed,
+        b"HTTP/1.1 302 Found\r\nlocation: /elsewhere\r\ncontent-length: 0\r\n\r\n",
+    ]
+    upstream = RawUpstream(answers)
+    async with upstream as url:
+        engine = UpstreamEngine(Settings(engine="upstream", upstream=url))
+        app = await engine.start()
+        try:
+            sent = await call(app, "/v1/x%2Fy", b"a=%20b&c=/", [(b"x-one", b"1"), (b"x-one", b"2")])
+            assert sent[0]["status"] == 200
+            assert (b"content-encoding", b"gzip") in sent[0]["headers"]
+            assert b"".join(m.get("body", b"") for m in sent[1:]) == packed  # byte for byte
+            sent = await call(app, "/v1/models")
+            assert sent[0]["status"] == 302  # relayed, not followed
+            assert (b"location", b"/elsewhere") in sent[0]["headers"]
+            text = engine.metrics_text().decode()
+            assert "cachetally_upstream_connections_checked_out 0\n" in text
+            assert "cachetally_upstream_connections_open 1\n" in text
+        finally:
+            await engine.stop()
+    first, second = (head.decode("latin-1").split("\r\n") for head in upstream.heads)
+    assert first[0] == "GET /v1/x%2Fy?a=%20b&c=/ HTTP/1.1"  # the target as the client sent it
+    names = [line.split(":")[0].lower() for line in first[1:] if line]
+    assert sorted(names) == ["host", "x-one", "x-one"]  # no User-Agent, Accept, Accept-Encoding
+    assert not any(line.lower().startswith("cookie") for line in second)  # no shared cookie jar
+
+
+@loopback
+@pytest.mark.asyncio
+async def test_default_transport_maps_a_reset_before_the_headers_to_502() -> None:
+    upstream = RawUpstream([b"HTTP/1.1 20"])  # then the connection closes
+    async with upstream as url:
+        engine = UpstreamEngine(Settings(engine="upstream", upstream=url))
+        app = await engine.start()
+        try:
+            sent = await call(app, "/v1/models")
+        finally:
+            await engine.stop()
+    assert sent[0]["status"] == 502
+    assert orjson.loads(sent[1]["body"])["error"]["code"] == 502
