@@ -207,9 +207,8 @@ def test_a_wrong_method_is_405(server: Server, method: str) -> None:
 
 @pytest.mark.loopback
 @pytest.mark.asyncio
+@pytest.mark.parametrize("server", ["sim"], indirect=True)  # exact figures: the engine's events
 async def test_concurrent_requests_sharing_one_id_each_get_their_own_cached_tokens(server: Server) -> None:
-    if server.mode != "sim":
-        pytest.skip("exact engine figures per request: the embedded engine's events")
     n = count(1000, 1000)
     prefixes = [" ".join([uuid.uuid4().hex, *(f"w{j}" for j in range(10 + 7 * (i % 11)))]) for i in range(n)]
     limits = httpx.Limits(max_connections=n)
@@ -242,9 +241,8 @@ async def test_concurrent_requests_sharing_one_id_each_get_their_own_cached_toke
 
 
 @pytest.mark.loopback
+@pytest.mark.parametrize("server", ["upstream"], indirect=True)
 def test_no_request_can_steer_the_upstream(server: Server, other_sim: str) -> None:
-    if server.mode != "upstream":
-        pytest.skip("upstream mode only")
     other = other_sim.split("//", 1)[1]
     for target, extra in (
         (f"http://{other}/v1/models", ()),  # absolute-form request target
