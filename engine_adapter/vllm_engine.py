@@ -174,11 +174,18 @@ class VllmEngine:
     async def stop(self) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
+            client = self._client
             try:
                 await stack.aclose()  # lifespan exit, tier hook removed, engine core shut down
             finally:
                 self._client = self._tiers = None
                 multiprocessing.active_children()  # reap the engine core: no zombie left
+                if client is not None:
+                    # vLLM 0.32 keeps AsyncLLM alive to interpreter exit, where its __del__
+                    # calls shutdown() again with module globals already gone and prints a
+                    # TypeError traceback after every clean stop. It is shut down: make the
+                    # second call a no-op.
+                    client.shutdown = lambda *args, **kwargs: None
 
     def healthy(self) -> bool:
         client = self._client

@@ -14,9 +14,11 @@ from tests.servers import running_server
 
 
 @pytest.fixture(scope="session")
-def vllm_server() -> Iterator[str]:
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`cachetally serve` with no engine flags: embedded vLLM and the default model."""
-    with running_server(["-m", "proxy.cli", "serve", "--log-level", "warning"], timeout_s=600) as (url, proc):
+    log = tmp_path_factory.mktemp("vllm") / "serve.log"
+    args = ["-m", "proxy.cli", "serve", "--log-level", "warning"]
+    with running_server(args, timeout_s=600, log_path=log) as (url, proc):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "the engine core runs in a child process"
         yield url
@@ -24,6 +26,7 @@ def vllm_server() -> Iterator[str]:
     assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes left behind: {alive}"
+    assert "Traceback" not in log.read_text(errors="replace"), f"a traceback in {log}"
 
 
 @pytest.fixture(scope="session")
