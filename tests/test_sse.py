@@ -257,7 +257,7 @@ def stream_and_cuts(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
     stream = draw(sse_stream())
     cuts = sorted(set(draw(st.lists(st.integers(0, len(stream)), max_size=20))))
     bounds = [0, *cuts, len(stream)]
-    return stream, [stream[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return stream, [stream[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

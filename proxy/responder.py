@@ -1,0 +1,258 @@
+"""One patched request's state: the ``send`` state machine behind ``UsagePatchMiddleware``.
+
+Built per request by :class:`~proxy.middleware.UsagePatchMiddleware`, which holds only
+configuration. The responder reads the request body once (size-capped), rewrites it only
+when it must, replays it to the inner app, patches the response (a JSON body held and
+re-measured; an SSE stream passed on as it comes, usage events rewritten) and, from the
+middleware's ``finally``, counts the request once.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.datastructures import MutableHeaders
+
+from engine_adapter.engine import Message, Receive, Scope, Send
+from proxy.errors import send_error
+from proxy.ghost import GhostHold
+from proxy.ledger import SlotUsage
+from proxy.metrics import RequestRecord
+from proxy.request_body import (
+    DETAILS_FLAG,
+    BodyTooLarge,
+    ClientGone,
+    RequestOptions,
+    parse_request,
+    read_body,
+    replay,
+)
+from proxy.sse import SSEPatcher
+from proxy.usage import Observation, UsagePatch
+
+if TYPE_CHECKING:
+    from proxy.middleware import UsagePatchMiddleware
+
+#: The response's own ``"model"`` field, read from the first SSE bytes of a stream whose
+#: usage chunk never comes (the client did not ask for it), so it is labelled like the rest.
+#: Inside a JSON string a quote is escaped, so this only matches a real key.
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+_MODEL_SNIFF_CHUNKS = 4
+
+
+class _Mode(Enum):
+    PASS = 0
+    JSON = 1
+    SSE = 2
+
+
+class Responder:
+    def __init__(self, mw: UsagePatchMiddleware, route: str, key: str, echo: str, send: Send) -> None:
+        self.mw = mw
+        self.route = route
+        self.key = key
+        self.echo = echo
+        self._send = send
+        self.options: RequestOptions | None = None
+        self.seen = Observation()
+        self.mode = _Mode.PASS
+        self.stream = False
+        self.ghost = False
+        self.completed = False  # a 200 response went out in full
+        self._sniff_chunks = _MODEL_SNIFF_CHUNKS
+        self.status: int | None = None
+        self._start: Message | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._sse: SSEPatcher | None = None
+        self._hold: GhostHold | None = None
+
+    async def run(self, scope: Scope, receive: Receive) -> None:
+        config = self.mw.config
+        try:
+            body = await read_body(receive, scope["headers"], config.max_request_bytes)
+        except BodyTooLarge:
+            await send_error(self.send, 413, f"Request body exceeds {config.max_request_bytes} bytes")
+            return
+        except ClientGone:
+            return
+        try:
+            payload, self.options = parse_request(body)
+        except ValueError as exc:
+            await send_error(self.send, 400, str(exc))
+            return
+        body = self._rewrite(payload, body)
+        headers = [
+            (name, value)
+            for name, value in scope["headers"]
+            if name.lower() not in (b"x-request-id", b"content-length")
+        ]
+        headers += [(b"x-request-id", self.key.encode()), (b"content-length", str(len(body)).encode())]
+        await self.mw.app({**scope, "headers": headers}, replay(body, receive), self.send)
+
+    def _rewrite(self, payload: dict[str, Any], body: bytes) -> bytes:
+        options, config = self.options, self.mw.config
+        assert options is not None
+        changed = False
+        if config.strip_details_flag and DETAILS_FLAG in payload:
+            del payload[DETAILS_FLAG]
+            changed = True
+        if config.ghost_usage and options.stream and not options.include_usage:
+            # continuous_usage_stats only applies with include_usage; keep it off.
+            payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
+            self.ghost = changed = True
+        return orjson.dumps(payload) if changed else body
+
+    # -- response side -------------------------------------------------------------------
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            await self._on_start(message)
+        elif kind == "http.response.body":
+            await self._on_body(message)
+        else:
+            await self._send(message)
+
+    async def _on_start(self, message: Message) -> None:
+        headers = MutableHeaders(raw=list(message["headers"]))
+        headers[self.mw.request_ids.header] = self.echo
+        message = {**message, "headers": headers.raw}
+        content_type = headers.get("content-type", "")
+        self.status = message["status"]
+        if message["status"] != 200 or self.options is None:
+            self.mode = _Mode.PASS
+        elif "content-encoding" in headers:
+            self._skip("encoded")
+        elif content_type.startswith("text/event-stream"):
+            self.mode, self.stream = _Mode.SSE, True
+            if self.ghost:
+                self._hold = GhostHold()
+            del headers["content-length"]
+            self._sse = SSEPatcher(
+                self._patch_event,
+                max_event_bytes=self.mw.config.max_event_bytes,
+                on_oversize=lambda: self._count_skip("event_too_large"),
+            )
+        elif content_type.startswith("application/json"):
+            self.mode = _Mode.JSON
+            self._start = message
+            return  # held until the body is complete
+        else:
+            self._skip("content_type")
+        await self._send(message)
+
+    async def _on_body(self, message: Message) -> None:
+        body: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        if not more:
+            self.completed = self.options is not None and self.status == 200
+        if self.mode is _Mode.SSE:
+            assert self._sse is not None
+            if self.seen.model is None and self._sniff_chunks and body:
+                self._sniff_chunks -= 1
+                if match := _MODEL_FIELD.search(body):
+                    self.seen.model = match.group(1).decode("utf-8", "replace")
+            out = self._sse.feed(body) if body else b""
+            if not more:
+                out += self._sse.flush()
+            if self._hold is not None:
+                out = self._hold.filter(out)
+                if not more:
+                    out += self._hold.release()
+            if out or not more:
+                await self._send({"type": "http.response.body", "body": out, "more_body": more})
+        elif self.mode is _Mode.JSON:
+            self._chunks.append(body)
+            self._size += len(body)
+            if not more:
+                await self._send_json(b"".join(self._chunks))
+            elif self._size > self.mw.config.max_response_bytes:
+                self._count_skip("body_too_large")
+                self.mode = _Mode.PASS
+                await self._send(self._take_start())
+                await self._send({"type": "http.response.body", "body": b"".join(self._chunks), "more_body": True})
+                self._chunks.clear()
+        else:
+            await self._send(message)
+
+    async def _send_json(self, body: bytes) -> None:
+        start = self._take_start()
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            payload = None
+        if not isinstance(payload, dict):
+            self._count_skip("malformed")
+        elif self._patch(payload) is not None:
+            body = orjson.dumps(payload)
+            headers = MutableHeaders(raw=start["headers"])
+            headers["content-length"] = str(len(body))
+        await self._send(start)
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _take_start(self) -> Message:
+        start, self._start = self._start, None
+        assert start is not None
+        return start
+
+    def _patch(self, payload: dict[str, Any]) -> bool | None:
+        options = self.options
+        assert options is not None
+        return UsagePatch(
+            engine=self.mw.ledger.usage(self.key),
+            missing=self.mw.config.missing,
+            details=options.want_details,
+        ).apply(payload, self.seen)
+
+    def _patch_event(self, payload: dict[str, Any]) -> bool | None:
+        if self._hold is not None and payload.get("usage") is not None and payload.get("choices") == []:
+            self._patch(payload)  # observe it for the metrics, then drop it
+            self._hold.usage_dropped(payload)
+            return False
+        options = self.options
+        assert options is not None
+        if options.want_details and payload.get("choices"):
+            # Tier details belong to the final usage chunk only, not continuous ones.
+            return UsagePatch(self.mw.ledger.usage(self.key), self.mw.config.missing).apply(
+                payload, self.seen
+            )
+        return self._patch(payload)
+
+    def _skip(self, reason: str) -> None:
+        self.mode = _Mode.PASS
+        self._count_skip(reason)
+
+    def _count_skip(self, reason: str) -> None:
+        self.mw.metrics.patch_skipped.labels(reason).inc()
+
+    # -- accounting ----------------------------------------------------------------------
+
+    def finish(self, engine: SlotUsage | None) -> None:
+        """Count this request once. Synchronous: runs in the middleware's ``finally``."""
+        seen = self.seen
+        if engine is None and seen.prompt_tokens is None and not self.completed:
+            return  # rejected (4xx), failed or abandoned before the engine saw it: not counted
+        # The engine's own model name, never the client's: labels must stay bounded.
+        model = seen.model or self.mw.config.default_model
+        record = RequestRecord(model=model, route=self.route, stream=self.stream, mismatches=seen.mismatches)
+        if engine is not None:
+            record.prompt_tokens, record.cached_tokens, record.source = (
+                engine.prompt_tokens,
+                engine.cached_tokens,
+                "engine",
+            )
+            record.local_cached_tokens = engine.local_cached_tokens
+            record.external_cached_tokens = engine.external_cached_tokens
+        elif seen.source == "upstream":
+            record.prompt_tokens, record.cached_tokens, record.source = (
+                seen.prompt_tokens,
+                seen.cached_tokens,
+                "upstream",
+            )
+        else:
+            record.prompt_tokens = seen.prompt_tokens
+        self.mw.metrics.record(record)
