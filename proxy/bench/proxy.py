@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,14 @@ import httpx
 
 from proxy.bench import report
 from proxy.bench.micro import micro
+from proxy.bench.processes import (
+    LoadGen,
+    Placement,
+    Servers,
+    cpu_s,
+    rss_kib,
+    wait_healthy,
+)
 
 Figures = dict[str, Any]
 
@@ -83,134 +90,6 @@ def _completion_stream(max_tokens: int) -> str:
     )
 
 
-# -- processes ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of ``pid`` (Linux ``/proc``), or None elsewhere."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-class _Placement:
-    """Which cores the proxy side and the rest get (no pinning with one core or no API)."""
-
-    def __init__(self) -> None:
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self.pinned = len(cores) >= 2
-        self.proxy = {cores[0]} if self.pinned else None
-        self.rest = set(cores[1:]) if self.pinned else None
-
-    def pin(self, pid: int, cores: set[int] | None) -> None:
-        if cores is not None:
-            os.sched_setaffinity(pid, cores)
-
-
-class _Servers(contextlib.ExitStack):
-    def __init__(self, placement: _Placement) -> None:
-        super().__init__()
-        self.placement = placement
-
-    def start(self, args: list[str], cores: set[int] | None) -> tuple[int, subprocess.Popen[bytes]]:
-        port = _free_port()
-        proc = subprocess.Popen(
-            [sys.executable, *args, "--port", str(port), "--log-level", "warning"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.callback(_stop, proc)
-        self.placement.pin(proc.pid, cores)
-        return port, proc
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_healthy(ports: list[tuple[int, subprocess.Popen[bytes]]], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for port, proc in ports:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server {proc.args} exited with code {proc.returncode}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server on port {port} not healthy after {timeout_s} s")
-            time.sleep(0.1)
-
-
-class _LoadGen:
-    def __init__(self, servers: _Servers) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.bench.loadgen"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        servers.callback(_stop, self.proc)
-        servers.callback(self._exit)
-        servers.placement.pin(self.proc.pid, servers.placement.rest)
-
-    def _exit(self) -> None:
-        try:
-            with contextlib.suppress(OSError, ValueError):
-                self.send({"op": "exit"})
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
-        finally:
-            for pipe in (self.proc.stdin, self.proc.stdout):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
-
-    def send(self, job: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"load generator exited with code {self.proc.wait()}")
-        return json.loads(line)
-
-    def run(self, port: int, path: str, body: str, conns: int, per_conn: int) -> dict[str, Any]:
-        self.send({"op": "run", "port": port, "path": path, "body": body, "conns": conns, "per_conn": per_conn})
-        result = self.answer()
-        if result["errors"]:
-            raise RuntimeError(f"{result['errors']} failed request(s) against port {port}")
-        return result
-
-
 # -- statistics --------------------------------------------------------------------------
 
 
@@ -254,25 +133,25 @@ def run(counts: Counts = Counts(), progress: Callable[[int], Any] | None = None)
     """Start everything, measure, stop everything; return the figures (see module docstring)."""
     steps = counts.rounds * 2 * 6 + 2
     bar = progress(steps) if progress else contextlib.nullcontext()
-    with bar as tick_bar, _Servers(_Placement()) as servers:
+    with bar as tick_bar, Servers(Placement()) as servers:
         tick = (lambda: tick_bar.update()) if tick_bar is not None else (lambda: None)
         return _measure(counts, servers, tick)
 
 
-def _measure(counts: Counts, servers: _Servers, tick: Callable[[], None]) -> Figures:
+def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figures:
     place = servers.placement
     sim = servers.start(["-m", "engine_adapter.sim"], place.rest)
     paced = servers.start(["-m", "engine_adapter.sim", "--token-delay-s", str(counts.paced_delay_s)], place.rest)
     bare = servers.start(["-m", "engine_adapter.sim"], place.proxy)
     started = [sim, paced, bare]
-    _wait_healthy(started)
+    wait_healthy(started)
     proxy = servers.start(["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{sim[0]}"], place.proxy)
     paced_proxy = servers.start(
         ["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{paced[0]}"], place.proxy
     )
     embedded = servers.start(["-m", "proxy.cli", "serve", "--engine", "sim"], place.proxy)
-    _wait_healthy([proxy, paced_proxy, embedded])
-    gen = _LoadGen(servers)
+    wait_healthy([proxy, paced_proxy, embedded])
+    gen = LoadGen(servers)
     port = {"direct": sim[0], "proxied": proxy[0]}
     paced_port = {"direct": paced[0], "proxied": paced_proxy[0]}
     chat, completions = "/v1/chat/completions", "/v1/completions"
@@ -286,9 +165,9 @@ def _measure(counts: Counts, servers: _Servers, tick: Callable[[], None]) -> Fig
 
     def latency(conns: int, per_conn: int) -> Callable[[str], dict[str, float]]:
         def measure(side: str) -> dict[str, float]:
-            cpu0 = _cpu_s(proxy[1].pid)
+            cpu0 = cpu_s(proxy[1].pid)
             r = gen.run(port[side], chat, plain, conns, per_conn)
-            cpu = (_cpu_s(proxy[1].pid) or 0.0) - (cpu0 or 0.0)
+            cpu = (cpu_s(proxy[1].pid) or 0.0) - (cpu0 or 0.0)
             n = len(r["latency_ms"])
             return {"p50_ms": _pct(r["latency_ms"], 0.5), "p99_ms": _pct(r["latency_ms"], 0.99),
                     "rps": n / r["wall_s"], "proxy_cpu_s_per_req": cpu / n}
@@ -312,9 +191,9 @@ def _measure(counts: Counts, servers: _Servers, tick: Callable[[], None]) -> Fig
     embedded_pid = {"direct": bare[1].pid, "proxied": embedded[1].pid}
 
     def embedded_round(side: str) -> dict[str, float]:
-        cpu0 = _cpu_s(embedded_pid[side])
+        cpu0 = cpu_s(embedded_pid[side])
         r = gen.run(embedded_port[side], chat, plain, 64, counts.embedded_per_conn)
-        cpu = (_cpu_s(embedded_pid[side]) or 0.0) - (cpu0 or 0.0)
+        cpu = (cpu_s(embedded_pid[side]) or 0.0) - (cpu0 or 0.0)
         n = len(r["latency_ms"])
         return {"rps": n / r["wall_s"], "cpu_us_per_req": cpu / n * 1e6}
 
@@ -355,24 +234,24 @@ def _measure(counts: Counts, servers: _Servers, tick: Callable[[], None]) -> Fig
     return figures
 
 
-def _held_streams(gen: _LoadGen, proxy: tuple[int, subprocess.Popen[bytes]], path: str, counts: Counts) -> Figures:
+def _held_streams(gen: LoadGen, proxy: tuple[int, subprocess.Popen[bytes]], path: str, counts: Counts) -> Figures:
     """RSS of the proxy with ``held_streams`` streams open, minus before, per stream."""
     pid = proxy[1].pid
-    before = _rss_kib(pid)
+    before = rss_kib(pid)
     gen.send({"op": "hold", "port": proxy[0], "path": path, "body": _completion_stream(1_000_000),
               "conns": counts.held_streams, "timeout_s": 60 + counts.paced_delay_s * 2})
     ready = gen.answer()
     time.sleep(max(0.5, counts.paced_delay_s * 3))  # a few events through every stream
-    held = _rss_kib(pid)
+    held = rss_kib(pid)
     gen.send({"op": "release"})
     gen.answer()
-    after = _rss_kib(pid)
+    after = rss_kib(pid)
     per_stream = (held - before) / ready["ready"] if held is not None and before is not None else None
     return {"streams": ready["ready"], "rss_before_kib": before, "rss_held_kib": held,
             "rss_after_kib": after, "kib_per_stream": per_stream}
 
 
-def _machine(place: _Placement) -> Figures:
+def _machine(place: Placement) -> Figures:
     import platform
 
     import httpcore
