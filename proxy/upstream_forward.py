@@ -172,7 +172,7 @@ class Forward:
         try:
             async for chunk in response.aiter_raw():
                 if chunk:
-                    tail = (tail + chunk)[-4:]
+                    tail = (tail + chunk[-4:])[-4:]  # never copy the whole chunk
                     await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.TransportError as exc:
             status, message = failure(exc)

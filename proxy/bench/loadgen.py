@@ -32,7 +32,7 @@ import httptools
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("transport", "parser", "waiter", "first", "events", "status", "_tail", "_closed")
+    __slots__ = ("transport", "parser", "waiter", "first", "events", "status", "_tail")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -42,7 +42,6 @@ class _Conn(asyncio.Protocol):
         self.events = 0
         self.status = 0
         self._tail = b""
-        self._closed = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -55,7 +54,6 @@ class _Conn(asyncio.Protocol):
             self._fail(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
         self._fail(exc or ConnectionResetError("connection closed"))
 
     # httptools callbacks
