@@ -87,18 +87,17 @@ def stop(proc: subprocess.Popen[Any]) -> None:
             proc.wait()
 
 
-def wait_healthy(ports: list[tuple[int, subprocess.Popen[bytes]]], timeout_s: float = 60.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float = 60.0) -> None:
+    """Poll ``url``/health until it answers 200; fail at once if ``proc`` exits."""
     deadline = time.monotonic() + timeout_s
-    for port, proc in ports:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server {proc.args} exited with code {proc.returncode}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server on port {port} not healthy after {timeout_s} s")
-            time.sleep(0.1)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {proc.args} exited with code {proc.returncode}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
 
 
 class LoadGen:

@@ -144,13 +144,15 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
     paced = servers.start(["-m", "engine_adapter.sim", "--token-delay-s", str(counts.paced_delay_s)], place.rest)
     bare = servers.start(["-m", "engine_adapter.sim"], place.proxy)
     started = [sim, paced, bare]
-    wait_healthy(started)
+    for port, proc in started:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
     proxy = servers.start(["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{sim[0]}"], place.proxy)
     paced_proxy = servers.start(
         ["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{paced[0]}"], place.proxy
     )
     embedded = servers.start(["-m", "proxy.cli", "serve", "--engine", "sim"], place.proxy)
-    wait_healthy([proxy, paced_proxy, embedded])
+    for port, proc in (proxy, paced_proxy, embedded):
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
     gen = LoadGen(servers)
     port = {"direct": sim[0], "proxied": proxy[0]}
     paced_port = {"direct": paced[0], "proxied": paced_proxy[0]}
