@@ -3,7 +3,7 @@
 Hop-by-hop headers describe one connection, not the message: ``Connection`` and every
 header it names, ``Keep-Alive``, ``TE``, ``Trailer(s)``, ``Transfer-Encoding``,
 ``Upgrade`` and the ``Proxy-*`` family. They are dropped both ways. ``Host`` is rebuilt
-for the upstream by httpx from the URL. From the upstream response, ``Date`` and
+for the upstream by the upstream client from the URL. From the upstream response, ``Date`` and
 ``Server`` are dropped too, because uvicorn writes its own (as nginx does).
 
 Headers stay raw ``bytes`` pairs, in order, so repeated headers survive. Nothing here
@@ -46,7 +46,7 @@ def request_headers(headers: Headers, *, identity: bool, keep_length: bool) -> H
 
     ``identity``: ask for an unencoded body (``Accept-Encoding: identity``) because the
     middleware will parse it. ``keep_length``: keep ``Content-Length`` (a streamed body);
-    otherwise httpx measures the bytes itself.
+    otherwise the upstream client frames the bytes itself.
     """
     also = set(_REQUEST_ONLY)
     if identity:

@@ -5,28 +5,26 @@ chat and completions on the way back, everything else (``/v1/models``, ``/tokeni
 errors) passes through byte for byte. The engine publishes no events: usage comes from
 the upstream's own report (``proxy.vendor_usage``, ``source=upstream``).
 
-One shared ``httpx.AsyncClient`` is created in :meth:`start` (the app's lifespan) and
-closed in :meth:`stop`. Its transport is an ``aiohttp.ClientSession`` with one
-``TCPConnector`` (:mod:`proxy.upstream_aiohttp`: about 3x httpcore's throughput, see
-docs/PERFORMANCE.md) unless a transport is injected (tests). The pool is sized for about
-a thousand concurrent streams; a request that finds it full waits ``connect_timeout_s``,
-then gets 503. ``trust_env`` is
-off: a reverse proxy must not route its upstream calls through ``HTTP(S)_PROXY`` or add
-``.netrc`` credentials. The per-request work is in :mod:`proxy.upstream_forward`.
+One shared upstream client is created in :meth:`start` (the app's lifespan) and closed in
+:meth:`stop`: an aiohttp pool (:mod:`proxy.upstream_aiohttp`, chosen over httpx by
+measurement, see docs/PERFORMANCE.md) unless a client is injected (tests). The pool is
+sized for about a thousand concurrent streams; a request that finds it full waits
+``connect_timeout_s``, then gets 503. The per-request work is in
+:mod:`proxy.upstream_forward`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from urllib.parse import quote
-
-import httpx
 
 from engine_adapter.engine import ASGIApp, Receive, Scope, Send
 from proxy.errors import send_error
 from proxy.middleware import DEFAULT_ROUTES
 from proxy.settings import Settings
-from proxy.upstream_aiohttp import AiohttpTransport
+from proxy.upstream_aiohttp import AiohttpClient
+from proxy.upstream_client import UpstreamClient
 from proxy.upstream_forward import Forward
 
 logger = logging.getLogger("cachetally.upstream")
@@ -35,7 +33,7 @@ logger = logging.getLogger("cachetally.upstream")
 MAX_CONNECTIONS = 1024
 KEEPALIVE_EXPIRY_S = 30.0
 
-#: Parsed upstream URLs kept (by path + query); the cache is cleared when it is full.
+#: Parsed upstream targets kept (by path + query); the cache is cleared when it is full.
 URL_CACHE_SIZE = 1024
 
 #: Routes whose bodies the middleware parses: the upstream must not compress them.
@@ -47,45 +45,31 @@ class UpstreamEngine:
 
     name = "upstream"
 
-    def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, settings: Settings, client: Callable[[], UpstreamClient] | None = None) -> None:
+        """``client``: makes the upstream client at :meth:`start` (default: the aiohttp pool)."""
         if not settings.upstream:
             raise ValueError("UpstreamEngine needs settings.upstream (http://HOST:PORT)")
         self.base_url = settings.upstream.rstrip("/")
-        self.timeout = httpx.Timeout(
-            connect=settings.connect_timeout_s,
-            read=settings.read_timeout_s,
-            write=settings.read_timeout_s,
-            pool=settings.connect_timeout_s,
+        self._make_client = client or (
+            lambda: AiohttpClient(
+                max_connections=MAX_CONNECTIONS,
+                keepalive_s=KEEPALIVE_EXPIRY_S,
+                connect_timeout_s=settings.connect_timeout_s,
+                read_timeout_s=settings.read_timeout_s,
+            )
         )
-        self._timeouts = self.timeout.as_dict()  # the per-request extension, built once
-        self.limits = httpx.Limits(
-            max_connections=MAX_CONNECTIONS,
-            max_keepalive_connections=MAX_CONNECTIONS,
-            keepalive_expiry=KEEPALIVE_EXPIRY_S,
-        )
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        # Parsing a URL string is a good share of httpx's cost per request; the targets
-        # repeat (a handful of routes), so each is parsed once (httpx.URL is immutable).
-        self._urls: dict[bytes, httpx.URL] = {}
+        self._client: UpstreamClient | None = None
+        # The targets repeat (a handful of routes), so each is built and parsed once.
+        self._targets: dict[bytes, object] = {}
 
     async def start(self) -> ASGIApp:
         if self._client is None:
-            transport = self._transport
-            if transport is None:
-                transport = AiohttpTransport(self.limits)
-                transport.open()
-            self._client = httpx.AsyncClient(
-                transport=transport,
-                limits=self.limits,
-                timeout=self.timeout,
-                trust_env=False,
-                follow_redirects=False,
-            )
+            self._client = self._make_client()
         return self.app
 
     async def stop(self) -> None:
         client, self._client = self._client, None
+        self._targets.clear()
         if client is not None:
             await client.aclose()
 
@@ -104,29 +88,28 @@ class UpstreamEngine:
         if client is None:
             await send_error(send, 503, "The upstream engine is not running")
             return
-        url = self._parsed_url(scope)
-        if url is None:
+        target = self._target(client, scope)
+        if target is None:
             await send_error(send, 400, "The request target must be an absolute path")
             return
-        path: str = scope["path"]
-        await Forward(client, url, self._timeouts, path in _PATCHED_PATHS, scope, receive, send).run()
+        await Forward(client, target, scope["path"] in _PATCHED_PATHS, scope, receive, send).run()
 
-    def _parsed_url(self, scope: Scope) -> httpx.URL | None:
-        """:meth:`url_for`, parsed, from a cache keyed by the raw target."""
+    def _target(self, client: UpstreamClient, scope: Scope) -> object | None:
+        """:meth:`url_for`, parsed by ``client``, from a cache keyed by the raw target."""
         raw_path: bytes | None = scope.get("raw_path")
         if not raw_path:
             url = self.url_for(scope)
-            return None if url is None else httpx.URL(url)
+            return None if url is None else client.target(url)
         key = raw_path + b"?" + scope.get("query_string", b"")
-        parsed = self._urls.get(key)
-        if parsed is None:
+        target = self._targets.get(key)
+        if target is None:
             url = self.url_for(scope)
             if url is None:
                 return None
-            if len(self._urls) >= URL_CACHE_SIZE:
-                self._urls.clear()
-            parsed = self._urls[key] = httpx.URL(url)
-        return parsed
+            if len(self._targets) >= URL_CACHE_SIZE:
+                self._targets.clear()
+            target = self._targets[key] = client.target(url)
+        return target
 
     def url_for(self, scope: Scope) -> str | None:
         """``upstream`` + the request's raw path + query, encoding left as the client sent it.
@@ -143,24 +126,9 @@ class UpstreamEngine:
         query: bytes = scope.get("query_string", b"")
         return self.base_url + path + ("?" + query.decode("latin-1") if query else "")
 
-    def _pool_state(self) -> tuple[int, int, int, int] | None:
-        """(open, idle, checked out, queued): aiohttp's connector, or an injected httpcore pool."""
-        transport = getattr(self._client, "_transport", None)
-        if isinstance(transport, AiohttpTransport):
-            return transport.pool_state()
-        pool = getattr(transport, "_pool", None)
-        try:
-            connections = list(pool.connections)  # type: ignore[union-attr]
-            requests = list(pool._requests)  # type: ignore[union-attr]
-            queued = sum(1 for request in requests if request.is_queued())
-            idle = sum(1 for connection in connections if connection.is_idle())
-        except (AttributeError, TypeError):
-            return None
-        return len(connections), idle, len(requests) - queued, queued
-
     def metrics_text(self) -> bytes:
         """Pool gauges, read from the connection pool when it has the expected shape (else empty)."""
-        state = self._pool_state()
+        state = self._client.pool_state() if self._client is not None else None
         if state is None:
             return b""
         open_, idle, checked_out, queued = state

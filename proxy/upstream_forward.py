@@ -1,16 +1,14 @@
 """One request forwarded upstream and its response streamed back (``UpstreamEngine``'s app).
 
-Per request, two tasks race in one anyio task group:
-
-- the exchange: send the request (body streamed as ``receive`` yields it), relay the
-  response chunk by chunk (``aiter_raw``), and close the upstream response in ``finally``,
-  shielded from cancellation, on success, error and disconnect alike;
-- the watcher: once the request body is consumed, wait for ``http.disconnect``.
-
-Whichever ends first cancels the other. A client that goes away therefore closes the
-upstream connection at once, so the engine sees the disconnect and aborts; without the
-watcher a ``send`` after a disconnect is silently dropped (ASGI 2.3) and the stream would
-be read to its end.
+The exchange runs in the request's own task: send the request (the body streamed as
+``receive`` yields it), relay the response chunk by chunk as it arrives, and close the
+upstream response in ``finally`` on success, error and disconnect alike. Beside it, one
+watcher task waits, once the request body is consumed, for ``http.disconnect`` and then
+cancels the exchange. A client that goes away therefore closes the upstream connection
+at once, so the engine sees the disconnect and aborts; without the watcher a ``send``
+after a disconnect is silently dropped (ASGI 2.3) and the stream would be read to its
+end. Closing a response is synchronous (:class:`~proxy.upstream_client.UpstreamResponse`),
+so a cancellation can never land halfway through it and leave a connection checked out.
 
 Failures: no connection or a broken one before the headers -> 502, a timeout -> 504, a
 full connection pool -> 503, all in OpenAI error JSON. After the headers went out, an SSE
@@ -25,12 +23,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-import anyio
-import httpx
-
 from engine_adapter.engine import Receive, Scope, Send
 from proxy.errors import error_sse_event, send_error
-from proxy.hop_headers import request_headers, response_headers
+from proxy.hop_headers import Headers, request_headers, response_headers
+from proxy.upstream_client import UpstreamClient, UpstreamFailure, UpstreamResponse
 
 logger = logging.getLogger("cachetally.upstream")
 
@@ -45,66 +41,42 @@ class _ClientGone(Exception):
     """The client disconnected while its request body was being forwarded."""
 
 
-def failure(exc: httpx.TransportError) -> tuple[int, str]:
-    """The status and client-facing message for an upstream failure (no upstream URL)."""
-    if isinstance(exc, httpx.PoolTimeout):
-        return 503, "Upstream connection pool exhausted"
-    if isinstance(exc, httpx.TimeoutException):
-        return 504, "Upstream server timed out"
-    return 502, "Upstream server unreachable or connection lost"
-
-
-async def aclose_shielded(response: httpx.Response) -> None:
-    """``response.aclose()`` run to completion even if the request is being cancelled."""
-    with anyio.CancelScope(shield=True):
-        await response.aclose()
+def is_sse(headers: Headers) -> bool:
+    return any(name.lower() == b"content-type" and value.startswith(b"text/event-stream") for name, value in headers)
 
 
 class Forward:
+    __slots__ = ("body_done", "client", "gone", "identity", "receive", "scope", "send", "target")
+
     def __init__(
-        self,
-        client: httpx.AsyncClient,
-        url: httpx.URL | str,
-        timeout: dict[str, float | None],
-        identity: bool,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
+        self, client: UpstreamClient, target: object, identity: bool, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        self.client, self.url, self.timeout, self.identity = client, url, timeout, identity
+        self.client, self.target, self.identity = client, target, identity
         self.scope, self.receive, self.send = scope, receive, send
         self.body_done = asyncio.Event()
+        self.gone = False  # the client disconnected
 
     async def run(self) -> None:
-        # An anyio task group, not bare asyncio tasks: httpcore guards its close path with
-        # anyio shielded scopes, which stop anyio's cancellation but not a raw
-        # Task.cancel(). Cancelled natively mid-close, a response stayed checked out of the
-        # pool for good (about 1.5% of client drops in the disconnect soak).
-        error: Exception | None = None
-        async with anyio.create_task_group() as tasks:
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(self._watch_disconnect(task))
+        try:
+            await self._exchange()
+        except asyncio.CancelledError:
+            # Our own cancellation (the watcher saw the client leave) ends the request
+            # quietly; any other (server shutdown) goes on.
+            if self.gone and task.uncancel() == 0:
+                return
+            raise
+        finally:
+            watcher.cancel()
 
-            async def exchange() -> None:
-                nonlocal error
-                try:
-                    await self._exchange()
-                except Exception as exc:  # re-raised below, outside the task group
-                    error = exc
-                finally:
-                    tasks.cancel_scope.cancel()
-
-            async def watch() -> None:
-                await self._watch_disconnect()
-                tasks.cancel_scope.cancel()
-
-            tasks.start_soon(exchange)
-            tasks.start_soon(watch)
-        if error is not None:
-            raise error
-
-    async def _watch_disconnect(self) -> None:
+    async def _watch_disconnect(self, exchange: asyncio.Task[object]) -> None:
         await self.body_done.wait()
         while (await self.receive())["type"] != "http.disconnect":
             pass
+        self.gone = True
+        exchange.cancel()
 
     async def _exchange(self) -> None:
         # Up to the first non-empty chunk: a body that ends there is sent whole, with its
@@ -119,30 +91,24 @@ class Forward:
                 break
         if not streamed:
             self.body_done.set()
-        # Not client.build_request: that would add the client's default headers (Accept,
-        # Accept-Encoding: gzip, User-Agent) to what the client sent.
-        request = httpx.Request(
-            self.scope["method"],
-            self.url,
-            headers=request_headers(self.scope["headers"], identity=self.identity, keep_length=streamed),
-            content=self._stream_body(body) if streamed else body,
-            extensions={"timeout": self.timeout},
-        )
+        scope = self.scope
+        headers = request_headers(scope["headers"], identity=self.identity, keep_length=streamed)
         try:
-            response = await self.client.send(request, stream=True)
+            response = await self.client.send(
+                scope["method"], self.target, headers, self._stream_body(body) if streamed else body
+            )
         except _ClientGone:
             return
-        except httpx.TransportError as exc:
-            status, message = failure(exc)
-            logger.warning(
-                "upstream %s %s: %s -> %d", request.method, request.url.path, type(exc).__name__, status
-            )
-            await send_error(self.send, status, message)
+        except UpstreamFailure as exc:
+            if self.gone:
+                return
+            logger.warning("upstream %s %s: %s -> %d", scope["method"], scope["path"], exc.reason, exc.status)
+            await send_error(self.send, exc.status, exc.message)
             return
         try:
             await self._relay(response)
         finally:
-            await aclose_shielded(response)
+            response.close()
 
     async def _stream_body(self, first: bytes) -> AsyncIterator[bytes]:
         if first:
@@ -150,6 +116,7 @@ class Forward:
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
+                self.gone = True
                 raise _ClientGone
             more = message.get("more_body", False)
             if not more:
@@ -159,32 +126,23 @@ class Forward:
             if not more:
                 return
 
-    async def _relay(self, response: httpx.Response) -> None:
-        sse = response.headers.get("content-type", "").startswith("text/event-stream")
-        await self.send(
-            {
-                "type": "http.response.start",
-                "status": response.status_code,
-                "headers": response_headers(response.headers.raw),
-            }
-        )
+    async def _relay(self, response: UpstreamResponse) -> None:
+        send, read = self.send, response.read
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": response_headers(response.headers)})
         tail = b"\n\n"
         try:
-            async for chunk in response.aiter_raw():
-                if chunk:
-                    tail = (tail + chunk[-4:])[-4:]  # never copy the whole chunk
-                    await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.TransportError as exc:
-            status, message = failure(exc)
-            request = response.request
-            logger.warning(
-                "upstream %s %s failed mid-response: %s", request.method, request.url.path, type(exc).__name__
-            )
-            if not sse:
-                raise UpstreamBodyError(message) from None
+            while chunk := await read():
+                tail = (tail + chunk[-4:])[-4:]  # never copy the whole chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamFailure as exc:
+            scope = self.scope
+            logger.warning("upstream %s %s failed mid-response: %s", scope["method"], scope["path"], exc.reason)
+            if not is_sse(response.headers):
+                raise UpstreamBodyError(exc.message) from None
             # Close a half-sent event first, so the error event is parsed on its own.
             prefix = b"" if tail.endswith(_EVENT_ENDS) else b"\n\n"
-            event = prefix + error_sse_event(status, message)
-            await self.send({"type": "http.response.body", "body": event, "more_body": False})
+            event = prefix + error_sse_event(exc.status, exc.message)
+            await send({"type": "http.response.body", "body": event, "more_body": False})
             return
-        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

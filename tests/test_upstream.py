@@ -28,11 +28,15 @@ from starlette.responses import JSONResponse, Response
 
 from engine_adapter.engine import Engine, Message
 from proxy.app import CachetallyApp
+from proxy.errors import error_body
 from proxy.hop_headers import request_headers, response_headers
 from proxy.settings import Settings
-from proxy.upstream import MAX_CONNECTIONS, UpstreamEngine
+from proxy.upstream import UpstreamEngine
+from proxy.upstream_aiohttp import AiohttpClient
+from proxy.upstream_client import POOL_FULL, TIMED_OUT, UNREACHABLE, UpstreamFailure
 from proxy.upstream_forward import UpstreamBodyError
 from tests.servers import free_port, metric_value, running_server
+from tests.upstream_fakes import AsgiClient, ScriptedClient, ScriptedResponse, Sent
 
 loopback = pytest.mark.loopback
 SIM = ["-m", "engine_adapter.sim", "--log-level", "warning"]
@@ -389,8 +393,7 @@ async def llama_cpp(request: Request) -> Response:
 @contextlib.asynccontextmanager
 async def in_process(upstream_app: Any, upstream: str = "http://fake-upstream:9") -> AsyncIterator[Any]:
     settings = Settings(engine="upstream", upstream=upstream).validate()
-    transport = httpx.ASGITransport(app=upstream_app)
-    app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, transport))
+    app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, lambda: AsgiClient(upstream_app)))
     async with app.running(), httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://cachetally"
     ) as client:
@@ -495,41 +498,9 @@ def test_hop_by_hop_headers_are_dropped_both_ways() -> None:
 # -- message level: failures at exact points -------------------------------------------------
 
 
-class ScriptedStream(httpx.AsyncByteStream):
-    """Yields ``chunks``, then raises ``error`` (or waits until cancelled if ``hang``)."""
-
-    def __init__(self, chunks: list[bytes], error: Exception | None = None, hang: bool = False) -> None:
-        self.chunks, self.error, self.hang = chunks, error, hang
-        self.closed = False
-        self.hanging = asyncio.Event()
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
-            yield chunk
-        if self.hang:
-            self.hanging.set()
-            await asyncio.Event().wait()
-        if self.error is not None:
-            raise self.error
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-class ScriptedTransport(httpx.AsyncBaseTransport):
-    def __init__(self, respond: Callable[[httpx.Request], httpx.Response]) -> None:
-        self.respond = respond
-        self.requests: list[httpx.Request] = []
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        await request.aread()
-        self.requests.append(request)
-        return self.respond(request)
-
-
-def engine_with(respond: Callable[[httpx.Request], httpx.Response]) -> UpstreamEngine:
-    settings = Settings(engine="upstream", upstream="http://up:1")
-    return UpstreamEngine(settings, ScriptedTransport(respond))
+def engine_with(respond: Callable[[Sent], ScriptedResponse]) -> UpstreamEngine:
+    client = ScriptedClient(respond)
+    return UpstreamEngine(Settings(engine="upstream", upstream="http://up:1"), lambda: client)
 
 
 def http_scope(path: str = "/v1/chat/completions", method: str = "POST") -> dict[str, Any]:
@@ -564,16 +535,19 @@ async def drive(
     return sent
 
 
-def sse_response(stream: ScriptedStream) -> Callable[[httpx.Request], httpx.Response]:
-    return lambda request: httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+def sse_response(stream: ScriptedResponse) -> Callable[[Sent], ScriptedResponse]:
+    stream.headers = [(b"content-type", b"text/event-stream")]
+    return lambda request: stream
+
+
+RESET = UpstreamFailure(UNREACHABLE, "ClientPayloadError")
+SLOW = UpstreamFailure(TIMED_OUT, "SocketTimeoutError")
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(
-    ("error", "status"), [(httpx.ReadError("reset"), 502), (httpx.ReadTimeout("slow"), 504)]
-)
-async def test_mid_stream_failure_sends_one_sse_error_event_and_closes(error: Exception, status: int) -> None:
-    stream = ScriptedStream([b'data: {"a":1}\n\n', b'data: {"b":'], error)
+@pytest.mark.parametrize(("error", "status"), [(RESET, 502), (SLOW, 504)])
+async def test_mid_stream_failure_sends_one_sse_error_event_and_closes(error: UpstreamFailure, status: int) -> None:
+    stream = ScriptedResponse([b'data: {"a":1}\n\n', b'data: {"b":'], error)
     sent = await drive(engine_with(sse_response(stream)))
     assert sent[0]["status"] == 200
     bodies = [m["body"] for m in sent[1:]]
@@ -587,37 +561,28 @@ async def test_mid_stream_failure_sends_one_sse_error_event_and_closes(error: Ex
 
 @pytest.mark.asyncio
 async def test_mid_body_failure_of_a_non_sse_response_cuts_it_off() -> None:
-    stream = ScriptedStream([b'{"partial":'], httpx.RemoteProtocolError("peer closed"))
-    json_type = {"content-type": "application/json"}
-    engine = engine_with(lambda r: httpx.Response(200, headers=json_type, stream=stream))
+    stream = ScriptedResponse([b'{"partial":'], RESET, headers=[(b"content-type", b"application/json")])
     with pytest.raises(UpstreamBodyError):
-        await drive(engine)
+        await drive(engine_with(lambda r: stream))
     assert stream.closed
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    ("error", "status"),
-    [
-        (httpx.ConnectError("refused"), 502),
-        (httpx.RemoteProtocolError("no response"), 502),
-        (httpx.ConnectTimeout("slow"), 504),
-        (httpx.ReadTimeout("slow"), 504),
-        (httpx.PoolTimeout("full"), 503),
-    ],
+    ("answer", "status"), [(UNREACHABLE, 502), (TIMED_OUT, 504), (POOL_FULL, 503)]
 )
-async def test_failures_before_the_headers_are_openai_errors(error: Exception, status: int) -> None:
-    def respond(request: httpx.Request) -> httpx.Response:
-        raise error
+async def test_failures_before_the_headers_are_openai_errors(answer: tuple[int, str], status: int) -> None:
+    def respond(request: Sent) -> ScriptedResponse:
+        raise UpstreamFailure(answer, "scripted")
 
     sent = await drive(engine_with(respond))
     assert sent[0]["status"] == status
-    assert orjson.loads(sent[1]["body"])["error"]["code"] == status
+    assert sent[1]["body"] == error_body(status, answer[1])
 
 
 @pytest.mark.asyncio
 async def test_client_disconnect_closes_the_upstream_stream_at_once() -> None:
-    stream = ScriptedStream([b'data: {"a":1}\n\n'], hang=True)
+    stream = ScriptedResponse([b'data: {"a":1}\n\n'], hang=True)
     disconnect = asyncio.Event()
     engine = engine_with(sse_response(stream))
     task = asyncio.ensure_future(drive(engine, disconnect))
@@ -631,8 +596,8 @@ async def test_client_disconnect_closes_the_upstream_stream_at_once() -> None:
 
 @pytest.mark.asyncio
 async def test_streamed_request_body_is_forwarded_as_it_comes() -> None:
-    transport = ScriptedTransport(lambda r: httpx.Response(200, stream=ScriptedStream([b"ok"])))
-    engine = UpstreamEngine(Settings(engine="upstream", upstream="http://up:1"), transport)
+    client = ScriptedClient(lambda r: ScriptedResponse([b"ok"]))
+    engine = UpstreamEngine(Settings(engine="upstream", upstream="http://up:1"), lambda: client)
     app = await engine.start()
     parts = [b'{"a":', b' 1', b"}"]
     messages = [{"type": "http.request", "body": p, "more_body": i < 2} for i, p in enumerate(parts)]
@@ -652,9 +617,9 @@ async def test_streamed_request_body_is_forwarded_as_it_comes() -> None:
     }
     await asyncio.wait_for(app(scope, receive, send), 5)
     await engine.stop()
-    request = transport.requests[0]
-    assert request.headers["transfer-encoding"] == "chunked"  # httpx re-chunks; ours was dropped
-    assert request.content == b'{"a": 1}'
+    request = client.requests[0]
+    assert request.headers == [(b"content-type", b"application/json")]  # our chunked framing is dropped
+    assert request.body == b'{"a": 1}'
     assert [m.get("body") for m in sent] == [None, b"ok", b""]
 
 
@@ -670,7 +635,6 @@ async def test_lifecycle_health_pool_gauges_and_websockets() -> None:
     for name in ("open", "idle", "checked_out"):
         assert f"cachetally_upstream_connections_{name} 0\n" in text
     assert "cachetally_upstream_requests_queued 0\n" in text
-    assert isinstance(engine, UpstreamEngine) and engine.limits.max_connections == MAX_CONNECTIONS >= 1000
     sent: list[Message] = []
 
     async def send(message: Message) -> None:
@@ -695,7 +659,7 @@ def test_authorization_is_never_logged(start_proxy: Any, caplog: pytest.LogCaptu
     assert resp.status_code == 502
     # Everything cachetally's server thread logged (the test's own client logs its URL).
     served = "\n".join(r.getMessage() for r in caplog.records if r.threadName.startswith("cachetally-"))
-    assert "upstream POST /v1/completions: ConnectError -> 502" in served
+    assert "upstream POST /v1/completions: ClientConnectorError -> 502" in served
     assert "sk-very-secret" not in served and "q-secret" not in served
 
 
@@ -799,3 +763,65 @@ async def test_default_transport_maps_a_reset_before_the_headers_to_502() -> Non
             await engine.stop()
     assert sent[0]["status"] == 502
     assert orjson.loads(sent[1]["body"])["error"]["code"] == 502
+
+
+PARTIAL_SSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"5\r\ndata:\r\n"
+)
+
+
+def aiohttp_client(**overrides: float) -> AiohttpClient:
+    options = {"max_connections": 1024, "keepalive_s": 30.0, "connect_timeout_s": 2.0, "read_timeout_s": 5.0}
+    return AiohttpClient(**(options | overrides))  # type: ignore[arg-type]
+
+
+@loopback
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("answers", "read_timeout_s", "status"),
+    [([PARTIAL_SSE], 5.0, 502), ([PARTIAL_SSE, b""], 0.2, 504)],
+    ids=["reset", "stall"],
+)
+async def test_default_client_maps_a_failure_mid_body(answers: list[bytes], read_timeout_s: float, status: int) -> None:
+    async with RawUpstream(answers) as url:
+        client = aiohttp_client(read_timeout_s=read_timeout_s)
+        try:
+            response = await client.send("GET", client.target(url + "/v1/x"), [], b"")
+            assert await response.read() == b"data:"
+            with pytest.raises(UpstreamFailure) as info:
+                await response.read()
+            response.close()
+            assert info.value.status == status
+            assert client.pool_state() == (0, 0, 0, 0)  # the broken connection is not pooled
+        finally:
+            await client.aclose()
+
+
+@loopback
+@pytest.mark.asyncio
+async def test_default_client_answers_503_when_every_connection_stays_busy() -> None:
+    async with RawUpstream([PARTIAL_SSE, b""]) as url:
+        client = aiohttp_client(max_connections=1, connect_timeout_s=0.2)
+        try:
+            held = await client.send("GET", client.target(url + "/a"), [], b"")
+            assert client.pool_state() == (1, 0, 1, 0)
+            with pytest.raises(UpstreamFailure) as info:
+                await client.send("GET", client.target(url + "/b"), [], b"")
+            assert info.value.status == 503
+            held.close()  # unfinished: dropped, so the upstream sees the client leave
+            assert client.pool_state() == (0, 0, 0, 0)
+        finally:
+            await client.aclose()
+
+
+@loopback
+@pytest.mark.asyncio
+async def test_default_client_answers_502_when_nothing_listens() -> None:
+    client = aiohttp_client()
+    try:
+        with pytest.raises(UpstreamFailure) as info:
+            await client.send("GET", client.target(f"http://127.0.0.1:{free_port()}/v1/models"), [], b"")
+    finally:
+        await client.aclose()
+    assert (info.value.status, info.value.reason) == (502, "ClientConnectorError")

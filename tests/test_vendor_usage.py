@@ -26,6 +26,7 @@ from proxy.settings import Settings
 from proxy.upstream import UpstreamEngine
 from proxy.usage import Observation, UsagePatch
 from proxy.vendor_usage import reported_cached_tokens
+from tests.upstream_fakes import AsgiClient
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "upstream"
 ENGINES = ("vllm", "sglang", "llama_cpp", "trtllm", "lmdeploy", "ollama")
@@ -148,8 +149,8 @@ async def proxied() -> AsyncIterator[Any]:
 
     async def make(case: dict[str, Any]) -> tuple[httpx.AsyncClient, CachetallyApp]:
         settings = Settings(engine="upstream", upstream="http://fake-upstream:9").validate()
-        transport = httpx.ASGITransport(app=fake_upstream(case))
-        app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, transport))
+        upstream = fake_upstream(case)
+        app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, lambda: AsgiClient(upstream)))
         running = app.running()
         await running.__aenter__()
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://cachetally")
