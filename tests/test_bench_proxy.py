@@ -38,24 +38,28 @@ def positive(value: Any) -> bool:
 @pytest.mark.parametrize("section", ["latency_c1", "latency_c64", "ttft_paced"])
 def test_latency_figures(figures: dict[str, Any], section: str) -> None:
     s = figures[section]
-    for side in ("direct", "proxied"):
+    for side in ("direct", "relay", "proxied"):
         assert positive(s[f"{side}_p50_ms"])
         assert s[f"{side}_p99_ms"] >= s[f"{side}_p50_ms"]
     for key in ("added_p50_ms", "added_p99_ms", "ratio_p50_ms", "ratio_p99_ms"):
-        assert math.isfinite(s[key])
+        assert math.isfinite(s[key]) and math.isfinite(s[f"relay_{key}"])
 
 
 @pytest.mark.parametrize("section", ["sse_1", "sse_100"])
 def test_streaming_figures(figures: dict[str, Any], section: str) -> None:
     s = figures[section]
-    assert positive(s["direct_events_per_s"]) and positive(s["proxied_events_per_s"])
-    assert positive(s["ratio_events_per_s"])
+    for key in ("direct_events_per_s", "relay_events_per_s", "proxied_events_per_s"):
+        assert positive(s[key]), key
+    assert positive(s["ratio_events_per_s"]) and positive(s["relay_ratio_events_per_s"])
 
 
 def test_throughput_and_loadgen_check(figures: dict[str, Any]) -> None:
     t = figures["throughput"]
-    for key in ("direct_rps", "proxied_rps", "proxy_cpu_us_per_req", "rps_per_proxy_core", "loadgen_headroom"):
+    for key in ("direct_rps", "proxied_rps", "proxy_cpu_us_per_req", "rps_per_proxy_core", "loadgen_headroom",
+                "relay_rps"):
         assert positive(t[key]), key
+    # The relay may use less than one clock tick of CPU in a quick run: then there is no figure.
+    assert t["relay_rps_per_proxy_core"] is None or positive(t["relay_rps_per_proxy_core"])
     assert isinstance(t["loadgen_ok"], bool)
 
 
@@ -80,6 +84,9 @@ def test_micro_figures(figures: dict[str, Any]) -> None:
 def test_every_target_is_checked(figures: dict[str, Any]) -> None:
     assert [t["target"] for t in figures["targets"]] == [t[0] for t in report.TARGETS]
     assert all(isinstance(t["holds"], bool) and t["value"] is not None for t in figures["targets"])
+    floors = {t["target"]: t["floor"] for t in figures["targets"]}
+    assert floors["SSE events/s proxied/direct, 1 stream"] == figures["sse_1"]["relay_ratio_events_per_s"]
+    assert floors["embedded with/without middleware req/s"] is None  # no relay in process
 
 
 def test_table_renders_every_target(figures: dict[str, Any]) -> None:
@@ -91,6 +98,51 @@ def test_table_renders_every_target(figures: dict[str, Any]) -> None:
 
 def test_micro_patches_the_usage_event() -> None:
     assert set(micro(10)) == {"passthrough_event_us", "passthrough_split_event_us", "usage_event_us"}
+
+
+FLIP = bytes(255 - b for b in range(256))
+
+
+@pytest.mark.asyncio
+async def test_the_relay_copies_bytes_both_ways_and_closes_with_its_peer() -> None:
+    import asyncio
+    import contextlib
+
+    from proxy.bench.processes import free_port
+    from proxy.bench.relay import serve
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data.translate(FLIP))
+        writer.close()
+        await writer.wait_closed()
+        closed.set()
+
+    closed = asyncio.Event()
+    upstream = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = free_port()
+    relay = asyncio.create_task(serve("127.0.0.1", upstream.sockets[0].getsockname()[1], port))
+    try:
+        for _ in range(50):  # the relay is listening once a connect succeeds
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                break
+            except OSError:
+                await asyncio.sleep(0.02)
+        payload = bytes(range(256)) * 4096  # 1 MiB: more than one socket buffer
+        writer.write(payload)
+        got = await asyncio.wait_for(reader.readexactly(len(payload)), 10)
+        assert got == payload.translate(FLIP)  # every byte went there and came back, in order
+        writer.close()
+        await asyncio.wait_for(closed.wait(), 5)  # the client's close reached the upstream
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        await writer.wait_closed()
+    finally:
+        relay.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await relay
+        upstream.close()
+        await upstream.wait_closed()
 
 
 def test_no_server_left_behind(figures: dict[str, Any]) -> None:

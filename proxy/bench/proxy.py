@@ -5,15 +5,17 @@ Processes on 127.0.0.1, each started here and stopped in ``finally``:
 - ``sim``: the simulated engine alone (no model cost), and ``proxy``: ``cachetally serve
   --upstream`` in front of it; a second such pair whose sim paces its tokens (TTFT,
   memory per open stream);
+- ``relay`` in front of each sim (:mod:`proxy.bench.relay`): a bare TCP relay pinned
+  like the proxy, the floor any extra hop costs on this machine;
 - ``bare`` (the sim alone) and ``embedded`` (``cachetally serve --engine sim``: the same
   routes behind ``UsagePatchMiddleware`` in one process);
 - the load generator (:mod:`proxy.bench.loadgen`).
 
 With two or more cores the proxies and the embedded pair are pinned to one core and
 everything else to the others, so "per proxy core" means one core. Every figure comes
-from rounds that alternate direct and proxied (A B A B ...): the figure is the median of
-the per-round medians, and each ratio or difference is taken within a round pair, then
-its median. The micro figures time :class:`~proxy.sse.SSEPatcher` in this process.
+from rounds that alternate direct, relay and proxied (A R B A R B ...): the figure is the
+median of the per-round medians, and each ratio or difference (against direct) is taken
+within a round, then its median. The micro figures time :class:`~proxy.sse.SSEPatcher` in this process.
 
 The direct baseline is the load generator's proof: it must reach well above the proxied
 throughput, or the load generator (not the proxy) was the limit (``loadgen_ok``).
@@ -102,27 +104,37 @@ def _med(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def _ab(rounds: int, measure: Callable[[str], dict[str, float]], tick: Callable[[], None]) -> dict[str, list[dict[str, float]]]:
-    sides: dict[str, list[dict[str, float]]] = {"direct": [], "proxied": []}
+def _ab(
+    rounds: int,
+    measure: Callable[[str], dict[str, float]],
+    tick: Callable[[], None],
+    sides: tuple[str, ...] = ("direct", "relay", "proxied"),
+) -> dict[str, list[dict[str, float]]]:
+    out: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for _ in range(rounds):
-        for side in sides:  # A B A B ...
-            sides[side].append(measure(side))
-            tick()
-    return sides
+        for side in sides:  # A R B A R B ...
+            out[side].append(measure(side))
+        tick()
+    return out
 
 
 def _summary(
     sides: dict[str, list[dict[str, float]]], keys: list[str], a: str = "direct", b: str = "proxied"
 ) -> Figures:
-    """Medians per side (named ``a`` and ``b``), and per round pair the difference
-    (``added_``) and ratio (b/a), medians too."""
+    """Medians per side (named ``a`` and ``b``), and per round the difference (``added_``)
+    and ratio (b/a), medians too; the same for the relay (``relay_``, ``relay_added_``,
+    ``relay_ratio_``) when it ran."""
     out: Figures = {}
     for key in keys:
-        xs, ys = [r[key] for r in sides["direct"]], [r[key] for r in sides["proxied"]]
+        xs = [r[key] for r in sides["direct"]]
+        for prefix, side in (("", "proxied"), ("relay_", "relay")):
+            if side not in sides:
+                continue
+            ys = [r[key] for r in sides[side]]
+            out[f"{prefix or b + '_'}{key}"] = _med(ys)
+            out[f"{prefix}added_{key}"] = _med([y - x for x, y in zip(xs, ys, strict=True)])
+            out[f"{prefix}ratio_{key}"] = _med([y / x for x, y in zip(xs, ys, strict=True) if x])
         out[f"{a}_{key}"] = _med(xs)
-        out[f"{b}_{key}"] = _med(ys)
-        out[f"added_{key}"] = _med([y - x for x, y in zip(xs, ys, strict=True)])
-        out[f"ratio_{key}"] = _med([y / x for x, y in zip(xs, ys, strict=True) if x])
     return out
 
 
@@ -131,7 +143,7 @@ def _summary(
 
 def run(counts: Counts = Counts(), progress: Callable[[int], Any] | None = None) -> Figures:
     """Start everything, measure, stop everything; return the figures (see module docstring)."""
-    steps = counts.rounds * 2 * 6 + 2
+    steps = counts.rounds * 6 + 2
     bar = progress(steps) if progress else contextlib.nullcontext()
     with bar as tick_bar, Servers(Placement()) as servers:
         tick = (lambda: tick_bar.update()) if tick_bar is not None else (lambda: None)
@@ -151,25 +163,29 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
         ["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{paced[0]}"], place.proxy
     )
     embedded = servers.start(["-m", "proxy.cli", "serve", "--engine", "sim"], place.proxy)
-    for port, proc in (proxy, paced_proxy, embedded):
+    relay = servers.start(["-m", "proxy.bench.relay", "--upstream", f"127.0.0.1:{sim[0]}"], place.proxy)
+    paced_relay = servers.start(["-m", "proxy.bench.relay", "--upstream", f"127.0.0.1:{paced[0]}"], place.proxy)
+    for port, proc in (proxy, paced_proxy, embedded, relay, paced_relay):
         wait_healthy(f"http://127.0.0.1:{port}", proc)
     gen = LoadGen(servers)
-    port = {"direct": sim[0], "proxied": proxy[0]}
-    paced_port = {"direct": paced[0], "proxied": paced_proxy[0]}
+    port = {"direct": sim[0], "relay": relay[0], "proxied": proxy[0]}
+    paced_port = {"direct": paced[0], "relay": paced_relay[0], "proxied": paced_proxy[0]}
     chat, completions = "/v1/chat/completions", "/v1/completions"
     plain = _chat(8, stream=False)
-    for warm in (sim, proxy, bare, embedded):  # connections, pools, caches, lazy imports
+    for warm in (sim, relay, proxy, bare, embedded):  # connections, pools, caches, lazy imports
         gen.run(warm[0], chat, plain, 64, 3)
         gen.run(warm[0], chat, _chat(8, stream=True), 8, 2)
-    for warm in (paced, paced_proxy):
+    for warm in (paced, paced_relay, paced_proxy):
         gen.run(warm[0], completions, _completion_stream(1), 8, 1)
     tick()
 
+    middle = {"direct": proxy[1].pid, "relay": relay[1].pid, "proxied": proxy[1].pid}
+
     def latency(conns: int, per_conn: int) -> Callable[[str], dict[str, float]]:
         def measure(side: str) -> dict[str, float]:
-            cpu0 = cpu_s(proxy[1].pid)
+            cpu0 = cpu_s(middle[side])
             r = gen.run(port[side], chat, plain, conns, per_conn)
-            cpu = (cpu_s(proxy[1].pid) or 0.0) - (cpu0 or 0.0)
+            cpu = (cpu_s(middle[side]) or 0.0) - (cpu0 or 0.0)
             n = len(r["latency_ms"])
             return {"p50_ms": _pct(r["latency_ms"], 0.5), "p99_ms": _pct(r["latency_ms"], 0.99),
                     "rps": n / r["wall_s"], "proxy_cpu_s_per_req": cpu / n}
@@ -204,7 +220,7 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
     s1 = _ab(counts.rounds, sse(1, counts.sse1_tokens, counts.sse1_streams), tick)
     s100 = _ab(counts.rounds, sse(100, counts.sse100_tokens, 1), tick)
     t = _ab(counts.rounds, ttft, tick)
-    e = _ab(counts.rounds, embedded_round, tick)
+    e = _ab(counts.rounds, embedded_round, tick, sides=("direct", "proxied"))
     memory = _held_streams(gen, paced_proxy, completions, counts)
     tick()
 
@@ -220,6 +236,9 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
             "proxied_rps": _med([r["rps"] for r in throughput]),
             "proxy_cpu_us_per_req": cpu_per_req * 1e6,
             "rps_per_proxy_core": 1 / cpu_per_req if cpu_per_req > 0 else None,
+            "relay_rps": _med([r["rps"] for r in c64["relay"]]),
+            "relay_rps_per_proxy_core": 1 / relay_cpu if (relay_cpu := _med(
+                [r["proxy_cpu_s_per_req"] for r in c64["relay"]])) > 0 else None,
         },
         "sse_1": _summary(s1, ["events_per_s"]),
         "sse_100": _summary(s100, ["events_per_s"]),

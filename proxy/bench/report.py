@@ -23,11 +23,14 @@ TARGETS: tuple[tuple[str, str, str, str, float], ...] = (
 
 
 def check(figures: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target, the proxy's value, and the bare relay's value of the same figure
+    (``floor``: what any extra hop gets on this machine; ``None`` where it has none)."""
     out = []
     for label, section, key, op, bound in TARGETS:
         value = figures[section].get(key)
         holds = value is not None and (value >= bound if op == ">=" else value <= bound)
-        out.append({"target": label, "value": value, "bound": f"{op} {bound:g}", "holds": holds})
+        floor = figures[section].get(f"relay_{key}")
+        out.append({"target": label, "value": value, "bound": f"{op} {bound:g}", "holds": holds, "floor": floor})
     return out
 
 
@@ -42,26 +45,28 @@ def _num(value: Any) -> str:
 
 
 def table(f: dict[str, Any]) -> str:
-    rows: list[tuple[str, Any, Any, Any, Any]] = [("figure", "direct", "proxied", "added", "ratio")]
+    rows: list[tuple[str, Any, Any, Any, Any, Any]] = [("figure", "direct", "relay", "proxied", "added", "ratio")]
 
     def ab(label: str, section: str, key: str, a: str = "direct", b: str = "proxied") -> None:
         s = f[section]
-        rows.append((label, s[f"{a}_{key}"], s[f"{b}_{key}"], s[f"added_{key}"], s[f"ratio_{key}"]))
+        relay = s.get(f"relay_{key}")
+        rows.append((label, s[f"{a}_{key}"], relay, s[f"{b}_{key}"], s[f"added_{key}"], s[f"ratio_{key}"]))
 
     ab("latency p50 ms, c=1", "latency_c1", "p50_ms")
     ab("latency p99 ms, c=1", "latency_c1", "p99_ms")
     ab("latency p50 ms, c=64", "latency_c64", "p50_ms")
     ab("latency p99 ms, c=64", "latency_c64", "p99_ms")
     t = f["throughput"]
-    rows.append(("req/s, c=64", t["direct_rps"], t["proxied_rps"], None, t["proxied_rps"] / t["direct_rps"]))
+    rows.append(("req/s, c=64", t["direct_rps"], t["relay_rps"], t["proxied_rps"], None,
+                 t["proxied_rps"] / t["direct_rps"]))
     ab("SSE events/s, 1 stream", "sse_1", "events_per_s")
     ab("SSE events/s, 100 streams", "sse_100", "events_per_s")
     ab("TTFT p50 ms, paced", "ttft_paced", "p50_ms")
     ab("TTFT p99 ms, paced", "ttft_paced", "p99_ms")
-    rows.append(("embedded: without / with middleware", None, None, None, None))
+    rows.append(("embedded: without / with middleware", None, None, None, None, None))
     ab("  req/s, c=64", "embedded", "rps", a="without", b="with")
     ab("  server CPU us/req", "embedded", "cpu_us_per_req", a="without", b="with")
-    widths = [max(len(r[0]) for r in rows), 10, 10, 10, 7]
+    widths = [max(len(r[0]) for r in rows), 10, 10, 10, 10, 7]
     lines = []
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [
@@ -71,7 +76,8 @@ def table(f: dict[str, Any]) -> str:
     m, mi = f["memory"], f["micro"]
     lines += [
         "",
-        f"proxy CPU per request: {_num(t['proxy_cpu_us_per_req'])} us -> {_num(t['rps_per_proxy_core'])} req/s per proxy core",
+        f"proxy CPU per request: {_num(t['proxy_cpu_us_per_req'])} us -> {_num(t['rps_per_proxy_core'])} req/s per proxy core"
+        f" (bare relay: {_num(t['relay_rps_per_proxy_core'])})",
         f"load generator headroom (direct/proxied req/s): {_num(t['loadgen_headroom'])} "
         f"({'ok' if t['loadgen_ok'] else 'TOO LOW: the load generator may be the limit'})",
         f"memory: {_num(m['kib_per_stream'])} KiB per open stream "
@@ -85,7 +91,8 @@ def table(f: dict[str, Any]) -> str:
     for target in f["targets"]:
         lines.append(
             f"{'holds' if target['holds'] else 'MISSES'}  {target['target'].ljust(width)}  "
-            f"{_num(target['value']).rjust(9)}  (target {target['bound']})"
+            f"{_num(target['value']).rjust(9)}  (target {target['bound']}"
+            + (f"; bare relay {_num(target['floor'])})" if target["floor"] is not None else ")")
         )
     mach = f["machine"]
     lines.append(
