@@ -24,14 +24,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from starlette.datastructures import MutableHeaders
-
 from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.events import current_request_key
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
 from proxy.request_id import RequestIds
-from proxy.responder import Responder
+from proxy.responder import Responder, without
 from proxy.usage import Missing
 
 DEFAULT_ROUTES: Mapping[str, str] = {
@@ -71,6 +69,7 @@ class UsagePatchMiddleware:
         self.metrics = metrics
         self.config = config
         self.request_ids = request_ids
+        self.echo_header = request_ids.header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,7 +79,7 @@ class UsagePatchMiddleware:
         route = self.config.routes.get(scope["path"])
         if route is None or scope["method"] != "POST":
             echo = client_id or self.request_ids.generate()
-            await self.app(scope, receive, _EchoId(send, self.request_ids.header, echo).send)
+            await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
             return
         key = self.request_ids.unique_key(client_id, self.ledger)
         responder = Responder(self, route, key, client_id or key, send)
@@ -97,12 +96,11 @@ class UsagePatchMiddleware:
 class _EchoId:
     __slots__ = ("_send", "_header", "_value")
 
-    def __init__(self, send: Send, header: str, value: str) -> None:
-        self._send, self._header, self._value = send, header, value
+    def __init__(self, send: Send, header: bytes, value: str) -> None:
+        self._send, self._header, self._value = send, header, value.encode("latin-1")
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
-            headers = MutableHeaders(raw=list(message["headers"]))
-            headers[self._header] = self._value
-            message = {**message, "headers": headers.raw}
+            headers = [*without(message["headers"], self._header), (self._header, self._value)]
+            message = {**message, "headers": headers}
         await self._send(message)

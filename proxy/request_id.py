@@ -8,9 +8,9 @@ key (not the raw header) is what reaches engines and upstreams, so a response id
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
-import uuid
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
@@ -23,7 +23,8 @@ def is_valid_request_id(value: str) -> bool:
 
 
 def mint_request_id() -> str:
-    return uuid.uuid4().hex
+    """32 random hex digits (as ``uuid4().hex``, at a quarter of its cost)."""
+    return os.urandom(16).hex()
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,10 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from starlette.datastructures import MutableHeaders
-
 from engine_adapter.engine import Message, Receive, Scope, Send
 from proxy.errors import send_error
 from proxy.ghost import GhostHold
+from proxy.hop_headers import Headers
 from proxy.ledger import SlotUsage
 from proxy.metrics import RequestRecord
 from proxy.request_body import (
@@ -41,6 +40,11 @@ if TYPE_CHECKING:
 #: Inside a JSON string a quote is escaped, so this only matches a real key.
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _MODEL_SNIFF_CHUNKS = 4
+
+
+def without(headers: Headers, lower_name: bytes) -> Headers:
+    """``headers`` minus every ``lower_name`` header (case-insensitive)."""
+    return [(name, value) for name, value in headers if name.lower() != lower_name]
 
 
 class _Mode(Enum):
@@ -118,26 +122,36 @@ class Responder:
             await self._send(message)
 
     async def _on_start(self, message: Message) -> None:
-        headers = MutableHeaders(raw=list(message["headers"]))
-        headers[self.mw.request_ids.header] = self.echo
-        message = {**message, "headers": headers.raw}
-        content_type = headers.get("content-type", "")
+        echo_header = self.mw.echo_header
+        content_type, encoded = b"", False
+        headers: Headers = []
+        for name, value in message["headers"]:
+            lower = name.lower()
+            if lower == echo_header:
+                continue
+            if lower == b"content-type":
+                content_type = value
+            elif lower == b"content-encoding":
+                encoded = True
+            headers.append((name, value))
+        headers.append((echo_header, self.echo.encode("latin-1")))
+        message = {**message, "headers": headers}
         self.status = message["status"]
         if message["status"] != 200 or self.options is None:
             self.mode = _Mode.PASS
-        elif "content-encoding" in headers:
+        elif encoded:
             self._skip("encoded")
-        elif content_type.startswith("text/event-stream"):
+        elif content_type.startswith(b"text/event-stream"):
             self.mode, self.stream = _Mode.SSE, True
             if self.ghost:
                 self._hold = GhostHold()
-            del headers["content-length"]
+            message["headers"] = without(headers, b"content-length")
             self._sse = SSEPatcher(
                 self._patch_event,
                 max_event_bytes=self.mw.config.max_event_bytes,
                 on_oversize=lambda: self._count_skip("event_too_large"),
             )
-        elif content_type.startswith("application/json"):
+        elif content_type.startswith(b"application/json"):
             self.mode = _Mode.JSON
             self._start = message
             return  # held until the body is complete
@@ -189,8 +203,7 @@ class Responder:
             self._count_skip("malformed")
         elif self._patch(payload) is not None:
             body = orjson.dumps(payload)
-            headers = MutableHeaders(raw=start["headers"])
-            headers["content-length"] = str(len(body))
+            start["headers"] = [*without(start["headers"], b"content-length"), (b"content-length", b"%d" % len(body))]
         await self._send(start)
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
