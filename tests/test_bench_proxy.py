@@ -76,6 +76,14 @@ def test_embedded_figures(figures: dict[str, Any]) -> None:
         assert positive(e[key]), key
 
 
+def test_embedded_floor_figures(figures: dict[str, Any]) -> None:
+    fl = figures["embedded_floor"]
+    for key in ("sim_us", "passthrough_us", "cachetally_us", "least_work_us"):
+        assert positive(fl[key]), key
+    assert fl["ratio_passthrough"] == fl["sim_us"] / fl["passthrough_us"]
+    assert fl["ratio_cachetally"] == fl["sim_us"] / fl["cachetally_us"]
+
+
 def test_micro_figures(figures: dict[str, Any]) -> None:
     assert set(figures["micro"]) == {"passthrough_event_us", "passthrough_split_event_us", "usage_event_us"}
     assert all(positive(v) for v in figures["micro"].values())
@@ -93,7 +101,7 @@ def test_table_renders_every_target(figures: dict[str, Any]) -> None:
     text = report.table(figures)
     for label, *_ in report.TARGETS:
         assert label in text
-    assert "load generator headroom" in text
+    assert "load generator headroom" in text and "embedded floor" in text
 
 
 def test_micro_patches_the_usage_event() -> None:

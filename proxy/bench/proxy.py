@@ -15,7 +15,8 @@ With two or more cores the proxies and the embedded pair are pinned to one core 
 everything else to the others, so "per proxy core" means one core. Every figure comes
 from rounds that alternate direct, relay and proxied (A R B A R B ...): the figure is the
 median of the per-round medians, and each ratio or difference (against direct) is taken
-within a round, then its median. The micro figures time :class:`~proxy.sse.SSEPatcher` in this process.
+within a round, then its median. The micro figures time :class:`~proxy.sse.SSEPatcher` in this process, and
+the embedded floor (:mod:`proxy.bench.inprocess`) the sim's route called in process.
 
 The direct baseline is the load generator's proof: it must reach well above the proxied
 throughput, or the load generator (not the proxy) was the limit (``loadgen_ok``).
@@ -37,6 +38,7 @@ from typing import Any
 import httpx
 
 from proxy.bench import report
+from proxy.bench.inprocess import embedded_floor
 from proxy.bench.micro import micro
 from proxy.bench.processes import (
     LoadGen,
@@ -63,13 +65,14 @@ class Counts:
     paced_delay_s: float = 0.2
     held_streams: int = 500
     embedded_per_conn: int = 40
+    inprocess_requests: int = 5000
     micro_events: int = 100_000
 
 
 QUICK = Counts(
     rounds=2, c1_requests=10, c64_per_conn=2, sse1_tokens=40, sse1_streams=1, sse100_tokens=4,
     ttft_conns=2, ttft_per_conn=2, paced_delay_s=0.05, held_streams=20, embedded_per_conn=2,
-    micro_events=2000,
+    inprocess_requests=50, micro_events=2000,
 )
 
 
@@ -245,6 +248,7 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
         "ttft_paced": _summary(t, ["p50_ms", "p99_ms"]),
         "memory": memory,
         "embedded": _summary(e, ["rps", "cpu_us_per_req"], a="without", b="with"),
+        "embedded_floor": embedded_floor(counts.inprocess_requests),
         "micro": micro(counts.micro_events),
     }
     tp = figures["throughput"]

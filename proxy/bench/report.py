@@ -73,7 +73,7 @@ def table(f: dict[str, Any]) -> str:
             (c if isinstance(c, str) else _num(c)).rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
         ]
         lines.append("  ".join(cells).rstrip())
-    m, mi = f["memory"], f["micro"]
+    m, mi, fl = f["memory"], f["micro"], f["embedded_floor"]
     lines += [
         "",
         f"proxy CPU per request: {_num(t['proxy_cpu_us_per_req'])} us -> {_num(t['rps_per_proxy_core'])} req/s per proxy core"
@@ -83,6 +83,10 @@ def table(f: dict[str, Any]) -> str:
         f"memory: {_num(m['kib_per_stream'])} KiB per open stream "
         f"(RSS {_num(m['rss_before_kib'])} -> {_num(m['rss_held_kib'])} KiB with {m['streams']} streams, "
         f"{_num(m['rss_after_kib'])} KiB after)",
+        f"embedded floor, in process (us per request): sim {_num(fl['sim_us'])}, behind a pass-through "
+        f"middleware {_num(fl['passthrough_us'])} (ratio {_num(fl['ratio_passthrough'])}), behind cachetally "
+        f"{_num(fl['cachetally_us'])} (ratio {_num(fl['ratio_cachetally'])}); the patch's least work alone "
+        f"{_num(fl['least_work_us'])} us",
         f"micro: pass-through event {_num(mi['passthrough_event_us'])} us "
         f"(split in two: {_num(mi['passthrough_split_event_us'])} us), usage event {_num(mi['usage_event_us'])} us",
         "",
