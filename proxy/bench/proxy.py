@@ -35,8 +35,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
-
 from proxy.bench import report
 from proxy.bench.inprocess import embedded_floor
 from proxy.bench.micro import micro
@@ -279,7 +277,8 @@ def _held_streams(gen: LoadGen, proxy: tuple[int, subprocess.Popen[bytes]], path
 def _machine(place: Placement) -> Figures:
     import platform
 
-    import httpcore
+    import aiohttp
+    import uvicorn
 
     def installed(name: str) -> bool:
         with contextlib.suppress(ImportError):
@@ -294,8 +293,8 @@ def _machine(place: Placement) -> Figures:
         "python": platform.python_version(),
         "uvloop": installed("uvloop"),
         "httptools": installed("httptools"),
-        "httpx": httpx.__version__,
-        "httpcore": httpcore.__version__,
+        "aiohttp": aiohttp.__version__,
+        "uvicorn": uvicorn.__version__,
     }
 
 
