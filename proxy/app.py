@@ -7,7 +7,9 @@ everything else  ─▶ UsagePatchMiddleware ─▶ error guard ─▶ engine ap
 ```
 
 The engine starts in the lifespan (or in :meth:`CachetallyApp.running`, for tests that
-drive the app in process), and a periodic TTL sweep runs beside it.
+drive the app in process), and a periodic TTL sweep runs beside it. ``on_started`` runs
+once the lifespan startup has succeeded: the server process uses it for process-wide
+settings that must wait for a started engine (``proxy.cli.settle_heap``).
 """
 
 from __future__ import annotations
@@ -57,11 +59,17 @@ def make_engine(settings: Settings, sink: EventSink) -> Engine:
 
 
 class CachetallyApp:
-    def __init__(self, settings: Settings, engine_factory: EngineFactory | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine_factory: EngineFactory | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.ledger = UsageLedger(ttl_s=settings.ledger_ttl_s, max_slots=settings.ledger_max_slots)
         self.metrics = Metrics(self.ledger)
         self.engine = (engine_factory or (lambda sink: make_engine(settings, sink)))(self.ledger)
+        self._on_started = on_started
         self._patched: ASGIApp | None = None
         self._local = {"/health": self._health, "/metrics": self._metrics, "/stats": self._stats}
         self._auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths) if settings.api_key else None
@@ -130,6 +138,8 @@ class CachetallyApp:
                 logger.exception("startup failed")
                 await send({"type": "lifespan.startup.failed", "message": repr(exc)})
                 return
+            if self._on_started is not None:
+                self._on_started()
             await send({"type": "lifespan.startup.complete"})
             await receive()  # lifespan.shutdown
         await send({"type": "lifespan.shutdown.complete"})

@@ -57,3 +57,48 @@ def test_help_explains_each_command(argv: list[str], says: str) -> None:
         [sys.executable, "-m", "proxy.cli", *argv, "--help"], capture_output=True, text=True, check=True
     )
     assert says in out.stdout
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine_starts", [True, False])
+async def test_on_started_runs_once_after_a_successful_startup_only(engine_starts: bool) -> None:
+    import asyncio
+
+    from engine_adapter.sim import SimConfig, SimEngine
+    from proxy.app import CachetallyApp
+    from proxy.settings import Settings
+
+    class Failing(SimEngine):
+        async def start(self):  # type: ignore[no-untyped-def]
+            raise RuntimeError("no engine")
+
+    started: list[bool] = []
+    engine = (SimEngine if engine_starts else Failing)(config=SimConfig())
+    app = CachetallyApp(
+        Settings(engine="sim"), engine_factory=lambda sink: engine, on_started=lambda: started.append(engine.healthy())
+    )
+    inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    sent: list[str] = []
+
+    async def send(message: dict[str, str]) -> None:
+        sent.append(message["type"])
+
+    for kind in ("lifespan.startup", "lifespan.shutdown"):
+        inbox.put_nowait({"type": kind})
+    await asyncio.wait_for(app({"type": "lifespan"}, inbox.get, send), 10)
+    if engine_starts:
+        assert started == [True]  # once, with the engine up
+        assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    else:
+        assert started == []
+        assert sent == ["lifespan.startup.failed"]
+
+
+def test_settle_heap_freezes_what_startup_left_and_raises_the_young_threshold() -> None:
+    code = (
+        "import gc; from proxy.cli import settle_heap, GC_GEN0_THRESHOLD; before = gc.get_threshold(); "
+        "settle_heap(); after = gc.get_threshold(); "
+        "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); "
+        "assert after == (GC_GEN0_THRESHOLD, *before[1:]), (before, after)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
