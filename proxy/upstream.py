@@ -6,9 +6,9 @@ errors) passes through byte for byte. The engine publishes no events: usage come
 the upstream's own report (``proxy.vendor_usage``, ``source=upstream``).
 
 One shared upstream client is created in :meth:`start` (the app's lifespan) and closed in
-:meth:`stop`: an aiohttp pool (:mod:`proxy.upstream_aiohttp`, chosen over httpx by
-measurement, see docs/PERFORMANCE.md) unless a client is injected (tests). The pool is
-sized for about a thousand concurrent streams; a request that finds it full waits
+:meth:`stop`: an HTTP/1.1 keep-alive pool (:mod:`proxy.upstream_http1`, chosen over httpx
+and aiohttp by measurement, see docs/PERFORMANCE.md) unless a client is injected (tests).
+The pool is sized for about a thousand concurrent streams; a request that finds it full waits
 ``connect_timeout_s``, then gets 503. The per-request work is in
 :mod:`proxy.upstream_forward`.
 """
@@ -23,9 +23,9 @@ from engine_adapter.engine import ASGIApp, Receive, Scope, Send
 from proxy.errors import send_error
 from proxy.middleware import DEFAULT_ROUTES
 from proxy.settings import Settings
-from proxy.upstream_aiohttp import AiohttpClient
 from proxy.upstream_client import UpstreamClient
 from proxy.upstream_forward import Forward
+from proxy.upstream_http1 import Http1Client
 
 logger = logging.getLogger("cachetally.upstream")
 
@@ -46,12 +46,12 @@ class UpstreamEngine:
     name = "upstream"
 
     def __init__(self, settings: Settings, client: Callable[[], UpstreamClient] | None = None) -> None:
-        """``client``: makes the upstream client at :meth:`start` (default: the aiohttp pool)."""
+        """``client``: makes the upstream client at :meth:`start` (default: the HTTP/1.1 pool)."""
         if not settings.upstream:
             raise ValueError("UpstreamEngine needs settings.upstream (http://HOST:PORT)")
         self.base_url = settings.upstream.rstrip("/")
         self._make_client = client or (
-            lambda: AiohttpClient(
+            lambda: Http1Client(
                 max_connections=MAX_CONNECTIONS,
                 keepalive_s=KEEPALIVE_EXPIRY_S,
                 connect_timeout_s=settings.connect_timeout_s,

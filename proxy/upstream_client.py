@@ -2,7 +2,7 @@
 
 ``proxy.upstream_forward`` speaks only these few calls, in raw ``bytes`` headers, so the
 hot path builds no request or response objects of a general-purpose client library. The
-one implementation is :mod:`proxy.upstream_aiohttp`; tests script failures at exact
+one implementation is :mod:`proxy.upstream_http1`; tests script failures at exact
 points with their own implementations.
 
 Every failure a client reports is an :class:`UpstreamFailure` carrying the answer the

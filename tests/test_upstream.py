@@ -32,7 +32,7 @@ from proxy.errors import error_body
 from proxy.hop_headers import request_headers, response_headers
 from proxy.settings import Settings
 from proxy.upstream import UpstreamEngine
-from proxy.upstream_aiohttp import AiohttpClient
+from proxy.upstream_http1 import Http1Client
 from proxy.upstream_client import POOL_FULL, TIMED_OUT, UNREACHABLE, UpstreamFailure
 from proxy.upstream_forward import UpstreamBodyError
 from tests.servers import free_port, metric_value, running_server
@@ -659,11 +659,11 @@ def test_authorization_is_never_logged(start_proxy: Any, caplog: pytest.LogCaptu
     assert resp.status_code == 502
     # Everything cachetally's server thread logged (the test's own client logs its URL).
     served = "\n".join(r.getMessage() for r in caplog.records if r.threadName.startswith("cachetally-"))
-    assert "upstream POST /v1/completions: ClientConnectorError -> 502" in served
+    assert "upstream POST /v1/completions: ConnectionRefusedError -> 502" in served
     assert "sk-very-secret" not in served and "q-secret" not in served
 
 
-# -- the default transport (aiohttp) against a raw upstream on 127.0.0.1 ---------------------
+# -- the default client (HTTP/1.1 pool) against a raw upstream on 127.0.0.1 ---------------------
 
 
 class RawUpstream:
@@ -725,6 +725,7 @@ async def test_default_transport_adds_nothing_decodes_nothing_follows_nothing() 
         b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-type: application/json\r\n"
         b"set-cookie: s=1\r\ncontent-length: %d\r\n\r\n" % len(packed) + packed,
         b"HTTP/1.1 302 Found\r\nlocation: /elsewhere\r\ncontent-length: 0\r\n\r\n",
+        b"",  # never asked for: the upstream keeps the connection open
     ]
     upstream = RawUpstream(answers)
     async with upstream as url:
@@ -740,7 +741,7 @@ async def test_default_transport_adds_nothing_decodes_nothing_follows_nothing() 
             assert (b"location", b"/elsewhere") in sent[0]["headers"]
             text = engine.metrics_text().decode()
             assert "cachetally_upstream_connections_checked_out 0\n" in text
-            assert "cachetally_upstream_connections_open 1\n" in text
+            assert "cachetally_upstream_connections_open 1\n" in text  # one connection, reused
         finally:
             await engine.stop()
     first, second = (head.decode("latin-1").split("\r\n") for head in upstream.heads)
@@ -771,9 +772,9 @@ PARTIAL_SSE = (
 )
 
 
-def aiohttp_client(**overrides: float) -> AiohttpClient:
+def http1_client(**overrides: float) -> Http1Client:
     options = {"max_connections": 1024, "keepalive_s": 30.0, "connect_timeout_s": 2.0, "read_timeout_s": 5.0}
-    return AiohttpClient(**(options | overrides))  # type: ignore[arg-type]
+    return Http1Client(**(options | overrides))  # type: ignore[arg-type]
 
 
 @loopback
@@ -785,7 +786,7 @@ def aiohttp_client(**overrides: float) -> AiohttpClient:
 )
 async def test_default_client_maps_a_failure_mid_body(answers: list[bytes], read_timeout_s: float, status: int) -> None:
     async with RawUpstream(answers) as url:
-        client = aiohttp_client(read_timeout_s=read_timeout_s)
+        client = http1_client(read_timeout_s=read_timeout_s)
         try:
             response = await client.send("GET", client.target(url + "/v1/x"), [], b"")
             assert await response.read() == b"data:"
@@ -802,7 +803,7 @@ async def test_default_client_maps_a_failure_mid_body(answers: list[bytes], read
 @pytest.mark.asyncio
 async def test_default_client_answers_503_when_every_connection_stays_busy() -> None:
     async with RawUpstream([PARTIAL_SSE, b""]) as url:
-        client = aiohttp_client(max_connections=1, connect_timeout_s=0.2)
+        client = http1_client(max_connections=1, connect_timeout_s=0.2)
         try:
             held = await client.send("GET", client.target(url + "/a"), [], b"")
             assert client.pool_state() == (1, 0, 1, 0)
@@ -818,10 +819,10 @@ async def test_default_client_answers_503_when_every_connection_stays_busy() -> 
 @loopback
 @pytest.mark.asyncio
 async def test_default_client_answers_502_when_nothing_listens() -> None:
-    client = aiohttp_client()
+    client = http1_client()
     try:
         with pytest.raises(UpstreamFailure) as info:
             await client.send("GET", client.target(f"http://127.0.0.1:{free_port()}/v1/models"), [], b"")
     finally:
         await client.aclose()
-    assert (info.value.status, info.value.reason) == (502, "ClientConnectorError")
+    assert (info.value.status, info.value.reason) == (502, "ConnectionRefusedError")

@@ -1,6 +1,6 @@
 """``UpstreamClient`` implementations for tests: scripted failures, and ASGI apps in process.
 
-The real client (``proxy.upstream_aiohttp``) is tested against real sockets; these stand
+The real client (``proxy.upstream_http1``) is tested against real sockets; these stand
 in where a test needs an upstream to fail at an exact point, or a fake upstream app
 without a server.
 """

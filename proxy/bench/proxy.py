@@ -277,7 +277,7 @@ def _held_streams(gen: LoadGen, proxy: tuple[int, subprocess.Popen[bytes]], path
 def _machine(place: Placement) -> Figures:
     import platform
 
-    import aiohttp
+    import httptools
     import uvicorn
 
     def installed(name: str) -> bool:
@@ -292,8 +292,7 @@ def _machine(place: Placement) -> Figures:
         "proxy_cores": sorted(place.proxy) if place.proxy else None,
         "python": platform.python_version(),
         "uvloop": installed("uvloop"),
-        "httptools": installed("httptools"),
-        "aiohttp": aiohttp.__version__,
+        "httptools": httptools.__version__,
         "uvicorn": uvicorn.__version__,
     }
 
