@@ -31,7 +31,10 @@ logger = logging.getLogger("cachetally.upstream")
 
 #: Upper bound on connections to the upstream (each open stream holds one).
 MAX_CONNECTIONS = 1024
-KEEPALIVE_EXPIRY_S = 30.0
+#: Idle connections older than this are closed rather than reused: below the 5 s keep-alive
+#: of uvicorn-based servers (vLLM, SGLang), so that we, not the upstream, end an idle
+#: connection, and a request is never sent on one the upstream is closing.
+KEEPALIVE_EXPIRY_S = 4.0
 
 #: Parsed upstream targets kept (by path + query); the cache is cleared when it is full.
 URL_CACHE_SIZE = 1024

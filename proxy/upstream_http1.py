@@ -79,6 +79,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.pool.live.add(self)
 
     def data_received(self, data: bytes) -> None:
         response = self.response
@@ -299,7 +300,8 @@ class Http1Client:
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
-        self._open = 0  # connections open or being opened
+        self.live: set[_Connection] = set()  # from connection_made to close or connection_lost
+        self._connecting = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._tls: ssl.SSLContext | None = None
         self._closed = False
@@ -332,7 +334,7 @@ class Http1Client:
                 conn.close()
             if self._closed:
                 raise UpstreamFailure(UNREACHABLE, "ClientClosed")
-            if self._open < self.max_connections:
+            if len(self.live) + self._connecting < self.max_connections:
                 return await self._connect(target, key, deadline - loop.time())
             waiter = loop.create_future()
             self._waiters.append(waiter)
@@ -346,24 +348,22 @@ class Http1Client:
 
     async def _connect(self, target: Target, key: tuple[str, int, bool], timeout_s: float) -> _Connection:
         loop = asyncio.get_running_loop()
-        self._open += 1
         tls = None
         if target.tls:
             tls = self._tls = self._tls or ssl.create_default_context()
+        self._connecting += 1
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(lambda: _Connection(self, key), target.host, target.port, ssl=tls),
                 max(0.0, timeout_s),
             )
         except TimeoutError:
-            self._closed_one()
             raise UpstreamFailure(TIMED_OUT, "ConnectTimeout") from None
         except OSError as exc:
-            self._closed_one()
             raise UpstreamFailure(UNREACHABLE, type(exc).__name__) from exc
-        except BaseException:
-            self._closed_one()
-            raise
+        finally:
+            self._connecting -= 1
+            self._wake_waiter()  # a failed attempt frees its place; a made one is in ``live``
         return conn
 
     def release(self, conn: _Connection) -> None:
@@ -381,10 +381,7 @@ class Http1Client:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
-        self._closed_one()
-
-    def _closed_one(self) -> None:
-        self._open -= 1
+        self.live.discard(conn)
         self._wake_waiter()
 
     def _wake_waiter(self) -> None:
@@ -435,7 +432,8 @@ class Http1Client:
 
     def pool_state(self) -> tuple[int, int, int, int]:
         idle = sum(1 for conns in self._idle.values() for conn in conns if not conn.closed)
-        return self._open, idle, self._open - idle, len(self._waiters)
+        open_ = len(self.live) + self._connecting
+        return open_, idle, open_ - idle, len(self._waiters)
 
     async def aclose(self) -> None:
         self._closed = True
