@@ -339,7 +339,8 @@ class Http1Client:
             waiter = loop.create_future()
             self._waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
+                async with asyncio.timeout_at(deadline):
+                    await waiter
             except TimeoutError:
                 raise UpstreamFailure(POOL_FULL, "PoolTimeout") from None
             finally:
@@ -351,16 +352,26 @@ class Http1Client:
         tls = None
         if target.tls:
             tls = self._tls = self._tls or ssl.create_default_context()
+        made: list[_Connection] = []
+
+        def protocol() -> _Connection:
+            made.append(_Connection(self, key))
+            return made[-1]
+
         self._connecting += 1
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), target.host, target.port, ssl=tls),
-                max(0.0, timeout_s),
-            )
-        except TimeoutError:
-            raise UpstreamFailure(TIMED_OUT, "ConnectTimeout") from None
-        except OSError as exc:
-            raise UpstreamFailure(UNREACHABLE, type(exc).__name__) from exc
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can drop the result of a
+            # connect that completes as it is cancelled, and leave that connection open.
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                _, conn = await loop.create_connection(protocol, target.host, target.port, ssl=tls)
+        except BaseException as exc:
+            for half_made in made:  # a cancel or timeout can land after connection_made
+                half_made.close()
+            if isinstance(exc, TimeoutError):
+                raise UpstreamFailure(TIMED_OUT, "ConnectTimeout") from None
+            if isinstance(exc, OSError):
+                raise UpstreamFailure(UNREACHABLE, type(exc).__name__) from exc
+            raise
         finally:
             self._connecting -= 1
             self._wake_waiter()  # a failed attempt frees its place; a made one is in ``live``

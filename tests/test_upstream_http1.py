@@ -248,3 +248,35 @@ async def test_a_slow_client_pauses_the_upstream_instead_of_buffering_it_all() -
         assert len(first) + len(await read_all(response)) == total
         response.close()
         await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_request_cancelled_at_any_point_leaves_no_connection_behind() -> None:
+    """The client leaves (its task is cancelled) after 0, 1, 2 ... loop turns: while the
+    connection is being made, while the request is written, while the head is awaited."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await reader.readuntil(b"\r\n\r\n")
+            await asyncio.sleep(0.001)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    pool = client()
+    async with serving(handle) as url:
+        target = pool.target(url + "/")
+        for turns in range(40):
+            task = asyncio.ensure_future(pool.send("POST", target, [], b"{}"))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                response = await task
+            except asyncio.CancelledError:
+                pass
+            else:  # it finished first: read it, close it
+                assert await read_all(response) == b"ok"
+                response.close()
+            await asyncio.sleep(0)
+            assert pool.pool_state()[2] == 0, (turns, pool.pool_state())  # nothing checked out
+        await pool.aclose()
