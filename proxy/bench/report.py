@@ -78,8 +78,11 @@ def table(f: dict[str, Any]) -> str:
         "",
         f"proxy CPU per request: {_num(t['proxy_cpu_us_per_req'])} us -> {_num(t['rps_per_proxy_core'])} req/s per proxy core"
         f" (bare relay: {_num(t['relay_rps_per_proxy_core'])})",
-        f"load generator headroom (direct/proxied req/s): {_num(t['loadgen_headroom'])} "
-        f"({'ok' if t['loadgen_ok'] else 'TOO LOW: the load generator may be the limit'})",
+        f"load generator headroom (direct/proxied req/s): {_num(t['loadgen_headroom'])}, proxy core busy "
+        f"{_num(t['proxy_busy'])} at c=64 ("
+        + ("ok: the proxy was the limit" if t["loadgen_ok"] else
+           "the proxy was NOT the limit at c=64: the sim and load generator's core was")
+        + ")",
         f"memory: {_num(m['kib_per_stream'])} KiB per open stream "
         f"(RSS {_num(m['rss_before_kib'])} -> {_num(m['rss_held_kib'])} KiB with {m['streams']} streams, "
         f"{_num(m['rss_after_kib'])} KiB after)",
