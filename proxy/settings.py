@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
+from urllib.parse import urlsplit
 
 ENV_PREFIX = "CACHETALLY_"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.toml"
@@ -59,6 +60,10 @@ class Settings:
             self.engine = "upstream"
         if self.engine == "upstream" and not self.upstream:
             raise SettingsError("engine 'upstream' needs an upstream URL (--upstream http://HOST:PORT)")
+        if self.upstream:
+            parts = urlsplit(self.upstream)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise SettingsError(f"upstream must be http://HOST:PORT or https://HOST:PORT, not {self.upstream!r}")
         if self.missing not in ("zero", "omit"):
             raise SettingsError(f"missing must be 'zero' or 'omit', not {self.missing!r}")
         if not 0 < self.port < 65536:

@@ -95,6 +95,12 @@ def test_upstream_engine_without_a_url_is_an_error(tmp_path: Path) -> None:
         load_settings(toml(tmp_path, '[cachetally]\nengine = "upstream"\nupstream = ""\n'), env={})
 
 
+@pytest.mark.parametrize("url", ["127.0.0.1:8001", "ftp://h:1", "http://", "unix:///tmp/s"])
+def test_an_upstream_that_is_not_an_http_url_is_an_error(tmp_path: Path, url: str) -> None:
+    with pytest.raises(SettingsError, match="upstream must be http"):
+        load_settings(toml(tmp_path, ""), env={}, overrides={"upstream": url})
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
