@@ -222,8 +222,8 @@ class Http1Response:
             self.fail(UpstreamFailure(UNREACHABLE, type(exc).__name__ if exc else "ServerDisconnected"))
 
     def fail(self, error: UpstreamFailure) -> None:
-        if self.complete or self._error is not None:
-            return
+        if self.complete or self._error is not None or self._released:
+            return  # (once released, nobody reads it: an exception would go unretrieved)
         self._error = error
         self._watchdog.cancel()
         if not self.head.done():
@@ -241,9 +241,11 @@ class Http1Response:
 
     def _check_idle(self) -> None:
         """The read timeout: one timer per response, moved on only when it fires."""
+        if self._paused:  # reading is paused for a slow client: the upstream is not silent
+            self.last_read = self.loop.time()
         due = self.last_read + self._read_timeout_s
-        if self._paused or self.loop.time() < due:  # a slow client is not a silent upstream
-            self._watchdog = self.loop.call_at(max(due, self.loop.time() + 1e-3), self._check_idle)
+        if self.loop.time() < due:
+            self._watchdog = self.loop.call_at(due, self._check_idle)
             return
         self.fail(UpstreamFailure(TIMED_OUT, "ReadTimeout"))
         self.conn.close()
