@@ -4,9 +4,9 @@ Departure from DESIGN.md, which names httpx for upstream forwarding (the owner's
 issue 6 asked to measure the alternatives and choose by the numbers, and these were they.
 Why by hand: this module is the proxy's whole per-request cost beyond the server's own,
 and the libraries measured cost several times the work. In process, one non-streaming
-request to the sim took 150 µs of CPU through ``aiohttp.ClientSession`` (476 µs with
-httpx's interface in front, 782 µs through httpx alone) against 44 µs for a raw socket
-exchange (docs/PERFORMANCE.md). What is written here is only the client side of a
+request to the sim took 148-179 µs of CPU through ``aiohttp.ClientSession`` against 44 µs
+for a raw socket exchange and 39-77 µs for a first version of this client; httpx had
+measured 3.5 times aiohttp's cost in an earlier side-by-side run (docs/PERFORMANCE.md). What is written here is only the client side of a
 keep-alive pool: framing the request, a connection pool with a limit and a wait queue,
 timeouts and flow control. Parsing the response, the part that must be exactly right, is
 httptools (llhttp, the parser uvicorn uses for the server side).
