@@ -131,9 +131,10 @@ class _Connection(asyncio.Protocol):
 
     # -- ours ------------------------------------------------------------------------------
 
-    def write(self, data: bytes) -> None:
+    def write(self, *pieces: bytes) -> None:
+        """One write of ``pieces`` (a vectored write: the body is not copied to join them)."""
         assert self.transport is not None
-        self.transport.write(data)
+        self.transport.writelines(pieces)
 
     async def drain(self) -> None:
         """Wait while the transport's write buffer is above its high-water mark."""
@@ -420,7 +421,8 @@ class Http1Client:
             if isinstance(body, bytes):
                 if body or method in ("POST", "PUT", "PATCH"):
                     head.append(b"content-length: %d\r\n" % len(body))
-                conn.write(b"".join(head) + b"\r\n" + body)
+                head.append(b"\r\n")
+                conn.write(b"".join(head), body)
             else:
                 await self._send_streamed(conn, head, headers, body)
             await response.head
@@ -440,7 +442,10 @@ class Http1Client:
         async for chunk in body:
             if conn.closed:
                 raise UpstreamFailure(UNREACHABLE, "ServerDisconnected")
-            conn.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+            if chunked:
+                conn.write(b"%x\r\n" % len(chunk), chunk, b"\r\n")
+            else:
+                conn.write(chunk)
             await conn.drain()
         if chunked:
             conn.write(b"0\r\n\r\n")
