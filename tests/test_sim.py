@@ -20,6 +20,7 @@ from engine_adapter.engine import Engine
 from engine_adapter.events import Scheduled, current_request_key
 from engine_adapter.sim import SimConfig, SimEngine
 from engine_adapter.sim_tokenizer import render_chat, tokenize
+from proxy.bench.processes import stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -433,8 +434,7 @@ def standalone_sim(tmp_path: Path) -> Iterator[str]:
             time.sleep(0.1)
         yield base
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop(proc)
         log.close()
 
 

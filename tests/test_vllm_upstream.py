@@ -35,6 +35,7 @@ import psutil
 import pytest
 
 from engine_adapter.model_store import DEFAULT_MODEL_NAME, ensure_default_model
+from proxy.bench.processes import stop
 from tests.servers import ROOT, free_port, metric_value, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -94,13 +95,7 @@ def vllm_server(details: bool, log_path: Path) -> Iterator[str]:
             yield url
         finally:
             children |= {child.pid: child for child in _family(proc.pid)}
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop(proc, timeout_s=60)
             _, alive = psutil.wait_procs(list(children.values()), timeout=30)
             for child in alive:
                 with contextlib.suppress(psutil.NoSuchProcess):

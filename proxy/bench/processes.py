@@ -77,11 +77,12 @@ class Servers(contextlib.ExitStack):
         return port, proc
 
 
-def stop(proc: subprocess.Popen[Any]) -> None:
+def stop(proc: subprocess.Popen[Any], timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` has not exited within ``timeout_s``."""
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
