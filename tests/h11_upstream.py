@@ -5,9 +5,11 @@ server role, as a real keep-alive server would read it. It records each request 
 parsed completely (method, target, headers, body), every parse error, and the requests
 that were cut off with their connection. What it answers depends on the target:
 
-- ``/echo``: after the whole body, 200 with the body as it came (a chat request's
-  marker comes back only if that request reached the upstream as a request of its own);
-- ``/early``: 413 at once, without waiting for the body, keeping the connection alive
+- ``/echo``: after the whole body, 200 with the body as it came (a request's marker
+  comes back only if that request reached the upstream as a request of its own);
+- ``/v1/chat/completions``: after the whole body, a chat completion whose message is the
+  request's first message, echoed (the marker a soak client checks);
+- ``/early`` and ``/v1/files``: 413 at once, without waiting for the body, keeping the connection alive
   and reading on (an auth or size layer in front of a real server does this);
 - ``/big/N``: after the body, 200 with ``N`` bytes in one write;
 - ``/hang``: nothing, ever (until the server stops);
@@ -22,10 +24,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import h11
+
+
+#: Answered at once, before the body (an auth or size layer).
+EARLY = (b"/early", b"/v1/files")
+
+
+def chat_completion(request: bytes) -> bytes:
+    """A chat completion that echoes the request's first message (unparsable: an empty one)."""
+    try:
+        content = json.loads(request)["messages"][0]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        content = ""
+    return json.dumps({
+        "id": "chatcmpl-echo", "object": "chat.completion", "created": 0, "model": "echo",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    }).encode()
 
 
 @dataclass
@@ -60,11 +80,13 @@ class H11Upstream:
             return
         if path.startswith(b"/big/"):
             body = b"b" * int(path[5:])
-        elif path == b"/early":
+        elif path in EARLY:
             body = b'{"error": "too large"}'
+        elif path == b"/v1/chat/completions":
+            body = chat_completion(req.body)
         else:
             body = req.body
-        status = 413 if path == b"/early" else 200
+        status = 413 if path in EARLY else 200
         head = h11.Response(status_code=status, headers=[(b"content-length", b"%d" % len(body))])
         writer.write(conn.send(head) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
 
@@ -93,7 +115,7 @@ class H11Upstream:
                 if isinstance(event, h11.Request):
                     self._idle.discard(writer)
                     current = Parsed(event.method, event.target, list(event.headers))
-                    if current.target.split(b"?")[0] in (b"/early", b"/slow", b"/hang"):
+                    if current.target.split(b"?")[0] in (*EARLY, b"/slow", b"/hang"):
                         responding = asyncio.ensure_future(self._respond(conn, writer, current))
                 elif isinstance(event, h11.Data):
                     assert current is not None
