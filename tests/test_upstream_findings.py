@@ -147,6 +147,7 @@ BAD_REQUESTS = {
     "empty header name": dict(headers=[(b"", b"1")]),
     "header value with CRLF": dict(headers=[(b"x-a", b"1\r\ncontent-length: 0")]),
     "header value with LF": dict(headers=[(b"x-a", b"1\nx-b: 2")]),
+    "header value with CR": dict(headers=[(b"x-a", b"1\rx-b: 2")]),
     "header value with NUL": dict(headers=[(b"x-a", b"1\x00")]),
     "framing header of its own": dict(headers=[(b"Content-Length", b"5")]),
     "a second host": dict(headers=[(b"host", b"elsewhere")]),

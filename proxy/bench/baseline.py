@@ -65,12 +65,15 @@ def compare(baseline: Path, rounds: int, c64_per_conn: int = 40, c1_requests: in
                 for side in order:
                     port, proc = proxies[side]
                     cpu0 = cpu_s(proc.pid) or 0.0
-                    r = gen.run(port, chat, body, conns, per_conn)
+                    gen.send({"op": "run", "port": port, "path": chat, "body": body, "conns": conns,
+                              "per_conn": per_conn})
+                    r = gen.answer()
                     cpu = (cpu_s(proc.pid) or 0.0) - cpu0
                     n = len(r["latency_ms"])
                     results[load][side].append({
                         "rps": n / r["wall_s"], "cpu_us_per_req": cpu / n * 1e6,
                         "p50_ms": _pct(r["latency_ms"], 0.5), "p99_ms": _pct(r["latency_ms"], 0.99),
+                        "errors": r["errors"],
                     })
     out: dict[str, Any] = {"rounds": rounds, "baseline": str(baseline)}
     for load, sides in results.items():
@@ -83,6 +86,8 @@ def compare(baseline: Path, rounds: int, c64_per_conn: int = 40, c1_requests: in
         for side in SIDES:
             figures[f"{side}_rps_per_proxy_core"] = 1e6 / figures[f"{side}_cpu_us_per_req"]
         figures["ratio_rps_per_proxy_core"] = 1 / figures["ratio_cpu_us_per_req"]
+        for side in SIDES:  # failed requests (not 200) are counted, not hidden
+            figures[f"{side}_errors"] = sum(r["errors"] for r in sides[side])
         out[load] = figures
     return out
 
@@ -96,6 +101,7 @@ def table(figures: dict[str, Any]) -> str:
                            ("rps", "req/s"), ("p50_ms", "latency p50 (ms)"), ("p99_ms", "latency p99 (ms)")):
             ratio = f["ratio_rps_per_proxy_core"] if key == "rps_per_proxy_core" else f[f"ratio_{key}"]
             lines.append(f"| {load} | {label} | {_fmt(f['baseline_' + key])} | {_fmt(f['this_' + key])} | {ratio:.3f} |")
+        lines.append(f"| {load} | failed requests | {f['baseline_errors']} | {f['this_errors']} | |")
     return "\n".join(lines)
 
 

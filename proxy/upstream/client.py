@@ -64,8 +64,8 @@ class Origin:
         tls = parts.scheme == "https"
         port = parts.port or (443 if tls else 80)  # .port raises ValueError when out of range
         base = parts.path.rstrip("/")
-        if any(ch in base for ch in " \t\r\n\x00"):
-            raise ValueError(f"the upstream URL's path holds whitespace: {url!r}")
+        if any(ch in base + parts.netloc for ch in " \t\r\n\x00"):
+            raise ValueError(f"the upstream URL holds whitespace or a control character: {url!r}")
         return cls(parts.hostname, port, tls, parts.netloc.encode("idna"), base.encode("latin-1"))
 
 

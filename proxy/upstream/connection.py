@@ -55,6 +55,7 @@ class State(enum.Enum):
 
 
 IDLE, SEND_BODY, DONE, MUST_CLOSE, ERROR = State
+_READING = (IDLE, SEND_BODY)  # their states in which response bytes are expected
 
 
 class Connection(asyncio.Protocol):
@@ -72,7 +73,7 @@ class Connection(asyncio.Protocol):
         self._head_only = False
         self._keep_alive = True
         self._interim = False
-        self._write_paused = False
+        self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
 
     # -- the two sides -------------------------------------------------------------------
@@ -108,7 +109,7 @@ class Connection(asyncio.Protocol):
             self.response.on_complete()
 
     def _their_error(self, error: UpstreamFailure) -> None:
-        if self.theirs in (IDLE, SEND_BODY):
+        if self.theirs in _READING:
             self.theirs = ERROR
             if self.response is not None:
                 self.response.fail(error)
@@ -120,7 +121,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         response = self.response
-        if response is None or self.theirs not in (IDLE, SEND_BODY):
+        if response is None or self.theirs not in _READING:
             self._their_error(UpstreamFailure(UNREACHABLE, "UnexpectedBytes"))
             self.abort("UnexpectedBytes")  # the start of a response to nothing we sent
             return
@@ -141,10 +142,10 @@ class Connection(asyncio.Protocol):
         self._wake_writer(exc or ConnectionResetError("connection closed"))
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.write_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.write_paused = False
         self._wake_writer(None)
 
     # -- httptools callbacks ---------------------------------------------------------------
@@ -191,7 +192,7 @@ class Connection(asyncio.Protocol):
 
     async def drain(self, timeout_s: float) -> None:
         """Wait while the transport's write buffer is above its high-water mark."""
-        if not self._write_paused or self.closed:
+        if not self.write_paused or self.closed:
             return
         self._drain = self.pool.loop.create_future()
         try:
@@ -334,7 +335,8 @@ class Http1Response:
                 data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
                 self._chunks.clear()
                 self._buffered = 0
-                self.conn.resume_reading()
+                if self.conn.reading_paused:
+                    self.conn.resume_reading()
                 return data
             if self.error is not None:
                 raise self.error

@@ -85,7 +85,8 @@ class Http1Pool:
         try:
             if in_hand:
                 conn.write(head, body)  # type: ignore[arg-type]
-                await conn.drain(self._write_timeout_s)
+                if conn.write_paused:
+                    await conn.drain(self._write_timeout_s)
                 conn.wrote_all()
             else:
                 conn.write(head)

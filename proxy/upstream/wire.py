@@ -22,6 +22,7 @@ or its connection is dropped.
 from __future__ import annotations
 
 import re
+from operator import itemgetter
 
 from proxy.upstream.client import BODY_MISMATCH, INVALID, Headers, UpstreamFailure
 
@@ -29,7 +30,6 @@ _TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
 _method = re.compile(_TOKEN).fullmatch
 _target = re.compile(rb"/[^\x00-\x20\x7f]*").fullmatch
 _name = re.compile(rb"(?!(?:host|content-length|transfer-encoding)\Z)" + _TOKEN, re.IGNORECASE).fullmatch
-_bad_value = re.compile(rb"[\x00\r\n]").search
 
 #: Methods whose empty body is still announced (``Content-Length: 0``), as clients do.
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -39,22 +39,62 @@ def invalid(reason: str) -> UpstreamFailure:
     return UpstreamFailure(INVALID, reason)
 
 
+#: Methods, targets and header names already found valid (they repeat from request to request).
+_valid_methods: dict[str, bytes] = {}
+_valid_names: set[bytes] = set()
+_valid_targets: set[bytes] = set()
+_CACHE_MAX = 4096
+_first = itemgetter(0)
+
+
 def request_head(method: str, target: bytes, host: bytes, headers: Headers, framing: bytes) -> bytes:
-    """The request line, ``Host``, ``headers`` and ``framing`` (see :func:`framing_for`), validated."""
-    raw_method = method.encode("latin-1", "replace")
-    if _method(raw_method) is None:
-        raise invalid("InvalidMethod")
+    """The request line, ``Host``, ``headers`` and ``framing`` (see :func:`framing_for`), validated.
+
+    ``host`` comes checked from :class:`~proxy.upstream.client.Origin`. Values are checked
+    all at once: every other part holds no CR, LF or NUL, so the head holds exactly one
+    line end per line unless a value smuggled one in."""
+    raw_method = _valid_methods.get(method)
+    if raw_method is None:
+        raw_method = _check_method(method)
+    if target not in _valid_targets:
+        _check_target(target)
+    if not _valid_names.issuperset(map(_first, headers)):
+        _check_names(headers)
+    lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (raw_method, target, host)]
+    lines += [b"%s: %s\r\n" % pair for pair in headers]
+    lines.append(framing)
+    head = b"".join(lines)
+    # One CR and one LF per line end (request and host lines, one per header, the
+    # framing's); anything more, or a NUL, came in a value.
+    ends = len(lines) + framing.count(b"\n")
+    if len(head) - len(head.translate(None, b"\r\n\x00")) != 2 * ends:
+        raise invalid("InvalidHeaderValue")
+    return head
+
+
+def _check_target(target: bytes) -> None:
     if _target(target) is None:
         raise invalid("InvalidTarget")
-    lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (raw_method, target, host)]
-    for name, value in headers:
-        if _name(name) is None:
-            raise invalid("InvalidHeaderName")
-        if _bad_value(value) is not None:
-            raise invalid("InvalidHeaderValue")
-        lines.append(b"%s: %s\r\n" % (name, value))
-    lines.append(framing)
-    return b"".join(lines)
+    if len(_valid_targets) < _CACHE_MAX and len(target) <= 256:  # bounded in memory too
+        _valid_targets.add(target)
+
+
+def _check_method(method: str) -> bytes:
+    raw = method.encode("latin-1", "replace")
+    if _method(raw) is None:
+        raise invalid("InvalidMethod")
+    if len(_valid_methods) < _CACHE_MAX:
+        _valid_methods[method] = raw
+    return raw
+
+
+def _check_names(headers: Headers) -> None:
+    for name, _ in headers:
+        if name not in _valid_names:
+            if _name(name) is None:
+                raise invalid("InvalidHeaderName")
+            if len(_valid_names) < _CACHE_MAX:
+                _valid_names.add(name)
 
 
 def framing_for(method: str, body_size: int | None, length: int | None) -> bytes:
