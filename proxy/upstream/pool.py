@@ -100,7 +100,7 @@ class Http1Pool:
                     raise response.error
                 await response.wait()
         except BaseException:
-            response.close()  # unfinished: the connection is dropped
+            response.close()  # pooled only if both sides are done (a cancel can land after the end)
             raise
         return response
 
