@@ -77,15 +77,18 @@ def compare(baseline: Path, rounds: int, c64_per_conn: int = 40, c1_requests: in
                     })
     out: dict[str, Any] = {"rounds": rounds, "baseline": str(baseline)}
     for load, sides in results.items():
-        figures: dict[str, float] = {}
+        figures: dict[str, float | None] = {}
         for key in ("rps", "cpu_us_per_req", "p50_ms", "p99_ms"):
             for side in SIDES:
                 figures[f"{side}_{key}"] = _med([r[key] for r in sides[side]])
-            pairs = zip(sides["baseline"], sides["this"], strict=True)
-            figures[f"ratio_{key}"] = _med([b[key] / a[key] for a, b in pairs if a[key]])
+            ratios = [b[key] / a[key] for a, b in zip(sides["baseline"], sides["this"], strict=True) if a[key]]
+            figures[f"ratio_{key}"] = _med(ratios) if ratios else None
+        # CPU is counted in clock ticks: a run too short to span one has no per-core figure.
         for side in SIDES:
-            figures[f"{side}_rps_per_proxy_core"] = 1e6 / figures[f"{side}_cpu_us_per_req"]
-        figures["ratio_rps_per_proxy_core"] = 1 / figures["ratio_cpu_us_per_req"]
+            cpu = figures[f"{side}_cpu_us_per_req"]
+            figures[f"{side}_rps_per_proxy_core"] = 1e6 / cpu if cpu else None
+        ratio = figures["ratio_cpu_us_per_req"]
+        figures["ratio_rps_per_proxy_core"] = 1 / ratio if ratio else None
         for side in SIDES:  # failed requests (not 200) are counted, not hidden
             figures[f"{side}_errors"] = sum(r["errors"] for r in sides[side])
         out[load] = figures
@@ -100,10 +103,13 @@ def table(figures: dict[str, Any]) -> str:
         for key, label in (("rps_per_proxy_core", "req/s per proxy core"), ("cpu_us_per_req", "proxy CPU µs/req"),
                            ("rps", "req/s"), ("p50_ms", "latency p50 (ms)"), ("p99_ms", "latency p99 (ms)")):
             ratio = f["ratio_rps_per_proxy_core"] if key == "rps_per_proxy_core" else f[f"ratio_{key}"]
-            lines.append(f"| {load} | {label} | {_fmt(f['baseline_' + key])} | {_fmt(f['this_' + key])} | {ratio:.3f} |")
+            base, this = _fmt(f["baseline_" + key]), _fmt(f["this_" + key])
+            lines.append(f"| {load} | {label} | {base} | {this} | {'n/a' if ratio is None else f'{ratio:.3f}'} |")
         lines.append(f"| {load} | failed requests | {f['baseline_errors']} | {f['this_errors']} | |")
     return "\n".join(lines)
 
 
-def _fmt(value: float) -> str:
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "n/a"
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"

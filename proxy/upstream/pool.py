@@ -91,7 +91,8 @@ class Http1Pool:
             else:
                 conn.write(head)
                 conn.ours = SEND_BODY
-                response.upload = self.loop.create_task(self._upload(conn, response, body, length))  # type: ignore[arg-type]
+                upload = self._upload(conn, response, body, length)  # type: ignore[arg-type]
+                response.upload = self.loop.create_task(upload)
             while not response.status:
                 if response.upload is not None and response.upload.done() and not response.upload.cancelled():
                     if (exc := response.upload.exception()) is not None:
