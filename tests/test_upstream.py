@@ -592,7 +592,8 @@ async def test_client_disconnect_closes_the_upstream_stream_at_once() -> None:
 
 
 @pytest.mark.asyncio
-async def test_streamed_request_body_is_forwarded_as_it_comes() -> None:
+@pytest.mark.parametrize("length", [None, 8], ids=["chunked", "content-length"])
+async def test_streamed_request_body_is_forwarded_as_it_comes(length: int | None) -> None:
     client = ScriptedClient(lambda r: ScriptedResponse([b"ok"]))
     engine = UpstreamEngine(Settings(engine="upstream", upstream="http://up:1"), lambda origin: client)
     app = await engine.start()
@@ -609,14 +610,13 @@ async def test_streamed_request_body_is_forwarded_as_it_comes() -> None:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    scope = http_scope("/v1/embeddings") | {
-        "headers": [(b"transfer-encoding", b"chunked"), (b"content-type", b"application/json")]
-    }
+    framing = [(b"transfer-encoding", b"chunked")] if length is None else [(b"content-length", b"%d" % length)]
+    scope = http_scope("/v1/embeddings") | {"headers": [*framing, (b"content-type", b"application/json")]}
     await asyncio.wait_for(app(scope, receive, send), 5)
     await engine.stop()
     request = client.requests[0]
-    assert request.headers == [(b"content-type", b"application/json")]  # our chunked framing is dropped
-    assert (request.body, request.length) == (b'{"a": 1}', None)
+    assert request.headers == [(b"content-type", b"application/json")]  # framing is the pool's to write
+    assert (request.body, request.length) == (b'{"a": 1}', length)  # the client's length, to be checked
     assert [m.get("body") for m in sent] == [None, b"ok", b""]
 
 

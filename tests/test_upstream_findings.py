@@ -227,3 +227,19 @@ async def test_waiters_a_wake_up_that_lands_as_its_waiter_leaves_is_passed_on() 
         assert (response.status, await read_all(response)) == (200, b"stays")
         response.close()
         await pool.aclose()
+
+
+async def test_reuse_idle_expiry_counts_from_the_end_of_the_response_and_is_checked_when_pooled() -> None:
+    """The upstream's keep-alive clock starts when it finishes a response, not when our client
+    gets round to closing it: a connection already past the limit is closed, not pooled."""
+    upstream = H11Upstream()
+    async with upstream.serving() as port:
+        pool = make_pool(port, keepalive_s=0.2)
+        response = await send(pool, "POST", b"/echo", b"slow reader")
+        assert await read_all(response) == b"slow reader"
+        await asyncio.sleep(0.3)  # the client holds the finished response past the limit
+        response.close()
+        assert pool.pool_state() == (0, 0, 0, 0)  # closed at once, not pooled
+        assert await exchange(pool, b"/echo", b"next") == (200, b"next")
+        await pool.aclose()
+    assert upstream.connections == 2
