@@ -23,11 +23,10 @@ import pytest
 
 from proxy.upstream.client import Origin, UpstreamFailure
 from proxy.upstream.pool import Http1Pool
+from proxy.upstream.response import HIGH_WATER
 from tests.h11_upstream import H11Upstream
 
 pytestmark = [pytest.mark.loopback, pytest.mark.asyncio]
-
-HIGH_WATER = 256 * 1024  # proxy.upstream.connection's pause mark
 
 
 def make_pool(port: int, **overrides: float) -> Http1Pool:

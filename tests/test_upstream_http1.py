@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.upstream.client import Origin, UpstreamFailure
-from proxy.upstream.connection import Http1Response
+from proxy.upstream.response import Http1Response
 from proxy.upstream.pool import Http1Pool
 
 pytestmark = pytest.mark.loopback

@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import pytest
 
 from proxy.upstream.client import Origin
-from proxy.upstream.connection import HIGH_WATER
+from proxy.upstream.response import HIGH_WATER
 from proxy.upstream.pool import Http1Pool
 from tests.h11_upstream import H11Upstream
 

@@ -8,6 +8,7 @@ One entry point, :class:`UpstreamEngine` (``engine.py``). Inside, one module per
 - ``client.py``: the seam between ``Forward`` and the pool, and the failures it reports;
 - ``pool.py``: the HTTP/1.1 keep-alive pool, its limit and its fair wait queue;
 - ``connection.py``: one connection, with h11's two explicit states (request, response);
+- ``response.py``: one exchange's response as the forwarder reads it, and its read timeout;
 - ``wire.py``: every byte written upstream, validated.
 """
 

@@ -18,15 +18,12 @@ DONE, reading not paused, still open. Anything else closes the connection. Bytes
 arrive when no response is expected (on an idle connection, or after a response ended)
 are an error too: they could only be the start of a response to a request never sent.
 
-Reading pauses while ``HIGH_WATER`` bytes of one response wait for a slow client, and,
-as in uvicorn's ``httptools_impl``, always resumes when the response ends, so a
-connection never outlives its response paused. The response is parsed by httptools
-(llhttp, the parser uvicorn uses on the server side).
-
-Timeouts: the read timeout runs from the moment the request is written in full (or
-the first byte of an early answer), restarts with every byte read and stops while
-reading is paused; the write timeout bounds each wait for the upstream to take more of
-an upload (``drain``).
+Reading pauses while a slow client leaves too much of one response unread
+(:mod:`proxy.upstream.response`), and, as in uvicorn's ``httptools_impl``, always
+resumes when the response ends, so a connection never outlives its response paused. The
+response is parsed by httptools (llhttp, the parser uvicorn uses on the server side).
+The write timeout bounds each wait for the upstream to take more of an upload
+(``drain``); the read timeout is the response's.
 """
 
 from __future__ import annotations
@@ -37,13 +34,11 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from proxy.upstream.client import TIMED_OUT, UNREACHABLE, Headers, UpstreamFailure
+from proxy.upstream.client import TIMED_OUT, UNREACHABLE, UpstreamFailure
 
 if TYPE_CHECKING:
     from proxy.upstream.pool import Http1Pool
-
-#: Body bytes of one response buffered before reading from the upstream pauses.
-HIGH_WATER = 256 * 1024
+    from proxy.upstream.response import Http1Response
 
 
 class State(enum.Enum):
@@ -108,7 +103,8 @@ class Connection(asyncio.Protocol):
         if self.response is not None:
             self.response.on_complete()
 
-    def _their_error(self, error: UpstreamFailure) -> None:
+    def their_error(self, error: UpstreamFailure) -> None:
+        """Their side failed (unparsable, timed out, cut off): the response gets ``error``."""
         if self.theirs in _READING:
             self.theirs = ERROR
             if self.response is not None:
@@ -122,14 +118,14 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         response = self.response
         if response is None or self.theirs not in _READING:
-            self._their_error(UpstreamFailure(UNREACHABLE, "UnexpectedBytes"))
+            self.their_error(UpstreamFailure(UNREACHABLE, "UnexpectedBytes"))
             self.abort("UnexpectedBytes")  # the start of a response to nothing we sent
             return
         response.last_read = self.pool.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._their_error(UpstreamFailure(UNREACHABLE, type(exc).__name__))
+            self.their_error(UpstreamFailure(UNREACHABLE, type(exc).__name__))
             self.abort(type(exc).__name__)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -138,7 +134,7 @@ class Connection(asyncio.Protocol):
             self._keep_alive = False
             self._their_end()  # a body without a length ends with its connection
         else:
-            self._their_error(UpstreamFailure(UNREACHABLE, type(exc).__name__ if exc else "ServerDisconnected"))
+            self.their_error(UpstreamFailure(UNREACHABLE, type(exc).__name__ if exc else "ServerDisconnected"))
         self._wake_writer(exc or ConnectionResetError("connection closed"))
 
     def pause_writing(self) -> None:
@@ -152,7 +148,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         if self.theirs is not IDLE:  # a second response in the same bytes: nothing asked for it
-            self._their_error(UpstreamFailure(UNREACHABLE, "UnexpectedResponse"))
+            self.their_error(UpstreamFailure(UNREACHABLE, "UnexpectedResponse"))
             self.abort("UnexpectedResponse")
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -236,125 +232,3 @@ class Connection(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self.pool.forget(self)
-
-
-class Http1Response:
-    """Implements ``UpstreamResponse`` for one exchange on one connection."""
-
-    __slots__ = (
-        "_buffered", "_chunks", "_read_timeout_s", "_released", "_waiter", "_watchdog", "complete",
-        "conn", "error", "headers", "last_read", "loop", "status", "upload",
-    )
-
-    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
-        self.conn = conn
-        self.loop = loop
-        self.status = 0  # 0 until the final head arrives
-        self.headers: Headers = []
-        self.last_read = 0.0
-        self.complete = False  # the body was read from the wire to its end
-        self.error: UpstreamFailure | None = None
-        self.upload: asyncio.Task[None] | None = None  # a streamed body being written
-        self._read_timeout_s = read_timeout_s
-        self._chunks: list[bytes] = []
-        self._buffered = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self._released = False
-        self._watchdog: asyncio.TimerHandle | None = None
-
-    # -- fed by the connection -------------------------------------------------------------
-
-    def request_written(self) -> None:
-        """The read timeout starts now (if an early answer has not started it already)."""
-        if self._watchdog is None and not self.complete and self.error is None:
-            self.last_read = self.loop.time()
-            self._watchdog = self.loop.call_at(self.last_read + self._read_timeout_s, self._check_idle)
-
-    def on_head(self, status: int) -> None:
-        self.status = status
-        self.request_written()  # an early answer: the upstream is talking, so time it
-        self.wake()
-
-    def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
-        self._buffered += len(body)
-        if self._buffered >= HIGH_WATER:
-            self.conn.pause_reading()
-        self.wake()
-
-    def on_complete(self) -> None:
-        self.complete = True
-        self._stop_watchdog()
-        self.wake()
-
-    def fail(self, error: UpstreamFailure) -> None:
-        if self.error is None and not self.complete:
-            self.error = error
-            self._stop_watchdog()
-            self.wake()
-
-    def delimited_by_close(self) -> bool:
-        if self.status in (204, 304):
-            return False
-        for name, value in self.headers:
-            lower = name.lower()
-            if lower == b"content-length" or (lower == b"transfer-encoding" and b"chunked" in value.lower()):
-                return False
-        return True
-
-    def _check_idle(self) -> None:
-        """The read timeout: one timer per response, moved on only when it fires."""
-        if self.conn.reading_paused:  # paused for a slow client: the upstream is not silent
-            self.last_read = self.loop.time()
-        due = self.last_read + self._read_timeout_s
-        if self.loop.time() < due:
-            self._watchdog = self.loop.call_at(due, self._check_idle)
-            return
-        self._watchdog = None
-        self.conn._their_error(UpstreamFailure(TIMED_OUT, "ReadTimeout"))
-        self.conn.abort("ReadTimeout")
-
-    def _stop_watchdog(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-
-    def wake(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)  # never an exception: nothing is left unretrieved
-
-    async def wait(self) -> None:
-        self._waiter = self.loop.create_future()
-        await self._waiter
-
-    # -- UpstreamResponse -------------------------------------------------------------------
-
-    async def read(self) -> bytes:
-        while True:
-            if self._chunks:
-                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-                self._chunks.clear()
-                self._buffered = 0
-                if self.conn.reading_paused:
-                    self.conn.resume_reading()
-                return data
-            if self.error is not None:
-                raise self.error
-            if self.complete:
-                return b""
-            await self.wait()
-
-    def close(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        self._stop_watchdog()
-        conn = self.conn
-        upload = self.upload
-        if upload is not None:
-            if not upload.done():
-                upload.cancel()  # the client is done with this exchange: so is its upload
-                conn.abandon("UploadAbandoned")
-            elif not upload.cancelled():
-                upload.exception()  # it failed after the head came; its connection went with it
-        conn.pool.finish(conn)

@@ -40,7 +40,8 @@ from collections import deque
 from collections.abc import AsyncIterable
 
 from proxy.upstream.client import POOL_FULL, TIMED_OUT, UNREACHABLE, Headers, Origin, UpstreamFailure
-from proxy.upstream.connection import SEND_BODY, Connection, Http1Response
+from proxy.upstream.connection import SEND_BODY, Connection
+from proxy.upstream.response import Http1Response
 from proxy.upstream.wire import LengthCheck, framing_for, request_head
 
 #: Handed to a waiter instead of a connection: a place under the limit, to connect itself.
