@@ -280,3 +280,31 @@ async def test_a_request_cancelled_at_any_point_leaves_no_connection_behind() ->
             await asyncio.sleep(0)
             assert pool.pool_state()[2] == 0, (turns, pool.pool_state())  # nothing checked out
         await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_body_ended_by_close_is_complete_only_when_the_upstream_closes() -> None:
+    """A response without a length ends with its connection, but only with the upstream's
+    close: when the pool drops the connection itself (the client left mid-upload), what was
+    read is not passed off as the whole body."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\npart")  # no length, still open
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def leaves() -> AsyncIterator[bytes]:
+        yield b"x"
+        await asyncio.sleep(0.1)  # the early answer arrives meanwhile
+        raise ConnectionAbortedError("the client left")
+
+    async with serving(handle) as url:
+        pool = client(url)
+        response = await pool.send("POST", b"/", [], leaves(), 100)
+        assert await response.read() == b"part"
+        with pytest.raises(UpstreamFailure) as info:
+            await response.read()
+        response.close()
+        await pool.aclose()
+    assert info.value.status == 502

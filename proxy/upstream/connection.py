@@ -129,12 +129,15 @@ class Connection(asyncio.Protocol):
             self.abort(type(exc).__name__)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        by_them = not self.closed  # we mark our own close or abort before the transport ends
         self._closed()
-        if self.theirs is SEND_BODY and self.response is not None and self.response.delimited_by_close():
+        response = self.response
+        if by_them and exc is None and self.theirs is SEND_BODY and response and response.delimited_by_close():
             self._keep_alive = False
-            self._their_end()  # a body without a length ends with its connection
+            self._their_end()  # a body without a length ends with its connection (theirs, not ours)
         else:
-            self.their_error(UpstreamFailure(UNREACHABLE, type(exc).__name__ if exc else "ServerDisconnected"))
+            reason = type(exc).__name__ if exc else "ServerDisconnected" if by_them else "ClosedMidResponse"
+            self.their_error(UpstreamFailure(UNREACHABLE, reason))
         self._wake_writer(exc or ConnectionResetError("connection closed"))
 
     def pause_writing(self) -> None:
