@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from http import HTTPStatus
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -90,9 +91,8 @@ class CachetallyApp:
                 strip_details_flag=s.engine != "upstream",
                 default_model=s.model or "unknown",
             )
-            self._patched = UsagePatchMiddleware(
-                _ErrorGuard(inner), ledger=self.ledger, metrics=self.metrics, config=config
-            )
+            guarded = _ErrorGuard(inner, config.routes.keys() if s.engine == "upstream" else None)
+            self._patched = UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config)
             sweeper = asyncio.create_task(self._sweep_forever())
             try:
                 yield self
@@ -135,6 +135,7 @@ class CachetallyApp:
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
+        began = time.monotonic()
         async with contextlib.AsyncExitStack() as stack:
             try:
                 await stack.enter_async_context(self.running())
@@ -145,6 +146,11 @@ class CachetallyApp:
             if self._on_started is not None:
                 self._on_started()
             await send({"type": "lifespan.startup.complete"})
+            s = self.settings
+            logger.info(
+                "cachetally ready on http://%s:%d: engine %s (%s), started in %.1f s",
+                s.host, s.port, self.engine.name, self.engine.describe(), time.monotonic() - began,
+            )
             await receive()  # lifespan.shutdown
         await send({"type": "lifespan.shutdown.complete"})
 
@@ -181,13 +187,16 @@ class _ErrorGuard:
       status and headers (``Allow`` stays). Frameworks answer unknown routes and methods
       in their own shape: FastAPI (vLLM's app) ``{"detail": "Not Found"}``, Starlette
       (the sim) plain text. Only those two statuses are held; every other response
-      passes through untouched.
+      passes through untouched. ``only_paths``: rewrite on these paths alone (upstream
+      mode: a drop-in proxy passes an upstream's other routes through byte for byte).
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, only_paths: Collection[str] | None = None) -> None:
         self.app = app
+        self.only_paths = only_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rewrite = self.only_paths is None or scope.get("path") in self.only_paths
         started = False
         held: Message | None = None
         chunks: list[bytes] = []
@@ -197,7 +206,7 @@ class _ErrorGuard:
             kind = message["type"]
             if kind == "http.response.start":
                 started = True
-                if message["status"] in _REWRITTEN:
+                if rewrite and message["status"] in _REWRITTEN:
                     held = message
                     return
             elif held is not None and kind == "http.response.body":

@@ -219,6 +219,7 @@ def test_a_wrong_method_on_our_own_routes_is_an_openai_405(server: Server, path:
 
 
 @pytest.mark.loopback
+@pytest.mark.parametrize("server", ["sim"], indirect=True)  # upstream: the upstream's own 404 (test_upstream)
 def test_an_unknown_route_is_an_openai_404(server: Server) -> None:
     resp = httpx.get(f"{server.url}/v1/no-such-route", headers=AUTH)
     assert resp.status_code == 404
