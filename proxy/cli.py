@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -49,7 +50,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],
-        help="debug adds one cumulative prefix-cache stats line per request",
+        help="cachetally's log level (default: info); debug adds one cumulative prefix-cache stats "
+        "line per request. vLLM logs at WARNING, or INFO with debug, unless VLLM_LOGGING_LEVEL is set",
     )
     p.add_argument(
         "--missing",
@@ -131,6 +133,9 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy.app import CachetallyApp
 
     configure_logging(settings.log_level)
+    if settings.engine == "vllm":
+        # Read by vLLM when it is first imported, and inherited by its engine processes.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if settings.log_level == "debug" else "WARNING")
     app = CachetallyApp(settings, on_started=settle_heap)
     uvicorn.run(
         app,

@@ -76,6 +76,9 @@ class UpstreamEngine:
         if client is not None:
             await client.aclose()
 
+    def describe(self) -> str:
+        return f"forwarding to {self.base_url}"
+
     def healthy(self) -> bool:
         # Started is healthy: an unreachable upstream is answered per request (502), and
         # the app refuses every request while this is False, so it must not flap.
