@@ -133,9 +133,11 @@ async def run_mix(
     body: Callable[[random.Random, str, bool], bytes] = request_body,
     drop_points: list[DropPoint] = DROP_POINTS,
     headers: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
 ) -> MixResult:
     """``requests`` mixed requests (chat/completions x stream/non-stream); a
-    ``drop_share`` of the clients hang up at a random point of ``drop_points``."""
+    ``drop_share`` of the clients hang up at a random point of ``drop_points``.
+    ``timeout_s`` bounds each request (a real engine's tests derive it from its pace)."""
     rng = random.Random(seed)
     port = int(url.rsplit(":", 1)[1])
     limit = asyncio.Semaphore(concurrency)
@@ -151,13 +153,13 @@ async def run_mix(
     # Keep-alive shorter than uvicorn's 5 s: a pooled connection the server is closing just
     # as the client reuses it fails with ReadError, a client-side race, not a proxy fault.
     limits = httpx.Limits(max_connections=concurrency, keepalive_expiry=1.0)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
 
         async def one(path: str, content: bytes, drop: DropPoint | None) -> None:
             async with limit:
                 if drop is not None:
                     result.drops[drop.name] = result.drops.get(drop.name, 0) + 1
-                    await dropping_client(port, path, content, drop, headers=raw_headers)
+                    await dropping_client(port, path, content, drop, headers=raw_headers, timeout_s=timeout_s)
                     return
                 response = await client.post(
                     path, content=content, headers={"content-type": "application/json", **(headers or {})}
