@@ -134,12 +134,15 @@ def test_n2_reports_the_first_copy_the_same_streamed_or_not(client, server, rout
 
     vLLM's own counter counts every copy, so the second copy's hits show there only.
     """
+    def ask_n2(stream: bool, prompt: str):  # vLLM refuses n > 1 with greedy sampling
+        return clients.ask(client, route, stream, prompt, model=model_id(client), max_tokens=2, n=2, temperature=1.0)
+
     for stream in (False, True):
         prompt = fresh_prompt()
         before = metric_value(clients.scrape(server), VLLM_CACHED)
-        cold = ask(client, route, stream, prompt, n=2)
+        cold = ask_n2(stream, prompt)
         middle = metric_value(clients.scrape(server), VLLM_CACHED)
-        warm = ask(client, route, stream, prompt, n=2)
+        warm = ask_n2(stream, prompt)
         after = metric_value(clients.scrape(server), VLLM_CACHED)
 
         full_blocks = ((cold.prompt_tokens - 1) // BLOCK) * BLOCK
