@@ -4,12 +4,20 @@ Built per request by :class:`~proxy.middleware.UsagePatchMiddleware`, which hold
 configuration. The responder reads the request body once (size-capped), rewrites it only
 when it must, replays it to the inner app, patches the response (a JSON body held and
 re-measured; an SSE stream passed on as it comes, usage events rewritten) and, from the
-middleware's ``finally``, counts the request once.
+middleware's ``finally``, counts the request once and hands its usage record
+(:mod:`proxy.records.record`) to the recorder.
+
+For the record it also notes, at no parsing cost: whether the client disconnected (a
+``receive`` that returned ``http.disconnect``), when the first body bytes went out, the
+response id, and the token events of a stream (``data: {`` lines, less the chat role
+events and the usage-only event), which count ``completion_tokens`` when a stream is cut
+before its usage chunk.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +28,7 @@ from proxy.ghost import GhostHold
 from proxy.hop_headers import Headers
 from proxy.ledger import SlotUsage
 from proxy.metrics import RequestRecord
+from proxy.records.record import UsageRecord
 from proxy.request_body import (
     DETAILS_FLAG,
     BodyTooLarge,
@@ -39,7 +48,11 @@ if TYPE_CHECKING:
 #: usage chunk never comes (the client did not ask for it), so it is labelled like the rest.
 #: Inside a JSON string a quote is escaped, so this only matches a real key.
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+_ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _MODEL_SNIFF_CHUNKS = 4
+#: Lines that start an SSE event carrying a JSON object. A JSON string cannot hold a raw
+#: line break, so these only match real line starts, never generated text.
+_EVENT_STARTS = (b"\ndata: {", b"\ndata:{", b"\rdata: {", b"\rdata:{")
 
 
 def without(headers: Headers, lower_name: bytes) -> Headers:
@@ -54,11 +67,24 @@ class _Mode(Enum):
 
 
 class Responder:
-    def __init__(self, mw: UsagePatchMiddleware, route: str, key: str, echo: str, send: Send) -> None:
+    def __init__(
+        self, mw: UsagePatchMiddleware, route: str, key: str, echo: str, send: Send, tenant: str = "default"
+    ) -> None:
         self.mw = mw
         self.route = route
         self.key = key
         self.echo = echo
+        self.tenant = tenant
+        self.started = time.time()
+        self._t0 = time.monotonic()
+        self.ttft_s: float | None = None
+        self.response_id: str | None = None
+        self.disconnected = False  # the client hung up before the response was complete
+        self.response_done = False  # the last body message went out
+        self.completion_tokens: int | None = None  # from a usage object for the whole request
+        self._events = 0  # SSE events carrying a JSON object
+        self._role_events = 0
+        self._usage_events = 0
         self._send = send
         self.options: RequestOptions | None = None
         self.seen = Observation()
@@ -82,6 +108,7 @@ class Responder:
             await send_error(self.send, 413, f"Request body exceeds {config.max_request_bytes} bytes")
             return
         except ClientGone:
+            self.disconnected = True
             return
         try:
             payload, self.options = parse_request(body)
@@ -95,7 +122,16 @@ class Responder:
             if name.lower() not in (b"x-request-id", b"content-length")
         ]
         headers += [(b"x-request-id", self.key.encode()), (b"content-length", str(len(body)).encode())]
-        await self.mw.app({**scope, "headers": headers}, replay(body, receive), self.send)
+        await self.mw.app({**scope, "headers": headers}, replay(body, self._watch(receive)), self.send)
+
+    def _watch(self, receive: Receive) -> Receive:
+        async def watched() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not self.response_done:
+                self.disconnected = True
+            return message
+
+        return watched
 
     def _rewrite(self, payload: dict[str, Any], body: bytes) -> bytes:
         options, config = self.options, self.mw.config
@@ -164,12 +200,19 @@ class Responder:
         more = message.get("more_body", False)
         if not more:
             self.completed = self.options is not None and self.status == 200
+            self.response_done = True
+        if self.ttft_s is None and body:
+            self.ttft_s = time.monotonic() - self._t0
         if self.mode is _Mode.SSE:
             assert self._sse is not None
+            if body:
+                self._count_events(body)
             if self.seen.model is None and self._sniff_chunks and body:
                 self._sniff_chunks -= 1
                 if match := _MODEL_FIELD.search(body):
                     self.seen.model = match.group(1).decode("utf-8", "replace")
+                if self.response_id is None and (match := _ID_FIELD.search(body)):
+                    self.response_id = match.group(1).decode("utf-8", "replace")
             out = self._sse.feed(body) if body else b""
             if not more:
                 out += self._sse.flush()
@@ -201,9 +244,14 @@ class Responder:
             payload = None
         if not isinstance(payload, dict):
             self._count_skip("malformed")
-        elif self._patch(payload) is not None:
-            body = orjson.dumps(payload)
-            start["headers"] = [*without(start["headers"], b"content-length"), (b"content-length", b"%d" % len(body))]
+        else:
+            self._whole_usage(payload)
+            if self._patch(payload) is not None:
+                body = orjson.dumps(payload)
+                start["headers"] = [
+                    *without(start["headers"], b"content-length"),
+                    (b"content-length", b"%d" % len(body)),
+                ]
         await self._send(start)
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -221,7 +269,25 @@ class Responder:
             details=options.want_details,
         ).apply(payload, self.seen)
 
+    def _count_events(self, body: bytes) -> None:
+        """Count JSON events and chat role events; events start at a chunk's start or a line's."""
+        self._events += body.startswith((b"data: {", b"data:{")) + sum(body.count(p) for p in _EVENT_STARTS)
+        if self.route == "chat":
+            self._role_events += body.count(b'"role"')
+
+    def _whole_usage(self, payload: dict[str, Any]) -> None:
+        """Note the completion tokens and id of a payload whose usage covers the whole request."""
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and isinstance(completion := usage.get("completion_tokens"), int):
+            self.completion_tokens = completion
+        response_id = payload.get("id")
+        if isinstance(response_id, str):
+            self.response_id = response_id
+
     def _patch_event(self, payload: dict[str, Any]) -> bool | None:
+        if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
+            self._usage_events += 1
+            self._whole_usage(payload)
         if self._hold is not None and payload.get("usage") is not None and payload.get("choices") == []:
             self._patch(payload)  # observe it for the metrics, then drop it
             self._hold.usage_dropped(payload)
@@ -245,13 +311,20 @@ class Responder:
     # -- accounting ----------------------------------------------------------------------
 
     def finish(self, engine: SlotUsage | None) -> None:
-        """Count this request once. Synchronous: runs in the middleware's ``finally``."""
+        """Count this request once and submit its usage record. Synchronous: runs in the
+        middleware's ``finally``."""
         seen = self.seen
-        if engine is None and seen.prompt_tokens is None and not self.completed:
-            return  # rejected (4xx), failed or abandoned before the engine saw it: not counted
         # The engine's own model name, never the client's: labels must stay bounded.
         model = seen.model or self.mw.config.default_model
-        record = RequestRecord(model=model, route=self.route, stream=self.stream, mismatches=seen.mismatches)
+        completion, completion_source = self._completion()
+        record = RequestRecord(
+            model=model,
+            route=self.route,
+            stream=self.stream,
+            mismatches=seen.mismatches,
+            tenant=self.tenant,
+            completion_tokens=completion,
+        )
         if engine is not None:
             record.prompt_tokens, record.cached_tokens, record.source = (
                 engine.prompt_tokens,
@@ -268,4 +341,48 @@ class Responder:
             )
         else:
             record.prompt_tokens = seen.prompt_tokens
-        self.mw.metrics.record(record)
+        if engine is None and seen.prompt_tokens is None and not self.completed:
+            # Rejected (4xx), failed or abandoned before the engine saw it: not a counted
+            # request, but the tokens it streamed still count, as its usage record does.
+            self.mw.metrics.count_completion(record)
+        else:
+            self.mw.metrics.record(record)
+        recorder = self.mw.recorder
+        if recorder is not None:
+            recorder.submit(self._usage_record(record, engine, completion_source))
+
+    def _completion(self) -> tuple[int, str]:
+        if self.completion_tokens is not None:
+            return self.completion_tokens, "usage"
+        if self.stream:
+            return max(0, self._events - self._role_events - self._usage_events), "stream"
+        return 0, "none"
+
+    def _usage_record(self, rec: RequestRecord, engine: SlotUsage | None, completion_source: str) -> UsageRecord:
+        if self.response_done:
+            outcome = "completed" if self.status is not None and self.status < 400 else "error"
+        else:
+            outcome = "disconnected" if self.disconnected else "error"
+        options = self.options
+        return UsageRecord(
+            request_id=self.key,
+            tenant=self.tenant,
+            route=self.route,
+            stream=self.stream if options is None else options.stream,
+            start_unix=self.started,
+            end_unix=self.started + (time.monotonic() - self._t0),
+            model=rec.model,
+            request_model=options.model if options is not None else None,
+            response_id=self.response_id,
+            status=self.status,
+            outcome=outcome,
+            prompt_tokens=rec.prompt_tokens,
+            cached_tokens=rec.cached_tokens,
+            local_cached_tokens=rec.local_cached_tokens,
+            external_cached_tokens=rec.external_cached_tokens,
+            cache_creation_tokens=engine.cache_creation_tokens if engine is not None else None,
+            source=rec.source,
+            completion_tokens=rec.completion_tokens,
+            completion_source=completion_source,
+            ttft_s=self.ttft_s,
+        )
