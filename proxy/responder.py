@@ -5,19 +5,13 @@ configuration. The responder reads the request body once (size-capped), rewrites
 when it must, replays it to the inner app, patches the response (a JSON body held and
 re-measured; an SSE stream passed on as it comes, usage events rewritten) and, from the
 middleware's ``finally``, counts the request once and hands its usage record
-(:mod:`proxy.records.record`) to the recorder.
-
-For the record it also notes, at no parsing cost: whether the client disconnected (a
-``receive`` that returned ``http.disconnect``), when the first body bytes went out, the
-response id, and the token events of a stream (``data: {`` lines, less the chat role
-events and the usage-only event), which count ``completion_tokens`` when a stream is cut
-before its usage chunk.
+(:mod:`proxy.records.record`) to the recorder; what the record needs beyond the counted
+figures is noted on the way by :class:`~proxy.records.notes.RequestNotes`.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +22,7 @@ from proxy.ghost import GhostHold
 from proxy.hop_headers import Headers
 from proxy.ledger import SlotUsage
 from proxy.metrics import RequestRecord
-from proxy.records.record import UsageRecord
+from proxy.records.notes import RequestNotes
 from proxy.request_body import (
     DETAILS_FLAG,
     BodyTooLarge,
@@ -43,16 +37,13 @@ from proxy.usage import Observation, UsagePatch
 
 if TYPE_CHECKING:
     from proxy.middleware import UsagePatchMiddleware
+    from proxy.records.record import UsageRecord
 
 #: The response's own ``"model"`` field, read from the first SSE bytes of a stream whose
 #: usage chunk never comes (the client did not ask for it), so it is labelled like the rest.
 #: Inside a JSON string a quote is escaped, so this only matches a real key.
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
-_ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _MODEL_SNIFF_CHUNKS = 4
-#: Lines that start an SSE event carrying a JSON object. A JSON string cannot hold a raw
-#: line break, so these only match real line starts, never generated text.
-_EVENT_STARTS = (b"\ndata: {", b"\ndata:{", b"\rdata: {", b"\rdata:{")
 
 
 def without(headers: Headers, lower_name: bytes) -> Headers:
@@ -75,16 +66,7 @@ class Responder:
         self.key = key
         self.echo = echo
         self.tenant = tenant
-        self.started = time.time()
-        self._t0 = time.monotonic()
-        self.ttft_s: float | None = None
-        self.response_id: str | None = None
-        self.disconnected = False  # the client hung up before the response was complete
-        self.response_done = False  # the last body message went out
-        self.completion_tokens: int | None = None  # from a usage object for the whole request
-        self._events = 0  # SSE events carrying a JSON object
-        self._role_events = 0
-        self._usage_events = 0
+        self.notes = RequestNotes(route)
         self._send = send
         self.options: RequestOptions | None = None
         self.seen = Observation()
@@ -108,7 +90,7 @@ class Responder:
             await send_error(self.send, 413, f"Request body exceeds {config.max_request_bytes} bytes")
             return
         except ClientGone:
-            self.disconnected = True
+            self.notes.client_left()
             return
         try:
             payload, self.options = parse_request(body)
@@ -127,8 +109,8 @@ class Responder:
     def _watch(self, receive: Receive) -> Receive:
         async def watched() -> Message:
             message = await receive()
-            if message["type"] == "http.disconnect" and not self.response_done:
-                self.disconnected = True
+            if message["type"] == "http.disconnect":
+                self.notes.client_left()
             return message
 
         return watched
@@ -200,19 +182,16 @@ class Responder:
         more = message.get("more_body", False)
         if not more:
             self.completed = self.options is not None and self.status == 200
-            self.response_done = True
-        if self.ttft_s is None and body:
-            self.ttft_s = time.monotonic() - self._t0
+        self.notes.body(body, more)
         if self.mode is _Mode.SSE:
             assert self._sse is not None
+            sniff = self.seen.model is None and self._sniff_chunks > 0 and bool(body)
             if body:
-                self._count_events(body)
-            if self.seen.model is None and self._sniff_chunks and body:
+                self.notes.sse_chunk(body, sniff)
+            if sniff:
                 self._sniff_chunks -= 1
                 if match := _MODEL_FIELD.search(body):
                     self.seen.model = match.group(1).decode("utf-8", "replace")
-                if self.response_id is None and (match := _ID_FIELD.search(body)):
-                    self.response_id = match.group(1).decode("utf-8", "replace")
             out = self._sse.feed(body) if body else b""
             if not more:
                 out += self._sse.flush()
@@ -245,7 +224,7 @@ class Responder:
         if not isinstance(payload, dict):
             self._count_skip("malformed")
         else:
-            self._whole_usage(payload)
+            self.notes.whole_usage(payload)
             if self._patch(payload) is not None:
                 body = orjson.dumps(payload)
                 start["headers"] = [
@@ -269,25 +248,9 @@ class Responder:
             details=options.want_details,
         ).apply(payload, self.seen)
 
-    def _count_events(self, body: bytes) -> None:
-        """Count JSON events and chat role events; events start at a chunk's start or a line's."""
-        self._events += body.startswith((b"data: {", b"data:{")) + sum(body.count(p) for p in _EVENT_STARTS)
-        if self.route == "chat":
-            self._role_events += body.count(b'"role"')
-
-    def _whole_usage(self, payload: dict[str, Any]) -> None:
-        """Note the completion tokens and id of a payload whose usage covers the whole request."""
-        usage = payload.get("usage")
-        if isinstance(usage, dict) and isinstance(completion := usage.get("completion_tokens"), int):
-            self.completion_tokens = completion
-        response_id = payload.get("id")
-        if isinstance(response_id, str):
-            self.response_id = response_id
-
     def _patch_event(self, payload: dict[str, Any]) -> bool | None:
         if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
-            self._usage_events += 1
-            self._whole_usage(payload)
+            self.notes.whole_usage(payload, event=True)
         if self._hold is not None and payload.get("usage") is not None and payload.get("choices") == []:
             self._patch(payload)  # observe it for the metrics, then drop it
             self._hold.usage_dropped(payload)
@@ -316,7 +279,7 @@ class Responder:
         seen = self.seen
         # The engine's own model name, never the client's: labels must stay bounded.
         model = seen.model or self.mw.config.default_model
-        completion, completion_source = self._completion()
+        completion, completion_source = self.notes.completion(self.stream)
         record = RequestRecord(
             model=model,
             route=self.route,
@@ -351,31 +314,17 @@ class Responder:
         if recorder is not None:
             recorder.submit(self._usage_record(record, engine, completion_source))
 
-    def _completion(self) -> tuple[int, str]:
-        if self.completion_tokens is not None:
-            return self.completion_tokens, "usage"
-        if self.stream:
-            return max(0, self._events - self._role_events - self._usage_events), "stream"
-        return 0, "none"
-
     def _usage_record(self, rec: RequestRecord, engine: SlotUsage | None, completion_source: str) -> UsageRecord:
-        if self.response_done:
-            outcome = "completed" if self.status is not None and self.status < 400 else "error"
-        else:
-            outcome = "disconnected" if self.disconnected else "error"
         options = self.options
-        return UsageRecord(
+        return self.notes.record(
             request_id=self.key,
             tenant=self.tenant,
             route=self.route,
             stream=self.stream if options is None else options.stream,
-            start_unix=self.started,
-            end_unix=self.started + (time.monotonic() - self._t0),
             model=rec.model,
             request_model=options.model if options is not None else None,
-            response_id=self.response_id,
             status=self.status,
-            outcome=outcome,
+            outcome=self.notes.outcome(self.status),
             prompt_tokens=rec.prompt_tokens,
             cached_tokens=rec.cached_tokens,
             local_cached_tokens=rec.local_cached_tokens,
@@ -384,5 +333,4 @@ class Responder:
             source=rec.source,
             completion_tokens=rec.completion_tokens,
             completion_source=completion_source,
-            ttft_s=self.ttft_s,
         )

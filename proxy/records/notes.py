@@ -1,0 +1,89 @@
+"""What the responder notes about one request for its usage record, at no parsing cost.
+
+- whether the client disconnected: a ``receive`` that returned ``http.disconnect`` before
+  the response was complete (every mode's inner app listens for it);
+- when the first response body bytes went out (``ttft_s``) and the response id;
+- a stream's token events: ``data: {`` line starts, counted with ``bytes.count`` (a JSON
+  string cannot hold a raw line break, so generated text never matches), less the chat
+  role events and the usage-only event. They give ``completion_tokens`` when a stream is
+  cut before its usage chunk (:mod:`proxy.records.record`);
+- the completion tokens and id of a usage object that covers the whole request (a JSON
+  body, or a stream's usage-only chunk), which the responder parses anyway.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from proxy.records.record import UsageRecord
+
+_ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
+_EVENT_STARTS = (b"\ndata: {", b"\ndata:{", b"\rdata: {", b"\rdata:{")
+
+
+class RequestNotes:
+    __slots__ = (
+        "started", "_t0", "ttft_s", "response_id", "disconnected", "response_done",
+        "usage_completion", "_chat", "_events", "_role_events", "_usage_events",
+    )
+
+    def __init__(self, route: str) -> None:
+        self.started = time.time()
+        self._t0 = time.monotonic()
+        self.ttft_s: float | None = None
+        self.response_id: str | None = None
+        self.disconnected = False
+        self.response_done = False  # the last body message went out
+        self.usage_completion: int | None = None
+        self._chat = route == "chat"
+        self._events = self._role_events = self._usage_events = 0
+
+    def body(self, body: bytes, more: bool) -> None:
+        if not more:
+            self.response_done = True
+        if self.ttft_s is None and body:
+            self.ttft_s = time.monotonic() - self._t0
+
+    def sse_chunk(self, body: bytes, sniff: bool) -> None:
+        self._events += body.startswith((b"data: {", b"data:{")) + sum(body.count(p) for p in _EVENT_STARTS)
+        if self._chat:
+            self._role_events += body.count(b'"role"')
+        if sniff and self.response_id is None and (match := _ID_FIELD.search(body)):
+            self.response_id = match.group(1).decode("utf-8", "replace")
+
+    def client_left(self) -> None:
+        if not self.response_done:
+            self.disconnected = True
+
+    def whole_usage(self, payload: dict[str, Any], *, event: bool = False) -> None:
+        """``payload``'s usage covers the whole request (``event``: an SSE usage-only chunk)."""
+        self._usage_events += event
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and isinstance(completion := usage.get("completion_tokens"), int):
+            self.usage_completion = completion
+        response_id = payload.get("id")
+        if isinstance(response_id, str):
+            self.response_id = response_id
+
+    def completion(self, stream: bool) -> tuple[int, str]:
+        if self.usage_completion is not None:
+            return self.usage_completion, "usage"
+        if stream:
+            return max(0, self._events - self._role_events - self._usage_events), "stream"
+        return 0, "none"
+
+    def outcome(self, status: int | None) -> str:
+        if self.response_done:
+            return "completed" if status is not None and status < 400 else "error"
+        return "disconnected" if self.disconnected else "error"
+
+    def record(self, **fields: Any) -> UsageRecord:
+        return UsageRecord(
+            start_unix=self.started,
+            end_unix=self.started + (time.monotonic() - self._t0),
+            response_id=self.response_id,
+            ttft_s=self.ttft_s,
+            **fields,
+        )
