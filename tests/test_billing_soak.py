@@ -33,6 +33,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.records.report import PriceList
 from tests.load import DROP_POINTS, count, gauge_reader, log_failures, report, request_body, run_mix, settle
 from tests.servers import ROOT, running_server
 
@@ -154,11 +155,21 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
 
     # The report reads the same files back and agrees with the counters.
     png = tmp_path / f"usage-{mode}.png"
-    cli = [sys.executable, "-m", "proxy.cli", "report", str(usage), "--json", "--plot", str(png)]
+    prices = ROOT / "config" / "prices.example.toml"
+    cli = [sys.executable, "-m", "proxy.cli", "report", str(usage), "--json", "--plot", str(png), "--prices", str(prices)]
     printed = json.loads(subprocess.run(cli, cwd=ROOT, capture_output=True, check=True, timeout=120).stdout)
+    price = PriceList.load(prices).default
+    assert price is not None
     for tenant, totals in printed["tenants"].items():
         for field in ("prompt_tokens", "cached_tokens", "completion_tokens"):
             assert totals[field] == counters[tenant][field], (tenant, field)
+        c = counters[tenant]
+        from_counters = (
+            (c["prompt_tokens"] - c["cached_tokens"]) * price.input
+            + c["cached_tokens"] * price.cached_input
+            + c["completion_tokens"] * price.output
+        ) / 1e6
+        assert totals["cost"] == pytest.approx(from_counters, abs=1e-6)
     assert printed["records"] == REQUESTS and printed["skipped_lines"] == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report(

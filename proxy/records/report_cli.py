@@ -102,6 +102,7 @@ def plot(report: Report, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     tenants = report.by_tenant()
     names = list(tenants)
@@ -109,7 +110,7 @@ def plot(report: Report, path: Path) -> None:
     uncached = [tenants[n].uncached_tokens for n in names]
     costs = [tenants[n].cost for n in names]
     priced = any(c is not None for c in costs)
-    fig, axes = plt.subplots(1, 2 if priced else 1, figsize=(11 if priced else 7, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if priced else 1, figsize=(12 if priced else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     ax.bar(names, cached, label="cached input", color="#2a9d8f")
     ax.bar(names, uncached, bottom=cached, label="uncached input", color="#e9c46a")
@@ -118,10 +119,12 @@ def plot(report: Report, path: Path) -> None:
             ax.annotate(f"{c / (c + u):.0%} cached", (x, c + u), ha="center", va="bottom", fontsize=8)
     ax.set_title("Input tokens per tenant")
     ax.set_ylabel("tokens")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.legend()
     if priced:
         cost_ax = axes[0][1]
-        cost_ax.bar(names, [c or 0.0 for c in costs], color="#264653")
+        bars = cost_ax.bar(names, [c or 0.0 for c in costs], color="#264653")
+        cost_ax.bar_label(bars, fmt="%.4g", fontsize=8)
         cost_ax.set_title("Cost per tenant")
         cost_ax.set_ylabel("cost (price units)")
     fig.suptitle(f"cachetally usage: {report.records} requests")
