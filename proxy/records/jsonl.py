@@ -18,10 +18,8 @@ import os
 import time
 from pathlib import Path
 
-import orjson
-
 from proxy.records.queue import RetryLater
-from proxy.records.record import UsageRecord
+from proxy.records.record import UsageRecord, dumps
 
 
 class JsonlSink:
@@ -37,7 +35,7 @@ class JsonlSink:
         self.paths: list[Path] = []
 
     def write(self, batch: list[UsageRecord]) -> int:
-        data = b"".join([orjson.dumps(record.as_json()) + b"\n" for record in batch])
+        data = b"".join([dumps(record) for record in batch])
         try:
             if self._fd is None or (self._size and self._size + len(data) > self._max):
                 self._next_file()

@@ -20,13 +20,13 @@ from typing import Any
 from proxy.records.record import UsageRecord
 
 _ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
-_EVENT_STARTS = (b"\ndata: {", b"\ndata:{", b"\rdata: {", b"\rdata:{")
+_FIRST_EVENT = (b"data: {", b"data:{")
 
 
 class RequestNotes:
     __slots__ = (
         "started", "_t0", "ttft_s", "response_id", "disconnected", "response_done",
-        "usage_completion", "_chat", "_events", "_role_events", "_usage_events",
+        "usage_completion", "_roles_pending", "_cr", "_events", "_role_events", "_usage_events",
     )
 
     def __init__(self, route: str) -> None:
@@ -37,7 +37,8 @@ class RequestNotes:
         self.disconnected = False
         self.response_done = False  # the last body message went out
         self.usage_completion: int | None = None
-        self._chat = route == "chat"
+        self._roles_pending = route == "chat"
+        self._cr: bool | None = None
         self._events = self._role_events = self._usage_events = 0
 
     def body(self, body: bytes, more: bool) -> None:
@@ -47,9 +48,17 @@ class RequestNotes:
             self.ttft_s = time.monotonic() - self._t0
 
     def sse_chunk(self, body: bytes, sniff: bool) -> None:
-        self._events += body.startswith((b"data: {", b"data:{")) + sum(body.count(p) for p in _EVENT_STARTS)
-        if self._chat:
-            self._role_events += body.count(b'"role"')
+        """Runs for every chunk of every stream: a few ``bytes.count``, written out."""
+        events = body.startswith(_FIRST_EVENT) + body.count(b"\ndata: {") + body.count(b"\ndata:{")
+        if self._cr is None:
+            self._cr = b"\r" in body  # a stream keeps the line ends it starts with
+        if self._cr:
+            events += body.count(b"\rdata: {") + body.count(b"\rdata:{")
+        self._events += events
+        if self._roles_pending:  # role events open a chat stream, one per choice, then stop
+            roles = body.count(b'"role"')
+            self._role_events += roles
+            self._roles_pending = roles > 0
         if sniff and self.response_id is None and (match := _ID_FIELD.search(body)):
             self.response_id = match.group(1).decode("utf-8", "replace")
 

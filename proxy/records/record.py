@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
+
 SCHEMA_VERSION = 1
 
 
@@ -52,7 +54,7 @@ class UsageRecord:
     ttft_s: float | None = None  # first response body bytes after the request started
 
     def as_json(self) -> dict[str, Any]:
-        """The JSONL line's object, keys in a fixed order; times as RFC 3339 UTC."""
+        """The JSONL line's object, keys in a fixed order; times as datetimes (:func:`dumps`)."""
         return {
             "v": SCHEMA_VERSION,
             "request_id": self.request_id,
@@ -72,12 +74,13 @@ class UsageRecord:
             "source": self.source,
             "completion_tokens": self.completion_tokens,
             "completion_source": self.completion_source,
-            "start_time": _rfc3339(self.start_unix),
-            "end_time": _rfc3339(self.end_unix),
+            "start_time": datetime.fromtimestamp(self.start_unix, UTC),
+            "end_time": datetime.fromtimestamp(self.end_unix, UTC),
             "duration_s": round(self.end_unix - self.start_unix, 6),
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
         }
 
 
-def _rfc3339(unix: float) -> str:
-    return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+def dumps(record: UsageRecord) -> bytes:
+    """One JSONL line (with its newline); times as RFC 3339 UTC with microseconds and ``Z``."""
+    return orjson.dumps(record.as_json(), option=orjson.OPT_UTC_Z | orjson.OPT_APPEND_NEWLINE)
