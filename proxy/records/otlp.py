@@ -88,7 +88,9 @@ class OtlpSink:
         self._server, self._error = SpanKind.SERVER, Status(StatusCode.ERROR)
 
     def write(self, batch: list[UsageRecord]) -> int:
-        lost = 0
+        """Export ``batch``; after a failed export (the exporter retried already), the rest
+        of the batch is not tried, so a dead collector costs one timeout per flush, not one
+        per :data:`MAX_BATCH` records."""
         for start in range(0, len(batch), MAX_BATCH):
             chunk = batch[start : start + MAX_BATCH]
             for record in chunk:
@@ -105,8 +107,8 @@ class OtlpSink:
             spans = list(self._ended)
             self._ended.clear()
             if self._exporter.export(spans) is not self._success:
-                lost += len(chunk)
-        return lost
+                return len(batch) - start
+        return 0
 
     def close(self) -> None:
         self._exporter.shutdown()
