@@ -130,3 +130,31 @@ def test_a_dead_collector_is_tried_once_per_flush_not_once_per_span_batch() -> N
     finally:
         sink.close()
     assert calls == [MAX_BATCH]
+
+
+def _records(usage: Path) -> list[dict]:
+    import orjson
+
+    return [orjson.loads(line) for p in sorted(usage.glob("*.jsonl")) for line in p.read_bytes().splitlines()]
+
+
+@pytest.mark.parametrize("stop", ["graceful", "crash"])
+def test_a_graceful_stop_loses_nothing_and_a_crash_at_most_one_flush_interval(tmp_path: Path, stop: str) -> None:
+    import signal
+
+    usage = tmp_path / "usage"
+    # Graceful: a flush interval longer than the test, so only the stop can write the records.
+    interval = "600" if stop == "graceful" else "0.2"
+    args = [*SERVE[:-2], "--usage-flush-interval", interval, "--usage-dir", str(usage)]
+    with running_server(args) as (url, proc):
+        with httpx.Client(base_url=url, timeout=10) as client:
+            for i in range(20):
+                assert client.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 2}).status_code == 200
+        if stop == "graceful":
+            assert _records(usage) == []  # nothing flushed yet
+            proc.send_signal(signal.SIGTERM)
+        else:
+            time.sleep(1.0)  # more than one flush interval after the last request
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert len(_records(usage)) == 20
