@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+logger = logging.getLogger("cachetally.tenants")
 
 DEFAULT_TENANT = "default"
 OTHER_TENANT = "other"
@@ -68,6 +71,8 @@ class KeyTable:
             raise ValueError(f"API keys file {path}: every entry must be \"key\" = \"tenant\"")
         if not data:
             raise ValueError(f"API keys file {path} holds no keys")
+        if path.stat().st_mode & 0o077:
+            logger.warning("API keys file %s can be read by other users: chmod 600 it", path)
         return cls(data)
 
     def __len__(self) -> int:

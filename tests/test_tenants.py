@@ -49,7 +49,17 @@ def tenants_in(metrics: str, family: str = "cachetally_requests_total") -> dict[
 def keys_file(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "keys.toml"
     path.write_text(text)
+    path.chmod(0o600)
     return path
+
+
+def test_a_keys_file_others_can_read_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = keys_file(tmp_path, '"sk-1" = "a"\n')
+    KeyTable.load(path)
+    assert not caplog.records
+    path.chmod(0o644)
+    KeyTable.load(path)
+    assert [r.getMessage() for r in caplog.records] == [f"API keys file {path} can be read by other users: chmod 600 it"]
 
 
 @pytest.mark.asyncio
