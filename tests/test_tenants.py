@@ -54,6 +54,7 @@ def keys_file(tmp_path: Path, text: str) -> Path:
 
 
 def test_a_keys_file_others_can_read_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "cachetally.tenants")
     path = keys_file(tmp_path, '"sk-1" = "a"\n')
     KeyTable.load(path)
     assert not caplog.records
