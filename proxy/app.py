@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -36,7 +35,7 @@ from proxy.metrics import Metrics
 from proxy.middleware import PatchConfig, UsagePatchMiddleware
 from proxy.records.recorder import Recorder, recorder_from_settings
 from proxy.settings import Settings
-from proxy.tenants import KeyTable, Tenancy
+from proxy.tenants import tenancy_from_settings
 
 logger = logging.getLogger("cachetally.app")
 
@@ -79,13 +78,9 @@ class CachetallyApp:
         self._on_started = on_started
         self._patched: ASGIApp | None = None
         self._local = {"/health": self._health, "/metrics": self._metrics, "/stats": self._stats}
-        keys = KeyTable.load(Path(settings.api_keys_file)) if settings.api_keys_file else None
-        self.tenancy = Tenancy(keys, settings.tenant_header, settings.tenants)
-        self._auth = (
-            ApiKeyGuard(settings.api_key, settings.auth_exempt_paths, keys)
-            if settings.api_key or keys
-            else None
-        )
+        self.tenancy = tenancy_from_settings(settings)
+        keys = self.tenancy.keys
+        self._auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths, keys) if settings.api_key or keys else None
         self.recorder: Recorder | None = recorder_from_settings(settings)
         if self.recorder is not None:
             self.metrics.watch_drops(self.recorder.drops)

@@ -24,6 +24,10 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.settings import Settings
 
 logger = logging.getLogger("cachetally.tenants")
 
@@ -118,3 +122,15 @@ class Tenancy:
                 value = values[0].decode("latin-1").strip()
                 return value if len(values) == 1 and value in self.named else OTHER_TENANT
         return DEFAULT_TENANT
+
+
+def tenancy_from_settings(settings: Settings) -> Tenancy:
+    """The tenancy ``settings`` configure; reads the API keys file (``ValueError`` if bad)."""
+    keys = KeyTable.load(Path(settings.api_keys_file)) if settings.api_keys_file else None
+    tenancy = Tenancy(keys, settings.tenant_header, settings.tenants)
+    sources = [f"{len(keys)} API keys"] if keys else []
+    if settings.tenant_header:
+        sources.append(f"header {settings.tenant_header} ({len(tenancy.named)} named, other values 'other')")
+    if sources:
+        logger.info("tenants from %s", "; ".join(sources))
+    return tenancy

@@ -44,12 +44,22 @@ def recorder_from_settings(settings: Settings) -> Recorder | None:
     if settings.usage_dir:
         from proxy.records.jsonl import JsonlSink
 
-        sinks.append(JsonlSink(Path(settings.usage_dir), settings.usage_max_file_bytes))
+        directory = Path(settings.usage_dir)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # not fatal: requests are served, records counted as dropped
+            logger.error("usage directory %s cannot be created (%s): records will be dropped until it can",
+                         directory, exc.strerror)
+        else:
+            logger.info("usage records: JSONL files in %s, flushed every %g s", directory,
+                        settings.usage_flush_interval_s)
+        sinks.append(JsonlSink(directory, settings.usage_max_file_bytes))
     if settings.otlp_endpoint:
         try:
             from proxy.records.otlp import OtlpSink
 
             sinks.append(OtlpSink(settings.otlp_endpoint, settings.otlp_timeout_s))
+            logger.info("usage records: OTLP spans to %s", settings.otlp_endpoint)
         except ImportError:
             raise SettingsError(
                 "otlp_endpoint needs the OpenTelemetry SDK: pip install 'cachetally[otlp]'"
