@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 #: Inside a JSON string a quote is escaped, so this only matches a real key.
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _MODEL_SNIFF_CHUNKS = 4
+_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 def without(headers: Headers, lower_name: bytes) -> Headers:
@@ -67,6 +68,7 @@ class Responder:
         self.echo = echo
         self.tenant = tenant
         self.notes = RequestNotes(route)
+        self._headers: Headers = []
         self._send = send
         self.options: RequestOptions | None = None
         self.seen = Observation()
@@ -84,6 +86,7 @@ class Responder:
 
     async def run(self, scope: Scope, receive: Receive) -> None:
         config = self.mw.config
+        self._headers = scope["headers"]
         try:
             body = await read_body(receive, scope["headers"], config.max_request_bytes)
         except BodyTooLarge:
@@ -333,4 +336,13 @@ class Responder:
             source=rec.source,
             completion_tokens=rec.completion_tokens,
             completion_source=completion_source,
+            traceparent=_traceparent(self._headers),
         )
+
+
+def _traceparent(headers: Headers) -> str | None:
+    """The client's W3C ``traceparent``, when it sent exactly one that looks like one."""
+    found = [value for name, value in headers if name.lower() == b"traceparent"]
+    if len(found) != 1 or not _TRACEPARENT.fullmatch(found[0]):
+        return None
+    return found[0].decode("ascii")

@@ -28,6 +28,8 @@ class ReceivedSpan:
     start_ns: int
     end_ns: int
     status_code: int
+    trace_id: str
+    parent_span_id: str
 
 
 @dataclass
@@ -76,6 +78,7 @@ def otlp_receiver() -> Iterator[Receiver]:
                             receiver.spans.append(ReceivedSpan(
                                 span.name, span.kind, _attributes(span.attributes), resource,
                                 span.start_time_unix_nano, span.end_time_unix_nano, span.status.code,
+                                span.trace_id.hex(), span.parent_span_id.hex(),
                             ))
             answer = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)

@@ -37,6 +37,8 @@ def test_one_span_per_request_with_the_responses_usage() -> None:
                 for i in range(12):
                     rid, team = uuid.uuid4().hex, ("red", "blue", "green")[i % 3]
                     headers = {"x-request-id": rid, "x-team": team}
+                    if i % 4 == 0:  # a caller's trace: the usage span joins it
+                        headers["traceparent"] = f"00-{rid}-{rid[:16]}-01"
                     if i % 2:
                         stream = client.chat.completions.create(
                             model="sim-model", messages=[{"role": "user", "content": f"{shared} q{i}"}],
@@ -77,6 +79,8 @@ def test_one_span_per_request_with_the_responses_usage() -> None:
         assert span.kind == 2  # SPAN_KIND_SERVER
         assert span.resource["service.name"] == "cachetally"
         assert 0 < span.start_ns < span.end_ns
+        parent = (rid, rid[:16]) if list(expected).index(rid) % 4 == 0 else (span.trace_id, "")
+        assert (span.trace_id, span.parent_span_id) == parent
 
 
 def unwritable_dir(tmp_path: Path) -> list[str]:

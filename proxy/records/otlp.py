@@ -7,7 +7,8 @@ semantic conventions: named ``"{operation} {model}"`` (``chat``, ``text_completi
 included, as the convention defines it), ``gen_ai.usage.cache_read.input_tokens`` and
 ``gen_ai.usage.output_tokens``. What the convention has no name for is under
 ``cachetally.*``: the tenant, our request id, the outcome, the sources of the numbers.
-Kind ``SERVER``: the span is the proxy serving one HTTP request.
+Kind ``SERVER``: the span is the proxy serving one HTTP request. When the client sent a
+W3C ``traceparent``, the span is its child, so usage joins the caller's trace.
 
 Departure from the SDK's usual wiring: no ``BatchSpanProcessor``. It drops spans when its
 queue is full and the exporter's failures stay inside it, so neither could be counted in
@@ -71,6 +72,7 @@ class OtlpSink:
         from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
         from opentelemetry.sdk.trace.export import SpanExportResult
         from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         ended: list[ReadableSpan] = []
 
@@ -86,6 +88,7 @@ class OtlpSink:
         self._tracer = self._provider.get_tracer("cachetally", _package_version())
         self._success = SpanExportResult.SUCCESS
         self._server, self._error = SpanKind.SERVER, Status(StatusCode.ERROR)
+        self._propagator = TraceContextTextMapPropagator()
 
     def write(self, batch: list[UsageRecord]) -> int:
         """Export ``batch``; after a failed export (the exporter retried already), the rest
@@ -100,6 +103,9 @@ class OtlpSink:
                     kind=self._server,
                     attributes=attrs,
                     start_time=int(record.start_unix * 1e9),
+                    context=self._propagator.extract({"traceparent": record.traceparent})
+                    if record.traceparent
+                    else None,
                 )
                 if record.outcome == "error":
                     span.set_status(self._error)

@@ -2,7 +2,7 @@
 
 Built by the responder in the middleware's ``finally`` from figures it already holds
 (no parsing, no I/O), then handed to each sink's queue. Never holds prompt or completion
-text, nor any header but the request id.
+text, nor any header but the request id and a W3C ``traceparent``.
 
 ``outcome``:
 
@@ -52,6 +52,7 @@ class UsageRecord:
     completion_tokens: int = 0
     completion_source: str = "none"  # usage | stream | none
     ttft_s: float | None = None  # first response body bytes after the request started
+    traceparent: str | None = None  # the client's W3C trace context, if it sent one
 
     def as_json(self) -> dict[str, Any]:
         """The JSONL line's object, keys in a fixed order; times as datetimes (:func:`dumps`)."""
@@ -78,6 +79,7 @@ class UsageRecord:
             "end_time": datetime.fromtimestamp(self.end_unix, UTC),
             "duration_s": round(self.end_unix - self.start_unix, 6),
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
+            "traceparent": self.traceparent,
         }
 
 
