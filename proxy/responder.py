@@ -188,16 +188,16 @@ class Responder:
         self.notes.body(body, more)
         if self.mode is _Mode.SSE:
             assert self._sse is not None
-            sniff = self.seen.model is None and self._sniff_chunks > 0 and bool(body)
-            if body:
-                self.notes.sse_chunk(body, sniff)
-            if sniff:
+            if self.seen.model is None and self._sniff_chunks and body:
                 self._sniff_chunks -= 1
+                self.notes.sniff_id(body)
                 if match := _MODEL_FIELD.search(body):
                     self.seen.model = match.group(1).decode("utf-8", "replace")
             out = self._sse.feed(body) if body else b""
             if not more:
                 out += self._sse.flush()
+            if out:
+                self.notes.sse_events(out)
             if self._hold is not None:
                 out = self._hold.filter(out)
                 if not more:
@@ -253,7 +253,8 @@ class Responder:
 
     def _patch_event(self, payload: dict[str, Any]) -> bool | None:
         if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
-            self.notes.whole_usage(payload, event=True)
+            # A ghost usage chunk never reaches the client, so it is not among the counted events.
+            self.notes.whole_usage(payload, event=self._hold is None)
         if self._hold is not None and payload.get("usage") is not None and payload.get("choices") == []:
             self._patch(payload)  # observe it for the metrics, then drop it
             self._hold.usage_dropped(payload)

@@ -18,8 +18,13 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.app import CachetallyApp
+from proxy.ledger import UsageLedger
+from proxy.metrics import Metrics
+from proxy.middleware import PatchConfig, UsagePatchMiddleware
 from proxy.records.jsonl import JsonlSink
 from proxy.records.queue import DropCounts, SinkWorker
 from proxy.records.record import UsageRecord
@@ -226,3 +231,76 @@ def test_an_unwritable_directory_drops_at_stop_and_never_hangs(tmp_path: Path) -
     snapshot = drops.snapshot()
     assert sum(snapshot.values()) == 6
     assert set(snapshot) <= {("jsonl", "queue_full"), ("jsonl", "write_failed")}
+
+
+# -- stream token events counted however the engine's bytes are cut --------------------------
+
+
+def _chat_stream(tokens: int, choices: int, include_usage: bool, crlf: bool) -> bytes:
+    """A vLLM-shaped chat stream: role events, one event per token per choice, usage, [DONE]."""
+    nl = b"\r\n" if crlf else b"\n"
+
+    def event(payload: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps({"id": "chatcmpl-9", "model": "m", **payload}) + nl + nl
+
+    out = [event({"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}) for i in range(choices)]
+    for k in range(tokens):
+        for i in range(choices):
+            text = 'data: {"role": x}\n\n' if k % 3 == 0 else f" t{k}"  # generated text that looks like SSE
+            out.append(event({"choices": [{"index": i, "delta": {"content": text}, "finish_reason": None}]}))
+    if include_usage:
+        usage = {"prompt_tokens": 9, "completion_tokens": tokens * choices, "total_tokens": 9 + tokens * choices}
+        out.append(event({"choices": [], "usage": usage}))
+    return b"".join(out) + b"data: [DONE]" + nl + nl
+
+
+def _cut(stream: bytes, cuts: list[int]) -> list[bytes]:
+    bounds = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    return [stream[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+class _Kept:
+    """A recorder that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.records: list[UsageRecord] = []
+
+    def submit(self, record: UsageRecord) -> None:
+        self.records.append(record)
+
+
+def _record_of(pieces: list[bytes], include_usage: bool, ghost: bool) -> UsageRecord:
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    kept, ledger = _Kept(), UsageLedger()
+    config = PatchConfig(ghost_usage=ghost)
+    mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger), config=config, recorder=kept)  # type: ignore[arg-type]
+    exchange = Exchange({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                         "stream_options": {"include_usage": include_usage}})
+    asyncio.run(mw(exchange.scope(), exchange.receive, exchange.send))
+    [record] = kept.records
+    return record
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.integers(0, 12),
+    choices=st.integers(1, 3),
+    crlf=st.booleans(),
+    cuts=st.lists(st.integers(1, 4000), max_size=40),
+)
+def test_stream_token_events_are_counted_the_same_however_the_bytes_are_cut(
+    tokens: int, choices: int, crlf: bool, cuts: list[int]
+) -> None:
+    expected = tokens * choices
+    plain = _record_of(_cut(_chat_stream(tokens, choices, False, crlf), cuts), include_usage=False, ghost=False)
+    assert (plain.completion_tokens, plain.completion_source) == (expected, "stream")
+    with_usage = _chat_stream(tokens, choices, True, crlf)
+    for include_usage, ghost in ((True, False), (False, True)):  # the client's usage chunk, or a ghost one
+        record = _record_of(_cut(with_usage, cuts), include_usage, ghost)
+        assert (record.completion_tokens, record.completion_source) == (expected, "usage")

@@ -4,9 +4,11 @@
   the response was complete (every mode's inner app listens for it);
 - when the first response body bytes went out (``ttft_s``) and the response id;
 - a stream's token events: ``data: {`` line starts, counted with ``bytes.count`` (a JSON
-  string cannot hold a raw line break, so generated text never matches), less the chat
-  role events and the usage-only event. They give ``completion_tokens`` when a stream is
-  cut before its usage chunk (:mod:`proxy.records.record`);
+  string cannot hold a raw line break, so generated text never matches) in what the SSE
+  patcher passes on, which is whole events however the engine's bytes were cut, less
+  the chat role events and the usage-only event the client gets. They give
+  ``completion_tokens`` when a stream is cut before its usage chunk
+  (:mod:`proxy.records.record`);
 - the completion tokens and id of a usage object that covers the whole request (a JSON
   body, or a stream's usage-only chunk), which the responder parses anyway.
 """
@@ -21,12 +23,14 @@ from proxy.records.record import UsageRecord
 
 _ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _FIRST_EVENT = (b"data: {", b"data:{")
+_LINE_ENDS = (b"\n", b"\r")
 
 
 class RequestNotes:
     __slots__ = (
         "started", "_t0", "ttft_s", "response_id", "disconnected", "response_done",
-        "usage_completion", "_roles_pending", "_cr", "_events", "_role_events", "_usage_events",
+        "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
+        "_usage_events",
     )
 
     def __init__(self, route: str) -> None:
@@ -39,6 +43,7 @@ class RequestNotes:
         self.usage_completion: int | None = None
         self._roles_pending = route == "chat"
         self._cr: bool | None = None
+        self._line_start = True  # the next byte of the stream starts a line
         self._events = self._role_events = self._usage_events = 0
 
     def body(self, body: bytes, more: bool) -> None:
@@ -47,19 +52,25 @@ class RequestNotes:
         if self.ttft_s is None and body:
             self.ttft_s = time.monotonic() - self._t0
 
-    def sse_chunk(self, body: bytes, sniff: bool) -> None:
-        """Runs for every chunk of every stream: a few ``bytes.count``, written out."""
-        events = body.startswith(_FIRST_EVENT) + body.count(b"\ndata: {") + body.count(b"\ndata:{")
+    def sse_events(self, events: bytes) -> None:
+        """Count in whole events (the patcher's output); runs for every chunk of every
+        stream, so a few ``bytes.count``, written out."""
+        count = events.count(b"\ndata: {") + events.count(b"\ndata:{")
+        if events.startswith(_FIRST_EVENT) and self._line_start:
+            count += 1
         if self._cr is None:
-            self._cr = b"\r" in body  # a stream keeps the line ends it starts with
+            self._cr = b"\r" in events  # a stream keeps the line ends it starts with
         if self._cr:
-            events += body.count(b"\rdata: {") + body.count(b"\rdata:{")
-        self._events += events
+            count += events.count(b"\rdata: {") + events.count(b"\rdata:{")
+        self._events += count
+        self._line_start = events.endswith(_LINE_ENDS)
         if self._roles_pending:  # role events open a chat stream, one per choice, then stop
-            roles = body.count(b'"role"')
+            roles = events.count(b'"role"')
             self._role_events += roles
             self._roles_pending = roles > 0
-        if sniff and self.response_id is None and (match := _ID_FIELD.search(body)):
+
+    def sniff_id(self, body: bytes) -> None:
+        if self.response_id is None and (match := _ID_FIELD.search(body)):
             self.response_id = match.group(1).decode("utf-8", "replace")
 
     def client_left(self) -> None:
@@ -67,7 +78,8 @@ class RequestNotes:
             self.disconnected = True
 
     def whole_usage(self, payload: dict[str, Any], *, event: bool = False) -> None:
-        """``payload``'s usage covers the whole request (``event``: an SSE usage-only chunk)."""
+        """``payload``'s usage covers the whole request (``event``: an SSE usage-only chunk
+        the client gets, so counted among the stream's events)."""
         self._usage_events += event
         usage = payload.get("usage")
         if isinstance(usage, dict) and isinstance(completion := usage.get("completion_tokens"), int):
