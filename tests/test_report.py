@@ -92,3 +92,12 @@ def test_bad_prices_are_refused(tmp_path: Path, text: str, message: str) -> None
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         PriceList.load(path)
+
+
+def test_since_and_until_select_requests_by_start_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    times = ["2026-10-31T23:59:59.999999Z", "2026-11-01T00:00:00Z", "2026-11-15T12:00:00.5Z", "2026-12-01T00:00:00Z"]
+    path = write(tmp_path / "a.jsonl", [{**rec("acme", "m", 10, 0, 1), "start_time": t} for t in times])
+    assert main(["report", str(path), "--since", "2026-11-01", "--until", "2026-12-01T00:00:00+00:00", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == 2
+    assert main(["report", str(path), "--since", "2026-11-01T01:00:00+01:00", "--json"]) == 0  # = 00:00 UTC
+    assert json.loads(capsys.readouterr().out)["records"] == 3

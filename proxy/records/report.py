@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,9 +177,16 @@ class Report:
         }
 
 
-def read(paths: Iterable[Path], progress: Callable[[int], None] = lambda n: None) -> Report:
-    """Total the records in ``paths``; ``progress`` is called with the bytes read."""
+def read(
+    paths: Iterable[Path],
+    progress: Callable[[int], None] = lambda n: None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> Report:
+    """Total the records in ``paths`` that started in ``[since, until)`` (aware datetimes);
+    ``progress`` is called with the bytes read."""
     report = Report()
+    window = since is not None or until is not None
     for path in paths:
         report.files += 1
         with path.open("rb") as fh:
@@ -190,8 +198,16 @@ def read(paths: Iterable[Path], progress: Callable[[int], None] = lambda n: None
                     record = orjson.loads(line)
                 except orjson.JSONDecodeError:
                     record = None
-                if isinstance(record, dict):
-                    report.add(record)
-                else:
+                if not isinstance(record, dict):
                     report.skipped_lines += 1
+                elif not window or _within(record, since, until):
+                    report.add(record)
     return report
+
+
+def _within(record: dict[str, Any], since: datetime | None, until: datetime | None) -> bool:
+    try:
+        started = datetime.fromisoformat(record["start_time"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return (since is None or started >= since) and (until is None or started < until)

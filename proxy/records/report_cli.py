@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import orjson
@@ -28,6 +29,7 @@ examples:
   cachetally report /var/lib/cachetally/usage
   cachetally report usage/*.jsonl --prices prices.toml --json
   cachetally report usage --prices prices.toml --plot usage.png
+  cachetally report usage --since 2026-11-01 --until 2026-12-01 --json   one month (UTC)
 """
 
 
@@ -42,9 +44,17 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="usage JSONL files, or directories of them")
     p.add_argument("--prices", type=Path, metavar="FILE", help="TOML prices per million tokens (see below)")
+    p.add_argument("--since", type=_utc, metavar="TIME",
+                   help="only requests that started at or after TIME (ISO 8601, UTC unless it says, e.g. 2026-11-01)")
+    p.add_argument("--until", type=_utc, metavar="TIME", help="only requests that started before TIME")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw cached vs uncached input tokens (and cost) per tenant")
     p.set_defaults(run=run)
+
+
+def _utc(text: str) -> datetime:
+    when = datetime.fromisoformat(text)
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when
 
 
 def _expand(paths: list[Path]) -> list[Path]:
@@ -65,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"cachetally report: {exc}", file=sys.stderr)
         return 2
     with tqdm(total=size, unit="B", unit_scale=True, desc="reading", disable=size < PROGRESS_BYTES or None) as bar:
-        report = read(paths, bar.update)
+        report = read(paths, bar.update, since=args.since, until=args.until)
     if prices is not None:
         report.price(prices)
     if report.skipped_lines:
