@@ -83,7 +83,7 @@ class CachetallyApp:
         self._auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths, keys) if settings.api_key or keys else None
         self.recorder: Recorder | None = recorder_from_settings(settings)
         if self.recorder is not None:
-            self.metrics.watch_drops(self.recorder.drops)
+            self.metrics.watch_recorder(self.recorder)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[CachetallyApp]:

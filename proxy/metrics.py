@@ -18,6 +18,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -25,8 +26,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from proxy.ledger import UsageLedger
-from proxy.records.queue import DropCounts
 from proxy.stats import CacheStats
+
+if TYPE_CHECKING:
+    from proxy.records.recorder import Recorder
 
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
@@ -74,20 +77,29 @@ class _LedgerCollector(Collector):
         )
 
 
-class _DropCollector(Collector):
+class _RecordsCollector(Collector):
+    """Usage records written and dropped per sink, read from the recorder at scrape time."""
+
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
+        recorder = self._metrics._recorder
+        written = CounterMetricFamily(
+            "cachetally_usage_records_written", "Usage records a sink wrote or exported", labels=["sink"]
+        )
+        dropped = CounterMetricFamily(
             "cachetally_usage_records_dropped",
             "Usage records a sink could not take or write (queue full, write or export failed)",
             labels=["sink", "reason"],
         )
-        drops = self._metrics._drops
-        for (sink, reason), value in (drops.snapshot() if drops is not None else {}).items():
-            family.add_metric([sink, reason], value)
-        yield family
+        if recorder is not None:
+            for worker in recorder.workers:
+                written.add_metric([worker.sink.name], worker.written)
+            for (sink, reason), value in recorder.drops.snapshot().items():
+                dropped.add_metric([sink, reason], value)
+        yield written
+        yield dropped
 
 
 @dataclass(slots=True)
@@ -185,8 +197,8 @@ class Metrics:
         open_slots = Gauge("cachetally_ledger_open_slots", "Open ledger slots", registry=registry)
         open_slots.set_function(lambda: len(ledger))
         registry.register(_LedgerCollector(ledger))
-        self._drops: DropCounts | None = None
-        registry.register(_DropCollector(self))
+        self._recorder: Recorder | None = None
+        registry.register(_RecordsCollector(self))
 
     def count_completion(self, rec: RequestRecord) -> None:
         """Only the completion tokens of a request that is not counted otherwise."""
@@ -219,9 +231,9 @@ class Metrics:
                 ratio = series.request_ratio[model] = _Histogram(_RATIO_BUCKETS)
             ratio.observe(cached / prompt)
 
-    def watch_drops(self, drops: DropCounts) -> None:
-        """Export ``cachetally_usage_records_dropped_total`` from the recorder's counts."""
-        self._drops = drops
+    def watch_recorder(self, recorder: Recorder) -> None:
+        """Export ``cachetally_usage_records_{written,dropped}_total`` from ``recorder``."""
+        self._recorder = recorder
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

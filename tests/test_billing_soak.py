@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.records.report import PriceList
 from tests.load import DROP_POINTS, count, gauge_reader, log_failures, report, request_body, run_mix, settle
-from tests.servers import ROOT, running_server
+from tests.servers import ROOT, metric_value, running_server
 
 pytestmark = pytest.mark.loopback
 
@@ -140,6 +140,9 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
 
     counters = per_tenant(metrics)
     assert set(counters) <= LABELS and set(counters) >= set(TENANTS)
+    # Scraped before the stop: the 0.2 s flushes had written all but the last few.
+    assert 0 < metric_value(metrics, "cachetally_usage_records_written_total", sink="jsonl") <= REQUESTS
+    assert metric_value(metrics, "cachetally_usage_records_dropped_total") == 0
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in records:
         for field in ("prompt_tokens", "cached_tokens", "completion_tokens"):

@@ -107,9 +107,11 @@ def test_a_failing_sink_costs_requests_nothing(tmp_path: Path, failing) -> None:
             deadline = time.monotonic() + 10
             dropped = 0.0
             while dropped < 1 and time.monotonic() < deadline:
-                dropped = metric_value(client.get("/metrics").text, "cachetally_usage_records_dropped_total")
+                metrics = client.get("/metrics").text
+                dropped = metric_value(metrics, "cachetally_usage_records_dropped_total")
                 time.sleep(0.1)
         assert dropped >= 1
+        assert metric_value(metrics, "cachetally_usage_records_written_total") == 0
         assert elapsed < 5, f"40 requests took {elapsed:.1f} s with the collector down"
         stop_began = time.monotonic()
     assert proc.returncode is not None

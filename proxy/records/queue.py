@@ -102,6 +102,7 @@ class SinkWorker:
         self._drops = drops
         self._max = max_queued
         self._interval = interval_s
+        self.written = 0  # records the sink took (its thread writes, scrapes read)
         self._queue: deque[UsageRecord] = deque()
         self._retry: list[UsageRecord] = []
         self._wake = threading.Event()
@@ -157,4 +158,5 @@ class SinkWorker:
         except Exception as exc:  # a sink bug must not end the thread: count, go on
             self._drops.add(self.sink.name, self.sink.failure, len(batch), type(exc).__name__)
             return
+        self.written += len(batch) - lost
         self._drops.add(self.sink.name, self.sink.failure, lost)
