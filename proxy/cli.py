@@ -2,8 +2,8 @@
 
 ``cachetally serve`` runs the proxy (embedded vLLM by default); ``cachetally model pull``
 materializes the default model; ``cachetally bench`` measures; ``cachetally report``
-totals usage records. Every subcommand's
-``--help`` says what it does and what each flag changes.
+totals usage records. Every subcommand's ``--help`` says what it does and what each
+flag changes.
 """
 
 from __future__ import annotations
