@@ -10,6 +10,10 @@ The engine starts in the lifespan (or in :meth:`CachetallyApp.running`, for test
 drive the app in process), and a periodic TTL sweep runs beside it. ``on_started`` runs
 once the lifespan startup has succeeded: the server process uses it for process-wide
 settings that must wait for a started engine (``proxy.cli.settle_heap``).
+
+Accounting: the tenancy (``--api-keys``, ``--tenant-header``, ``--tenants``) goes to the
+middleware, and the usage recorder (``--usage-dir``, ``--otlp-endpoint``) starts before the
+engine and stops after it, so every request's record is drained on a graceful stop.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from proxy.errors import send_error
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
 from proxy.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.records.recorder import Recorder, recorder_from_settings
 from proxy.settings import Settings
+from proxy.tenants import tenancy_from_settings
 
 logger = logging.getLogger("cachetally.app")
 
@@ -74,11 +80,18 @@ class CachetallyApp:
         self._on_started = on_started
         self._patched: ASGIApp | None = None
         self._local = {"/health": self._health, "/metrics": self._metrics, "/stats": self._stats}
-        self._auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths) if settings.api_key else None
+        self.tenancy = tenancy_from_settings(settings)
+        keys = self.tenancy.keys
+        self._auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths, keys) if settings.api_key or keys else None
+        self.recorder: Recorder | None = recorder_from_settings(settings)
+        if self.recorder is not None:
+            self.metrics.watch_recorder(self.recorder)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[CachetallyApp]:
         """Start the engine and the TTL sweep; stop both on exit, whatever happens."""
+        if self.recorder is not None:
+            self.recorder.start()
         try:
             inner = await self.engine.start()
             s = self.settings
@@ -90,9 +103,12 @@ class CachetallyApp:
                 ghost_usage=s.engine == "upstream",
                 strip_details_flag=s.engine != "upstream",
                 default_model=s.model or "unknown",
+                tenancy=self.tenancy,
             )
             guarded = _ErrorGuard(inner, config.routes.keys() if s.engine == "upstream" else None)
-            self._patched = UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config)
+            self._patched = UsagePatchMiddleware(
+                guarded, ledger=self.ledger, metrics=self.metrics, config=config, recorder=self.recorder
+            )
             sweeper = asyncio.create_task(self._sweep_forever())
             try:
                 yield self
@@ -102,7 +118,11 @@ class CachetallyApp:
                     await sweeper
         finally:
             self._patched = None
-            await self.engine.stop()
+            try:
+                await self.engine.stop()
+            finally:
+                if self.recorder is not None:
+                    await asyncio.to_thread(self.recorder.stop, self.settings.otlp_timeout_s + 5)
 
     async def _sweep_forever(self) -> None:
         period = max(1.0, self.settings.ledger_ttl_s / 10)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -30,10 +31,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`cachetally serve` with no engine flags: embedded vLLM and the default model."""
+def vllm_usage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared vLLM server writes its usage records (tests/test_vllm_records.py)."""
+    return tmp_path_factory.mktemp("vllm-usage")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, vllm_usage_dir: Path) -> Iterator[str]:
+    """`cachetally serve` with no engine flags (usage records on): embedded vLLM and the default model."""
     log = tmp_path_factory.mktemp("vllm") / "serve.log"
-    args = ["-m", "proxy.cli", "serve", "--log-level", "warning"]
+    # Usage records on, as billing runs it.
+    args = ["-m", "proxy.cli", "serve", "--log-level", "warning", "--usage-dir", str(vllm_usage_dir),
+            "--usage-flush-interval", "0.2"]
     with running_server(args, timeout_s=600, log_path=log) as (url, proc):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "the engine core runs in a child process"
