@@ -36,6 +36,10 @@ class Engine(Protocol):
         """Whether requests can be served now (cheap, non-blocking)."""
         ...
 
+    def describe(self) -> str:
+        """What runs, for the ready line (``model X, dtype float32, cpu``): no secrets."""
+        ...
+
     def metrics_text(self) -> bytes:
         """The engine's own Prometheus exposition, merged into ``/metrics`` (may be empty)."""
         ...

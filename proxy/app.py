@@ -10,6 +10,10 @@ The engine starts in the lifespan (or in :meth:`CachetallyApp.running`, for test
 drive the app in process), and a periodic TTL sweep runs beside it. ``on_started`` runs
 once the lifespan startup has succeeded: the server process uses it for process-wide
 settings that must wait for a started engine (``proxy.cli.settle_heap``).
+
+Accounting: the tenancy (``--api-keys``, ``--tenant-header``, ``--tenants``) goes to the
+middleware, and the usage recorder (``--usage-dir``, ``--otlp-endpoint``) starts before the
+engine and stops after it, so every request's record is drained on a graceful stop.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
+from http import HTTPStatus
+from collections.abc import AsyncIterator, Callable, Collection
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -29,7 +35,9 @@ from proxy.errors import send_error
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
 from proxy.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.records.recorder import Recorder, recorder_from_settings
 from proxy.settings import Settings
+from proxy.tenants import tenancy_from_settings
 
 logger = logging.getLogger("cachetally.app")
 
@@ -72,11 +80,18 @@ class CachetallyApp:
         self._on_started = on_started
         self._patched: ASGIApp | None = None
         self._local = {"/health": self._health, "/metrics": self._metrics, "/stats": self._stats}
-        self._auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths) if settings.api_key else None
+        self.tenancy = tenancy_from_settings(settings)
+        keys = self.tenancy.keys
+        self._auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths, keys) if settings.api_key or keys else None
+        self.recorder: Recorder | None = recorder_from_settings(settings)
+        if self.recorder is not None:
+            self.metrics.watch_recorder(self.recorder)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[CachetallyApp]:
         """Start the engine and the TTL sweep; stop both on exit, whatever happens."""
+        if self.recorder is not None:
+            self.recorder.start()
         try:
             inner = await self.engine.start()
             s = self.settings
@@ -88,9 +103,11 @@ class CachetallyApp:
                 ghost_usage=s.engine == "upstream",
                 strip_details_flag=s.engine != "upstream",
                 default_model=s.model or "unknown",
+                tenancy=self.tenancy,
             )
+            guarded = _ErrorGuard(inner, config.routes.keys() if s.engine == "upstream" else None)
             self._patched = UsagePatchMiddleware(
-                _ErrorGuard(inner), ledger=self.ledger, metrics=self.metrics, config=config
+                guarded, ledger=self.ledger, metrics=self.metrics, config=config, recorder=self.recorder
             )
             sweeper = asyncio.create_task(self._sweep_forever())
             try:
@@ -101,7 +118,11 @@ class CachetallyApp:
                     await sweeper
         finally:
             self._patched = None
-            await self.engine.stop()
+            try:
+                await self.engine.stop()
+            finally:
+                if self.recorder is not None:
+                    await asyncio.to_thread(self.recorder.stop, self.settings.otlp_timeout_s + 5)
 
     async def _sweep_forever(self) -> None:
         period = max(1.0, self.settings.ledger_ttl_s / 10)
@@ -120,7 +141,10 @@ class CachetallyApp:
             return
         local = self._local.get(scope.get("path", "")) if scope["type"] == "http" else None
         if local is not None:
-            await local(send)
+            if scope["method"] in ("GET", "HEAD"):
+                await local(send)
+            else:
+                await send_error(send, 405, "Method Not Allowed", [(b"allow", b"GET, HEAD")])
         elif self._patched is None:
             if scope["type"] == "http":
                 await send_error(send, 503, "cachetally is not running (engine not started)")
@@ -131,6 +155,7 @@ class CachetallyApp:
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
+        began = time.monotonic()
         async with contextlib.AsyncExitStack() as stack:
             try:
                 await stack.enter_async_context(self.running())
@@ -141,6 +166,11 @@ class CachetallyApp:
             if self._on_started is not None:
                 self._on_started()
             await send({"type": "lifespan.startup.complete"})
+            s = self.settings
+            logger.info(
+                "cachetally ready on http://%s:%d: engine %s (%s), started in %.1f s",
+                s.host, s.port, self.engine.name, self.engine.describe(), time.monotonic() - began,
+            )
             await receive()  # lifespan.shutdown
         await send({"type": "lifespan.shutdown.complete"})
 
@@ -170,24 +200,74 @@ async def _send_bytes(send: Send, status: int, body: bytes, content_type: bytes)
 
 
 class _ErrorGuard:
-    """An engine exception before the response started becomes a 500 in OpenAI JSON."""
+    """The engine app's failures in OpenAI error JSON.
 
-    def __init__(self, app: ASGIApp) -> None:
+    - An exception before the response started becomes a 500.
+    - A 404 or 405 that is not already an OpenAI error is re-written as one, with the same
+      status and headers (``Allow`` stays). Frameworks answer unknown routes and methods
+      in their own shape: FastAPI (vLLM's app) ``{"detail": "Not Found"}``, Starlette
+      (the sim) plain text. Only those two statuses are held; every other response
+      passes through untouched. ``only_paths``: rewrite on these paths alone (upstream
+      mode: a drop-in proxy passes an upstream's other routes through byte for byte).
+    """
+
+    def __init__(self, app: ASGIApp, only_paths: Collection[str] | None = None) -> None:
         self.app = app
+        self.only_paths = only_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rewrite = self.only_paths is None or scope.get("path") in self.only_paths
         started = False
+        held: Message | None = None
+        chunks: list[bytes] = []
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+        async def guarded_send(message: Message) -> None:
+            nonlocal started, held
+            kind = message["type"]
+            if kind == "http.response.start":
+                started = True
+                if rewrite and message["status"] in _REWRITTEN:
+                    held = message
+                    return
+            elif held is not None and kind == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                start, held = held, None
+                await _send_rewritten(send, start, b"".join(chunks))
+                return
             await send(message)
 
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, guarded_send)
         except Exception as exc:
             # The type only: an exception's text may quote the request.
             logger.error("engine app failed on %s: %s", scope.get("path"), type(exc).__name__)
             if started:
                 raise
             await send_error(send, 500, "Internal server error")
+
+
+_REWRITTEN = frozenset((404, 405))
+_FRAMEWORK_HEADERS = frozenset((b"content-type", b"content-length"))
+
+
+async def _send_rewritten(send: Send, start: Message, body: bytes) -> None:
+    """Send a held 404/405 as an OpenAI error, unless it already is one.
+
+    The message is a framework's ``{"detail": str}`` where there is one, else the status
+    phrase (Starlette's plain-text "Not Found"); other headers (``Allow``) are kept.
+    """
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        await send(start)
+        await send({"type": "http.response.body", "body": body})
+        return
+    status = start["status"]
+    detail = parsed.get("detail") if isinstance(parsed, dict) else None
+    message = detail if isinstance(detail, str) else HTTPStatus(status).phrase
+    kept = [(k, v) for k, v in start.get("headers", []) if k.lower() not in _FRAMEWORK_HEADERS]
+    await send_error(send, status, message, kept)

@@ -1,19 +1,22 @@
 """The ``cachetally`` command line.
 
 ``cachetally serve`` runs the proxy (embedded vLLM by default); ``cachetally model pull``
-materializes the default model; ``cachetally bench`` measures. Every subcommand's
-``--help`` says what it does and what each flag changes.
+materializes the default model; ``cachetally bench`` measures; ``cachetally report``
+totals usage records. Every subcommand's ``--help`` says what it does and what each
+flag changes.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import logging
+import os
 import sys
 from pathlib import Path
 
 from proxy.bench.cli import add_bench_parser
+from proxy.logs import configure_logging
+from proxy.records.report_cli import add_report_parser
 from proxy.settings import Settings, SettingsError, load_settings
 
 _SERVE_EPILOG = """\
@@ -28,6 +31,10 @@ examples:
 
 Settings come from the TOML file (--config; default config/default.toml), then
 CACHETALLY_* environment variables (e.g. CACHETALLY_PORT=9000), then these flags.
+Accounting: every chat and completions request belongs to a tenant (the API key's name
+from --api-keys, else the --tenant-header value if configured, else "default") and, with
+--usage-dir or --otlp-endpoint, leaves one usage record; `cachetally report` totals them.
+
 Routes: /v1/chat/completions and /v1/completions are patched with exact
 usage.prompt_tokens_details.cached_tokens; /health, /metrics (Prometheus) and /stats
 are cachetally's own; every other route is the engine's.
@@ -57,7 +64,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],
-        help="debug adds one cumulative prefix-cache stats line per request",
+        help="cachetally's log level (default: info); debug adds one cumulative prefix-cache stats "
+        "line per request. vLLM logs at WARNING, or INFO with debug, unless VLLM_LOGGING_LEVEL is set",
     )
     p.add_argument(
         "--missing",
@@ -76,7 +84,68 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="a path open without the API key, e.g. /health or /metrics (repeatable; default: none)",
     )
+    _accounting_flags(p)
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help='vLLM engine flags, after "--"')
+
+
+def _accounting_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tenants and usage records")
+    g.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help='TOML file of "key" = "tenant" lines: each key is accepted (with --api-key, if set) '
+        "and its requests belong to that tenant. Keys are compared in constant time, never logged",
+    )
+    g.add_argument(
+        "--tenant-header",
+        metavar="NAME",
+        help="take the tenant from this request header when no API key names one. Clients can "
+        "send any value: use it only behind a trusted gateway that sets the header itself",
+    )
+    g.add_argument(
+        "--tenants",
+        metavar="A,B,C",
+        help="tenant-header values with a metrics label of their own; any other value counts as "
+        "'other' (default: none, so every header value is 'other')",
+    )
+    g.add_argument(
+        "--usage-dir",
+        metavar="DIR",
+        help="write one JSON line per chat/completions request to append-only files in DIR "
+        "(never prompt or completion text)",
+    )
+    g.add_argument(
+        "--usage-flush-interval",
+        type=float,
+        metavar="SECONDS",
+        help="how often queued records are written and fsync'd; a crash loses at most this much "
+        "(default: 1.0; a graceful stop loses nothing)",
+    )
+    g.add_argument(
+        "--usage-max-file-bytes",
+        type=int,
+        metavar="BYTES",
+        help="start a new usage file before one would pass this size (default: 67108864)",
+    )
+    g.add_argument(
+        "--usage-queue-size",
+        type=int,
+        metavar="N",
+        help="records waiting per sink before new ones are dropped and counted in "
+        "cachetally_usage_records_dropped_total (default: 10000)",
+    )
+    g.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="also export one OpenTelemetry span per request over OTLP/HTTP, e.g. "
+        "http://collector:4318/v1/traces (needs the 'otlp' extra)",
+    )
+    g.add_argument(
+        "--otlp-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="give up on one export (retries included) after this long (default: 10.0)",
+    )
 
 
 def _model_parser(sub: argparse._SubParsersAction) -> None:
@@ -103,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _model_parser(sub)
     add_bench_parser(sub)
+    add_report_parser(sub)
     return parser
 
 
@@ -125,6 +195,15 @@ def serve_settings(args: argparse.Namespace) -> Settings:
             "api_key": args.api_key,
             "auth_exempt_paths": args.auth_exempt_path,
             "engine_args": engine_args or None,
+            "api_keys_file": args.api_keys,
+            "tenant_header": args.tenant_header,
+            "tenants": args.tenants,
+            "usage_dir": args.usage_dir,
+            "usage_flush_interval_s": args.usage_flush_interval,
+            "usage_max_file_bytes": args.usage_max_file_bytes,
+            "usage_queue_size": args.usage_queue_size,
+            "otlp_endpoint": args.otlp_endpoint,
+            "otlp_timeout_s": args.otlp_timeout,
         },
     )
 
@@ -139,8 +218,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     from proxy.app import CachetallyApp
 
-    _configure_logging(settings.log_level)
-    app = CachetallyApp(settings, on_started=settle_heap)
+    configure_logging(settings.log_level)
+    if settings.engine == "vllm":
+        # Read by vLLM when it is first imported, and inherited by its engine processes.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if settings.log_level == "debug" else "WARNING")
+    try:
+        app = CachetallyApp(settings, on_started=settle_heap)
+    except ValueError as exc:  # SettingsError included: the API keys file, the otlp extra
+        print(f"cachetally: {exc}", file=sys.stderr)
+        return 2
     uvicorn.run(
         app,
         host=settings.host,
@@ -173,10 +259,6 @@ def settle_heap() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def _model(args: argparse.Namespace) -> int:
     from engine_adapter.model_store import ensure_default_model
 
@@ -188,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
-    if args.command == "bench":
+    if args.command in ("bench", "report"):
         return args.run(args)
     return _model(args)
 

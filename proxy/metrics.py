@@ -1,6 +1,8 @@
 """Prometheus metrics (prefix ``cachetally_``) and the per-request record they count.
 
 Each app owns its registry, so several apps (tests, benchmarks) never share counters.
+The token and request counters carry a ``tenant`` label, bounded by :mod:`proxy.tenants`;
+the per-request histograms do not (a histogram per tenant and model is too many series).
 The ledger's own counters are read at scrape time, so the ledger stays free of metrics.
 
 The per-request series are plain dicts of numbers that a collector turns into metric
@@ -16,6 +18,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -24,6 +27,9 @@ from prometheus_client.utils import floatToGoString
 
 from proxy.ledger import UsageLedger
 from proxy.stats import CacheStats
+
+if TYPE_CHECKING:
+    from proxy.records.recorder import Recorder
 
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
@@ -42,6 +48,8 @@ class RequestRecord:
     local_cached_tokens: int | None = None
     external_cached_tokens: int | None = None
     mismatches: int = 0
+    tenant: str = "default"
+    completion_tokens: int = 0
 
     @property
     def cache(self) -> str:
@@ -67,6 +75,31 @@ class _LedgerCollector(Collector):
             "Engine events for keys with no open slot (dropped)",
             value=counters.unmatched_events,
         )
+
+
+class _RecordsCollector(Collector):
+    """Usage records written and dropped per sink, read from the recorder at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        recorder = self._metrics._recorder
+        written = CounterMetricFamily(
+            "cachetally_usage_records_written", "Usage records a sink wrote or exported", labels=["sink"]
+        )
+        dropped = CounterMetricFamily(
+            "cachetally_usage_records_dropped",
+            "Usage records a sink could not take or write (queue full, write or export failed)",
+            labels=["sink", "reason"],
+        )
+        if recorder is not None:
+            for worker in recorder.workers:
+                written.add_metric([worker.sink.name], worker.written)
+            for (sink, reason), value in recorder.drops.snapshot().items():
+                dropped.add_metric([sink, reason], value)
+        yield written
+        yield dropped
 
 
 @dataclass(slots=True)
@@ -96,9 +129,10 @@ class _RequestSeries(Collector):
     """The per-request counters and histograms, by label values."""
 
     def __init__(self) -> None:
-        self.requests: defaultdict[tuple[str, str, str, str], int] = defaultdict(int)
-        self.prompt_tokens: defaultdict[tuple[str], int] = defaultdict(int)
-        self.cached_tokens: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self.requests: defaultdict[tuple[str, str, str, str, str], int] = defaultdict(int)
+        self.prompt_tokens: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.cached_tokens: defaultdict[tuple[str, str, str, str], int] = defaultdict(int)
+        self.completion_tokens: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.mismatches = 0
         self.request_cached: dict[str, _Histogram] = {}
         self.request_ratio: dict[str, _Histogram] = {}
@@ -116,17 +150,25 @@ class _RequestSeries(Collector):
                 family.add_metric([model], h.buckets(), h.total)
             return family
 
-        yield counter("cachetally_prompt_tokens", "Prompt tokens of counted requests", ["model"], self.prompt_tokens)
+        yield counter(
+            "cachetally_prompt_tokens", "Prompt tokens of counted requests", ["model", "tenant"], self.prompt_tokens
+        )
         yield counter(
             "cachetally_cached_tokens",
             "Prompt tokens served from the prefix cache",
-            ["model", "source", "tier"],
+            ["model", "source", "tier", "tenant"],
             self.cached_tokens,
+        )
+        yield counter(
+            "cachetally_completion_tokens",
+            "Completion tokens, counted up to the disconnect when a client left early",
+            ["model", "tenant"],
+            self.completion_tokens,
         )
         yield counter(
             "cachetally_requests",
             "Chat and completions requests by cache outcome",
-            ["model", "route", "stream", "cache"],
+            ["model", "route", "stream", "cache", "tenant"],
             self.requests,
         )
         yield histogram("cachetally_request_cached_tokens", "Cached prompt tokens per request", self.request_cached)
@@ -155,22 +197,30 @@ class Metrics:
         open_slots = Gauge("cachetally_ledger_open_slots", "Open ledger slots", registry=registry)
         open_slots.set_function(lambda: len(ledger))
         registry.register(_LedgerCollector(ledger))
+        self._recorder: Recorder | None = None
+        registry.register(_RecordsCollector(self))
+
+    def count_completion(self, rec: RequestRecord) -> None:
+        """Only the completion tokens of a request that is not counted otherwise."""
+        if rec.completion_tokens:
+            self._series.completion_tokens[rec.model, rec.tenant] += rec.completion_tokens
 
     def record(self, rec: RequestRecord) -> None:
-        series, model = self._series, rec.model
-        series.requests[model, rec.route, "true" if rec.stream else "false", rec.cache] += 1
+        series, model, tenant = self._series, rec.model, rec.tenant
+        series.requests[model, rec.route, "true" if rec.stream else "false", rec.cache, tenant] += 1
         series.mismatches += rec.mismatches
+        self.count_completion(rec)
         prompt, cached = rec.prompt_tokens, rec.cached_tokens
         self.stats.add(prompt, cached)
         if prompt is None or cached is None:
             return  # cache=unknown: not in the token counters, so the hit rate is not diluted
         source = rec.source or "upstream"
-        series.prompt_tokens[(model,)] += prompt
-        series.cached_tokens[model, source, "all"] += cached
+        series.prompt_tokens[model, tenant] += prompt
+        series.cached_tokens[model, source, "all", tenant] += cached
         if rec.local_cached_tokens is not None:
-            series.cached_tokens[model, source, "local"] += rec.local_cached_tokens
+            series.cached_tokens[model, source, "local", tenant] += rec.local_cached_tokens
         if rec.external_cached_tokens is not None:
-            series.cached_tokens[model, source, "external"] += rec.external_cached_tokens
+            series.cached_tokens[model, source, "external", tenant] += rec.external_cached_tokens
         per_request = series.request_cached.get(model)
         if per_request is None:
             per_request = series.request_cached[model] = _Histogram(_TOKEN_BUCKETS)
@@ -180,6 +230,10 @@ class Metrics:
             if ratio is None:
                 ratio = series.request_ratio[model] = _Histogram(_RATIO_BUCKETS)
             ratio.observe(cached / prompt)
+
+    def watch_recorder(self, recorder: Recorder) -> None:
+        """Export ``cachetally_usage_records_{written,dropped}_total`` from ``recorder``."""
+        self._recorder = recorder
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

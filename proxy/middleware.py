@@ -18,7 +18,9 @@ Per request on a patched route:
    ``Accept-Encoding: identity`` (the response is parsed and patched).
 4. The response is patched: a JSON body is held, patched and re-measured; an SSE stream
    is passed on as it comes, with only usage events rewritten (``proxy.sse``).
-5. On the way out, one :class:`~proxy.metrics.RequestRecord` is counted.
+5. On the way out, one :class:`~proxy.metrics.RequestRecord` is counted under the
+   request's tenant (:mod:`proxy.tenants`), and, when a recorder is configured, one
+   :class:`~proxy.records.record.UsageRecord` is handed to it: a queue append, no I/O.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.events import current_request_key
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
+from proxy.records.recorder import Recorder
 from proxy.request_id import RequestIds
 from proxy.responder import Responder, without
+from proxy.tenants import Tenancy
 from proxy.usage import Missing
 
 DEFAULT_ROUTES: Mapping[str, str] = {
@@ -54,6 +58,7 @@ class PatchConfig:
     #: Off in upstream mode: the field is SGLang's own, and SGLang answers it itself.
     strip_details_flag: bool = True
     default_model: str = "unknown"
+    tenancy: Tenancy = field(default_factory=Tenancy)
 
 
 class UsagePatchMiddleware:
@@ -65,12 +70,14 @@ class UsagePatchMiddleware:
         metrics: Metrics,
         config: PatchConfig = PatchConfig(),
         request_ids: RequestIds = RequestIds(),
+        recorder: Recorder | None = None,
     ) -> None:
         self.app = app
         self.ledger = ledger
         self.metrics = metrics
         self.config = config
         self.request_ids = request_ids
+        self.recorder = recorder
         self.echo_header = request_ids.header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -84,7 +91,8 @@ class UsagePatchMiddleware:
             await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
             return
         key = self.request_ids.unique_key(client_id, self.ledger)
-        responder = Responder(self, route, key, client_id or key, send)
+        tenant = self.config.tenancy.resolve(scope["headers"])
+        responder = Responder(self, route, key, client_id or key, send, tenant)
         self.ledger.open(key)
         token = current_request_key.set(key)
         try:

@@ -4,7 +4,9 @@ Built per request by :class:`~proxy.middleware.UsagePatchMiddleware`, which hold
 configuration. The responder reads the request body once (size-capped), rewrites it only
 when it must, replays it to the inner app, patches the response (a JSON body held and
 re-measured; an SSE stream passed on as it comes, usage events rewritten) and, from the
-middleware's ``finally``, counts the request once.
+middleware's ``finally``, counts the request once and hands its usage record
+(:mod:`proxy.records.record`) to the recorder; what the record needs beyond the counted
+figures is noted on the way by :class:`~proxy.records.notes.RequestNotes`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from proxy.errors import send_error
 from proxy.ghost import GhostHold
 from proxy.ledger import SlotUsage
 from proxy.metrics import RequestRecord
+from proxy.records.notes import RequestNotes
 from proxy.request_body import (
     DETAILS_FLAG,
     BodyTooLarge,
@@ -33,12 +36,14 @@ from proxy.usage import Observation, UsagePatch
 
 if TYPE_CHECKING:
     from proxy.middleware import UsagePatchMiddleware
+    from proxy.records.record import UsageRecord
 
 #: The response's own ``"model"`` field, read from the first SSE bytes of a stream whose
 #: usage chunk never comes (the client did not ask for it), so it is labelled like the rest.
 #: Inside a JSON string a quote is escaped, so this only matches a real key.
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _MODEL_SNIFF_CHUNKS = 4
+_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 #: Request headers the responder replaces before the inner app sees them.
 _REWRITTEN = (b"x-request-id", b"content-length", b"accept-encoding")
 
@@ -58,11 +63,16 @@ class _Mode(Enum):
 
 
 class Responder:
-    def __init__(self, mw: UsagePatchMiddleware, route: str, key: str, echo: str, send: Send) -> None:
+    def __init__(
+        self, mw: UsagePatchMiddleware, route: str, key: str, echo: str, send: Send, tenant: str = "default"
+    ) -> None:
         self.mw = mw
         self.route = route
         self.key = key
         self.echo = echo
+        self.tenant = tenant
+        self.notes = RequestNotes(route)
+        self._headers: Headers = []
         self._send = send
         self.options: RequestOptions | None = None
         self.seen = Observation()
@@ -80,12 +90,14 @@ class Responder:
 
     async def run(self, scope: Scope, receive: Receive) -> None:
         config = self.mw.config
+        self._headers = scope["headers"]
         try:
             body = await read_body(receive, scope["headers"], config.max_request_bytes)
         except BodyTooLarge:
             await send_error(self.send, 413, f"Request body exceeds {config.max_request_bytes} bytes")
             return
         except ClientGone:
+            self.notes.client_left()
             return
         try:
             payload, self.options = parse_request(body)
@@ -105,7 +117,16 @@ class Responder:
             (b"content-length", b"%d" % len(body)),
             (b"accept-encoding", b"identity"),
         ]
-        await self.mw.app({**scope, "headers": headers}, replay(body, receive), self.send)
+        await self.mw.app({**scope, "headers": headers}, replay(body, self._watch(receive)), self.send)
+
+    def _watch(self, receive: Receive) -> Receive:
+        async def watched() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.notes.client_left()
+            return message
+
+        return watched
 
     def _rewrite(self, payload: dict[str, Any], body: bytes) -> bytes:
         options, config = self.options, self.mw.config
@@ -174,15 +195,19 @@ class Responder:
         more = message.get("more_body", False)
         if not more:
             self.completed = self.options is not None and self.status == 200
+        self.notes.body(body, more)
         if self.mode is _Mode.SSE:
             assert self._sse is not None
             if self.seen.model is None and self._sniff_chunks and body:
                 self._sniff_chunks -= 1
+                self.notes.sniff_id(body)
                 if match := _MODEL_FIELD.search(body):
                     self.seen.model = match.group(1).decode("utf-8", "replace")
             out = self._sse.feed(body) if body else b""
             if not more:
                 out += self._sse.flush()
+            if out:
+                self.notes.sse_events(out)
             if self._hold is not None:
                 out = self._hold.filter(out)
                 if not more:
@@ -211,9 +236,14 @@ class Responder:
             payload = None
         if not isinstance(payload, dict):
             self._count_skip("malformed")
-        elif self._patch(payload) is not None:
-            body = orjson.dumps(payload)
-            start["headers"] = [*without(start["headers"], b"content-length"), (b"content-length", b"%d" % len(body))]
+        else:
+            self.notes.whole_usage(payload)
+            if self._patch(payload) is not None:
+                body = orjson.dumps(payload)
+                start["headers"] = [
+                    *without(start["headers"], b"content-length"),
+                    (b"content-length", b"%d" % len(body)),
+                ]
         await self._send(start)
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -232,6 +262,9 @@ class Responder:
         ).apply(payload, self.seen)
 
     def _patch_event(self, payload: dict[str, Any]) -> bool | None:
+        if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
+            # A ghost usage chunk never reaches the client, so it is not among the counted events.
+            self.notes.whole_usage(payload, event=self._hold is None)
         if self._hold is not None and payload.get("usage") is not None and payload.get("choices") == []:
             self._patch(payload)  # observe it for the metrics, then drop it
             self._hold.usage_dropped(payload)
@@ -255,13 +288,20 @@ class Responder:
     # -- accounting ----------------------------------------------------------------------
 
     def finish(self, engine: SlotUsage | None) -> None:
-        """Count this request once. Synchronous: runs in the middleware's ``finally``."""
+        """Count this request once and submit its usage record. Synchronous: runs in the
+        middleware's ``finally``."""
         seen = self.seen
-        if engine is None and seen.prompt_tokens is None and not self.completed:
-            return  # rejected (4xx), failed or abandoned before the engine saw it: not counted
         # The engine's own model name, never the client's: labels must stay bounded.
         model = seen.model or self.mw.config.default_model
-        record = RequestRecord(model=model, route=self.route, stream=self.stream, mismatches=seen.mismatches)
+        completion, completion_source = self.notes.completion(self.stream)
+        record = RequestRecord(
+            model=model,
+            route=self.route,
+            stream=self.stream,
+            mismatches=seen.mismatches,
+            tenant=self.tenant,
+            completion_tokens=completion,
+        )
         if engine is not None:
             record.prompt_tokens, record.cached_tokens, record.source = (
                 engine.prompt_tokens,
@@ -278,4 +318,42 @@ class Responder:
             )
         else:
             record.prompt_tokens = seen.prompt_tokens
-        self.mw.metrics.record(record)
+        if engine is None and seen.prompt_tokens is None and not self.completed:
+            # Rejected (4xx), failed or abandoned before the engine saw it: not a counted
+            # request, but the tokens it streamed still count, as its usage record does.
+            self.mw.metrics.count_completion(record)
+        else:
+            self.mw.metrics.record(record)
+        recorder = self.mw.recorder
+        if recorder is not None:
+            recorder.submit(self._usage_record(record, engine, completion_source))
+
+    def _usage_record(self, rec: RequestRecord, engine: SlotUsage | None, completion_source: str) -> UsageRecord:
+        options = self.options
+        return self.notes.record(
+            request_id=self.key,
+            tenant=self.tenant,
+            route=self.route,
+            stream=self.stream if options is None else options.stream,
+            model=rec.model,
+            request_model=options.model if options is not None else None,
+            status=self.status,
+            outcome=self.notes.outcome(self.status),
+            prompt_tokens=rec.prompt_tokens,
+            cached_tokens=rec.cached_tokens,
+            local_cached_tokens=rec.local_cached_tokens,
+            external_cached_tokens=rec.external_cached_tokens,
+            cache_creation_tokens=engine.cache_creation_tokens if engine is not None else None,
+            source=rec.source,
+            completion_tokens=rec.completion_tokens,
+            completion_source=completion_source,
+            traceparent=_traceparent(self._headers),
+        )
+
+
+def _traceparent(headers: Headers) -> str | None:
+    """The client's W3C ``traceparent``, when it sent exactly one that looks like one."""
+    found = [value for name, value in headers if name.lower() == b"traceparent"]
+    if len(found) != 1 or not _TRACEPARENT.fullmatch(found[0]):
+        return None
+    return found[0].decode("ascii")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
+from urllib.parse import urlsplit
 
 ENV_PREFIX = "CACHETALLY_"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.toml"
@@ -37,6 +39,17 @@ class Settings:
     # the proxy's own API key (None: open), and the paths open without it
     api_key: str | None = field(default=None, repr=False)  # never printed
     auth_exempt_paths: list[str] = field(default_factory=list)
+    # tenants (proxy.tenants): API keys file (TOML "key" = "tenant"), then a trusted header
+    api_keys_file: str | None = None
+    tenant_header: str | None = None
+    tenants: list[str] = field(default_factory=list)  # header values with a label of their own
+    # usage records (proxy.records): JSONL files in a directory, and/or OTLP spans
+    usage_dir: str | None = None
+    usage_flush_interval_s: float = 1.0
+    usage_max_file_bytes: int = 64 << 20
+    usage_queue_size: int = 10_000
+    otlp_endpoint: str | None = None
+    otlp_timeout_s: float = 10.0
     # usage policy
     missing: str = "zero"
     # limits
@@ -79,12 +92,39 @@ class Settings:
                 raise SettingsError(f"{name} must be a positive number of seconds")
         if self.missing not in ("zero", "omit"):
             raise SettingsError(f"missing must be 'zero' or 'omit', not {self.missing!r}")
+        self._validate_accounting()
         if not 0 < self.port < 65536:
             raise SettingsError(f"port out of range: {self.port}")
         return self
 
 
+    def _validate_accounting(self) -> None:
+        from proxy.tenants import check_tenant_name
+
+        try:
+            for name in self.tenants:
+                check_tenant_name(name, "tenants")
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        if self.tenant_header is not None and not _HEADER_NAME.fullmatch(self.tenant_header):
+            raise SettingsError(f"tenant_header must be an HTTP header name, not {self.tenant_header!r}")
+        if self.otlp_endpoint:
+            parts = urlsplit(self.otlp_endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise SettingsError(f"otlp_endpoint must be an http(s) URL, not {self.otlp_endpoint!r}")
+        if not self.usage_flush_interval_s > 0:
+            raise SettingsError("usage_flush_interval_s must be > 0")
+        if self.usage_max_file_bytes < 4096:
+            raise SettingsError("usage_max_file_bytes must be >= 4096")
+        if self.usage_queue_size < 1:
+            raise SettingsError("usage_queue_size must be >= 1")
+        if not self.otlp_timeout_s > 0:
+            raise SettingsError("otlp_timeout_s must be > 0")
+
+
 _HINTS = get_type_hints(Settings)
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
+_LIST_SEPARATORS = re.compile(r"[\s,]+")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -95,7 +135,8 @@ def _coerce(name: str, value: Any) -> Any:
         if hint is float:
             return float(value)
         if hint == list[str]:
-            return value.split()
+            # "a,b c" and "a b" alike: --tenants a,b,c and CACHETALLY_TENANTS="a b c"
+            return [item for item in _LIST_SEPARATORS.split(value) if item] if name == "tenants" else value.split()
         if hint == str | None and value == "":
             return None
     return value

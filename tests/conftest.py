@@ -1,23 +1,48 @@
 """Shared fixtures. The embedded-vLLM server is session-scoped: one engine start (~40 s on
-CPU) serves every real-engine test module, and it is always stopped at the end."""
+CPU) serves every real-engine test module, and it is always stopped at the end.
+
+Order: tests without vLLM first, then the modules that start an engine of their own, then
+those on the shared server, which lives to the end of the session. So at most one vLLM
+engine runs at a time: vLLM binds every engine's OpenMP threads to the same core
+(``VLLM_CPU_OMP_THREADS_BIND=auto``), and two at once halve each other's speed."""
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
 
-from tests.servers import running_server
+from tests.load import report
+from tests.servers import Pace, measure_pace, running_server
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def phase(item: pytest.Item) -> int:
+        if item.get_closest_marker("vllm") is None:
+            return 0
+        return 2 if "vllm_server" in getattr(item, "fixturenames", ()) else 1
+
+    items.sort(key=phase)  # stable: file order within each phase
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`cachetally serve` with no engine flags: embedded vLLM and the default model."""
+def vllm_usage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared vLLM server writes its usage records (tests/test_vllm_records.py)."""
+    return tmp_path_factory.mktemp("vllm-usage")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, vllm_usage_dir: Path) -> Iterator[str]:
+    """`cachetally serve` with no engine flags (usage records on): embedded vLLM and the default model."""
     log = tmp_path_factory.mktemp("vllm") / "serve.log"
-    args = ["-m", "proxy.cli", "serve", "--log-level", "warning"]
+    # Usage records on, as billing runs it.
+    args = ["-m", "proxy.cli", "serve", "--log-level", "warning", "--usage-dir", str(vllm_usage_dir),
+            "--usage-flush-interval", "0.2"]
     with running_server(args, timeout_s=600, log_path=log) as (url, proc):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "the engine core runs in a child process"
@@ -27,6 +52,15 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes left behind: {alive}"
     assert "Traceback" not in log.read_text(errors="replace"), f"a traceback in {log}"
+
+
+@pytest.fixture(scope="session")
+def vllm_pace(vllm_server: str) -> Pace:
+    """One cold request on the shared vLLM server, timed: the base of every vLLM test's timeout."""
+    model = httpx.get(f"{vllm_server}/v1/models", timeout=None).json()["data"][0]["id"]
+    pace = measure_pace(vllm_server, model)
+    report("vllm-pace", request_s=round(pace.request_s, 3), timeout_1_s=round(pace.timeout(), 1))
+    return pace
 
 
 @pytest.fixture(scope="session")

@@ -133,34 +133,39 @@ async def run_mix(
     body: Callable[[random.Random, str, bool], bytes] = request_body,
     drop_points: list[DropPoint] = DROP_POINTS,
     headers: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+    headers_for: Callable[[int], dict[str, str]] | None = None,
 ) -> MixResult:
     """``requests`` mixed requests (chat/completions x stream/non-stream); a
-    ``drop_share`` of the clients hang up at a random point of ``drop_points``."""
+    ``drop_share`` of the clients hang up at a random point of ``drop_points``.
+    ``timeout_s`` bounds each request (a real engine's tests derive it from its pace);
+    ``headers_for(i)`` adds headers to the ``i``-th request."""
     rng = random.Random(seed)
     port = int(url.rsplit(":", 1)[1])
     limit = asyncio.Semaphore(concurrency)
     result = MixResult({}, {}, requests)
-    raw_headers = b"".join(f"{k}: {v}\r\n".encode() for k, v in (headers or {}).items())
     plan = []
-    for _ in range(requests):
+    for i in range(requests):
         route = rng.choice(list(ROUTES))
         stream = rng.random() < 0.5
         drop = drop_points[rng.randrange(len(drop_points))] if rng.random() < drop_share else None
-        plan.append((ROUTES[route], body(rng, route, stream), drop))
+        extra = {**(headers or {}), **(headers_for(i) if headers_for else {})}
+        plan.append((ROUTES[route], body(rng, route, stream), drop, extra))
 
     # Keep-alive shorter than uvicorn's 5 s: a pooled connection the server is closing just
     # as the client reuses it fails with ReadError, a client-side race, not a proxy fault.
     limits = httpx.Limits(max_connections=concurrency, keepalive_expiry=1.0)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
 
-        async def one(path: str, content: bytes, drop: DropPoint | None) -> None:
+        async def one(path: str, content: bytes, drop: DropPoint | None, extra: dict[str, str]) -> None:
             async with limit:
                 if drop is not None:
                     result.drops[drop.name] = result.drops.get(drop.name, 0) + 1
-                    await dropping_client(port, path, content, drop, headers=raw_headers)
+                    raw_headers = b"".join(f"{k}: {v}\r\n".encode() for k, v in extra.items())
+                    await dropping_client(port, path, content, drop, headers=raw_headers, timeout_s=timeout_s)
                     return
                 response = await client.post(
-                    path, content=content, headers={"content-type": "application/json", **(headers or {})}
+                    path, content=content, headers={"content-type": "application/json", **extra}
                 )
                 result.statuses[response.status_code] = result.statuses.get(response.status_code, 0) + 1
 

@@ -7,8 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from proxy.bench.processes import free_port, wait_healthy
 
@@ -50,6 +54,39 @@ def running_server(
                 proc.wait()
         if log:
             log.close()
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast this machine serves one ordinary request, measured, so that no test's
+    timeout is a number that a slower CPU (or a busier one) breaks."""
+
+    request_s: float
+    #: Headroom over the measured pace: noise on a shared machine, a prompt twice as long.
+    SLACK = 10.0
+    #: Never less than this: short waits still see a scheduling hiccup through.
+    FLOOR_S = 30.0
+
+    def timeout(self, requests: float = 1) -> float:
+        """A timeout for a wait behind ``requests`` such requests (queued or in a batch)."""
+        return max(self.FLOOR_S, self.SLACK * self.request_s * requests)
+
+
+def measure_pace(
+    base_url: str, model: str, *, words: int = 300, max_tokens: int = 8, headers: dict[str, str] | None = None
+) -> Pace:
+    """Time one cold completion: a unique prompt of ``words`` words, ``max_tokens`` out."""
+    import uuid
+
+    prompt = " ".join([uuid.uuid4().hex, *(f"w{i % 50}" for i in range(words))])
+    began = time.monotonic()
+    httpx.post(
+        f"{base_url}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        headers=headers,
+        timeout=None,  # the measurement itself: whatever it takes
+    ).raise_for_status()
+    return Pace(time.monotonic() - began)
 
 
 def metric_value(metrics_text: str, name: str, **labels: str) -> float:

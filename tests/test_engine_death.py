@@ -10,6 +10,7 @@ value and the key.
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import time
 import uuid
@@ -22,7 +23,7 @@ import psutil
 import pytest
 
 from tests.load import report
-from tests.servers import running_server
+from tests.servers import Pace, measure_pace, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -36,6 +37,7 @@ class Server:
     url: str
     proc: psutil.Process
     log: Path
+    pace: Pace
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     }
     args = ["-m", "proxy.cli", "serve", "--log-level", "debug"]
     with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
-        yield Server(url, psutil.Process(proc.pid), log)
+        model = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+        yield Server(url, psutil.Process(proc.pid), log, measure_pace(url, model, headers=AUTH))
 
 
 def engine_core(server: Server) -> psutil.Process:
@@ -62,10 +65,15 @@ def engine_core(server: Server) -> psutil.Process:
     return candidates[0]
 
 
+def stats_lines(log: Path) -> list[str]:
+    return [line for line in log.read_text(errors="replace").splitlines() if "prefix cache stats:" in line]
+
+
 def test_debug_logs_hold_no_prompt_completion_authorization_or_key(server: Server) -> None:
     model = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
     texts = []
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
+    before = len(stats_lines(server.log))
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=server.pace.timeout()) as client:
         assert client.post("/v1/completions", json={"prompt": "x"}, headers={"authorization": "Bearer no"}).status_code == 401
         for path, body in (
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"{PROMPT_MARKER} say hi"}]}),
@@ -81,6 +89,12 @@ def test_debug_logs_hold_no_prompt_completion_authorization_or_key(server: Serve
     time.sleep(1.0)  # let the engine's periodic log lines land
     text = server.log.read_text(errors="replace")
     assert " DEBUG " in text
+    # vLLM resets the root logger while it builds its app: cachetally's lines survive it.
+    assert text.count("cachetally ready on http://") == 1
+    assert re.search(r"engine vllm \(model SmolLM2-135M-Instruct, dtype \w+, (cpu|cuda)\), started in", text)
+    lines = stats_lines(server.log)
+    assert len(lines) == before + 4  # one per chat or completions request; not the 401
+    assert f"total_requests={len(lines)} " in lines[-1]
     completions = [t.strip() for t in texts if len(t.strip()) >= 12]
     leaked = [s for s in (KEY, "KEYMARKER", PROMPT_MARKER, *completions) if s in text]
     assert not leaked, leaked
@@ -107,7 +121,7 @@ def test_engine_death_turns_health_503_and_requests_fail_fast(server: Server) ->
     ):
         started = time.monotonic()
         resp = httpx.post(f"{server.url}{path}", json={**body, "model": model, "max_tokens": 4},
-                          headers=AUTH, timeout=30)
+                          headers=AUTH, timeout=server.pace.timeout())
         timings[path] = time.monotonic() - started
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["code"] == 503

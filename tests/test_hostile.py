@@ -200,9 +200,31 @@ def test_duplicated_and_large_headers_are_handled_and_oversized_ones_refused(ser
 
 @pytest.mark.loopback
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
-def test_a_wrong_method_is_405(server: Server, method: str) -> None:
+def test_a_wrong_method_is_an_openai_405(server: Server, method: str) -> None:
     resp = httpx.request(method, f"{server.url}/v1/chat/completions", headers=AUTH)
     assert resp.status_code == 405
+    assert resp.json()["error"] == {
+        "message": "Method Not Allowed", "type": "MethodNotAllowedError", "param": None, "code": 405,
+    }
+    assert resp.headers["allow"] == "POST"
+
+
+@pytest.mark.loopback
+@pytest.mark.parametrize("path", ["/metrics", "/stats", "/health"])
+def test_a_wrong_method_on_our_own_routes_is_an_openai_405(server: Server, path: str) -> None:
+    resp = httpx.post(f"{server.url}{path}", headers=AUTH)
+    assert resp.status_code == 405
+    assert resp.json()["error"]["type"] == "MethodNotAllowedError"
+    assert resp.headers["allow"] == "GET, HEAD"
+
+
+@pytest.mark.loopback
+@pytest.mark.parametrize("server", ["sim"], indirect=True)  # upstream: the upstream's own 404 (test_upstream)
+def test_an_unknown_route_is_an_openai_404(server: Server) -> None:
+    resp = httpx.get(f"{server.url}/v1/no-such-route", headers=AUTH)
+    assert resp.status_code == 404
+    assert resp.json()["error"] == {"message": "Not Found", "type": "NotFoundError", "param": None, "code": 404}
+    assert resp.headers["content-length"] == str(len(resp.content))
 
 
 @pytest.mark.loopback

@@ -34,6 +34,8 @@ records = st.builds(
     local_cached_tokens=st.one_of(st.none(), st.integers(0, 10_000)),
     external_cached_tokens=st.one_of(st.none(), st.integers(0, 10_000)),
     mismatches=st.integers(0, 2),
+    tenant=st.sampled_from(["default", "other", "team-a"]),
+    completion_tokens=st.integers(0, 5_000),
 )
 
 
@@ -41,30 +43,36 @@ records = st.builds(
 def test_series_match_prometheus_client_counters_and_histograms(recs: list[RequestRecord]) -> None:
     metrics = Metrics(UsageLedger())
     reference = CollectorRegistry()
-    requests = Counter("cachetally_requests", "", ["model", "route", "stream", "cache"], registry=reference)
-    prompt = Counter("cachetally_prompt_tokens", "", ["model"], registry=reference)
-    cached = Counter("cachetally_cached_tokens", "", ["model", "source", "tier"], registry=reference)
+    requests = Counter(
+        "cachetally_requests", "", ["model", "route", "stream", "cache", "tenant"], registry=reference
+    )
+    prompt = Counter("cachetally_prompt_tokens", "", ["model", "tenant"], registry=reference)
+    cached = Counter("cachetally_cached_tokens", "", ["model", "source", "tier", "tenant"], registry=reference)
+    completion = Counter("cachetally_completion_tokens", "", ["model", "tenant"], registry=reference)
     per_request = Histogram("cachetally_request_cached_tokens", "", ["model"], buckets=_TOKEN_BUCKETS,
                             registry=reference)
     ratio = Histogram("cachetally_request_cache_hit_ratio", "", ["model"], buckets=_RATIO_BUCKETS,
                       registry=reference)
     for rec in recs:
         metrics.record(rec)
-        requests.labels(rec.model, rec.route, str(rec.stream).lower(), rec.cache).inc()
+        requests.labels(rec.model, rec.route, str(rec.stream).lower(), rec.cache, rec.tenant).inc()
+        if rec.completion_tokens:
+            completion.labels(rec.model, rec.tenant).inc(rec.completion_tokens)
         if rec.cache == "unknown":
             continue
         assert rec.prompt_tokens is not None and rec.cached_tokens is not None
         source = rec.source or "upstream"
-        prompt.labels(rec.model).inc(rec.prompt_tokens)
-        cached.labels(rec.model, source, "all").inc(rec.cached_tokens)
+        prompt.labels(rec.model, rec.tenant).inc(rec.prompt_tokens)
+        cached.labels(rec.model, source, "all", rec.tenant).inc(rec.cached_tokens)
         for tier, value in (("local", rec.local_cached_tokens), ("external", rec.external_cached_tokens)):
             if value is not None:
-                cached.labels(rec.model, source, tier).inc(value)
+                cached.labels(rec.model, source, tier, rec.tenant).inc(value)
         per_request.labels(rec.model).observe(rec.cached_tokens)
         if rec.prompt_tokens:
             ratio.labels(rec.model).observe(rec.cached_tokens / rec.prompt_tokens)
     ours, theirs = metrics.exposition(), generate_latest(reference)
     for family in ("cachetally_requests", "cachetally_prompt_tokens", "cachetally_cached_tokens_total",
+                   "cachetally_completion_tokens",
                    "cachetally_request_cached_tokens", "cachetally_request_cache_hit_ratio"):
         assert samples(ours, family) == samples(theirs, family), family
     mismatch = samples(ours, "cachetally_cached_tokens_mismatch")

@@ -109,6 +109,12 @@ def chat_request(*, stream: bool = False, **extra: Any) -> bytes:
     return orjson.dumps(payload)
 
 
+#: Families with a tenant label; ``Harness.sample`` reads the ``default`` tenant's series.
+_TENANT_LABELLED = {
+    "cachetally_requests", "cachetally_prompt_tokens", "cachetally_cached_tokens", "cachetally_completion_tokens"
+}
+
+
 # -- the engine side -----------------------------------------------------------------------
 
 
@@ -147,6 +153,8 @@ class Harness:
         assert self.sample("cachetally_ledger_open_slots") == 0
 
     def sample(self, name: str, **labels: str) -> float | None:
+        if name.split("_total")[0] in _TENANT_LABELLED:
+            labels.setdefault("tenant", "default")
         return self.metrics.registry.get_sample_value(name, labels)
 
     def requests(self) -> dict[str, float]:

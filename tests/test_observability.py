@@ -278,3 +278,32 @@ def test_no_extension_unless_asked(sim_server: str, route: str, stream: bool) ->
     assert response.status_code == 200
     assert '"usage"' in response.text
     assert "cached_tokens_details" not in response.text
+
+
+# -- the stats line in upstream mode ------------------------------------------------------
+
+
+def test_upstream_mode_logs_one_stats_line_per_request_and_no_prompt_text(tmp_path) -> None:
+    """In front of a server that reports cached tokens itself (the standalone sim, like
+    vLLM with ``--enable-prompt-tokens-details``), each request adds its figures once."""
+    log_path = tmp_path / "proxy.log"
+    sim = ["-m", "engine_adapter.sim", "--report-cached-tokens", "--log-level", "warning"]
+    with running_server(sim) as (upstream, _):
+        serve = ["-m", "proxy.cli", "serve", "--upstream", upstream, "--log-level", "debug"]
+        with (
+            running_server(serve, log_path=log_path) as (url, _),
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+        ):
+            text = prompt()
+            seen = [call(client, route, stream, text) for route in ("chat", "completions") for stream in (False, True)]
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{url}/stats").json()["total_requests"] < len(seen):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    log = log_path.read_text()
+    lines = [dict(field.split("=") for field in m.group(1).split()) for m in _STATS_LINE.finditer(log)]
+    assert [int(line["total_requests"]) for line in lines] == [1, 2, 3, 4]
+    assert int(lines[-1]["total_prompt_tokens"]) == sum(u.prompt_tokens for u in seen)
+    assert int(lines[-1]["total_cached_tokens"]) == sum(u.prompt_tokens_details.cached_tokens for u in seen) > 0
+    assert "cachetally ready on http://" in log
+    assert MARKER not in log

@@ -107,6 +107,12 @@ def test_an_upstream_that_is_not_an_http_url_is_an_error(tmp_path: Path, url: st
         ("engine", '"tgi"', "engine must be"),
         ("missing", '"estimate"', "missing must be"),
         ("port", "0", "port"),
+        ("otlp_endpoint", '"collector:4318"', "otlp_endpoint must be an http"),
+        ("usage_flush_interval_s", "0", "usage_flush_interval_s must be > 0"),
+        ("usage_max_file_bytes", "100", "usage_max_file_bytes must be >= 4096"),
+        ("usage_queue_size", "0", "usage_queue_size must be >= 1"),
+        ("otlp_timeout_s", "-1", "otlp_timeout_s must be > 0"),
+        ("tenants", '["ok", "not ok"]', "tenant name"),
     ],
 )
 def test_invalid_values_are_errors(tmp_path: Path, key: str, value: str, message: str) -> None:

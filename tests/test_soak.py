@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 
 from tests.load import DROP_POINTS, SOAK, count, gauge_reader, log_failures, report, rss, run_mix, settle
-from tests.servers import running_server
+from tests.servers import Pace, running_server
 
 pytestmark = pytest.mark.loopback
 
 SHARES = [0.0, 0.1, 0.5]
 REQUESTS = count(150, 10_000)
 VLLM_REQUESTS = count(40, 1_000)
+VLLM_CONCURRENCY = 8
 TOKEN_DELAY = "0.002"
 
 
@@ -63,21 +64,21 @@ def upstream_mode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield Server(url, pid, logs / "upstream-proxy.log", "upstream")
 
 
-async def check_clean(server: Server) -> dict[str, float]:
+async def check_clean(server: Server, timeout_s: float) -> dict[str, float]:
     left = {"slots": await settle(gauge_reader(server.url, "cachetally_ledger_open_slots"), 0)}
     if server.mode == "upstream":
         name = "cachetally_upstream_connections_checked_out"
         left["connections"] = await settle(gauge_reader(server.url, name), 0)
     if server.mode == "vllm":
-        left["vllm_running"] = await settle(gauge_reader(server.url, "vllm:num_requests_running"), 0, 30)
+        left["vllm_running"] = await settle(gauge_reader(server.url, "vllm:num_requests_running"), 0, timeout_s)
     return left
 
 
-async def two_rounds(server: Server, requests: int, share: float, **kwargs) -> None:
+async def two_rounds(server: Server, requests: int, share: float, timeout_s: float = 60.0, **kwargs) -> None:
     sizes = []
     for round_ in (1, 2):
-        result = await run_mix(server.url, requests, share, seed=round(share * 1000) + 7, **kwargs)
-        left = await check_clean(server)
+        result = await run_mix(server.url, requests, share, seed=round(share * 1000) + 7, timeout_s=timeout_s, **kwargs)
+        left = await check_clean(server, timeout_s)
         sizes.append(rss(server.pid))
         failures = log_failures(server.log) if server.log else []
         report(
@@ -117,11 +118,11 @@ async def test_upstream_mode_leaves_nothing_behind(upstream_mode: Server, share:
 @pytest.mark.vllm
 @pytest.mark.asyncio
 @pytest.mark.parametrize("share", SHARES)
-async def test_vllm_mode_leaves_nothing_behind(vllm_server: str, share: float) -> None:
+async def test_vllm_mode_leaves_nothing_behind(vllm_server: str, vllm_pace: Pace, share: float) -> None:
     import httpx
     import psutil
 
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=vllm_pace.timeout()) as client:
         model = (await client.get(f"{vllm_server}/v1/models")).json()["data"][0]["id"]
     port = int(vllm_server.rsplit(":", 1)[1])
     pid = next(
@@ -141,4 +142,8 @@ async def test_vllm_mode_leaves_nothing_behind(vllm_server: str, share: float) -
 
     # The shared server's log goes to pytest's stderr, so it is not grepped here
     # (test_engine_death runs its own vLLM server with a captured log).
-    await two_rounds(Server(vllm_server, pid, None, "vllm"), VLLM_REQUESTS, share, body=body, concurrency=8)
+    # A request may wait behind every other one in flight: the timeout scales with that.
+    await two_rounds(
+        Server(vllm_server, pid, None, "vllm"), VLLM_REQUESTS, share,
+        timeout_s=vllm_pace.timeout(VLLM_CONCURRENCY), body=body, concurrency=VLLM_CONCURRENCY,
+    )

@@ -26,6 +26,7 @@ from proxy.settings import Settings
 from proxy.upstream import UpstreamEngine
 from proxy.usage import Observation, UsagePatch
 from proxy.vendor_usage import reported_cached_tokens
+from tests.servers import metric_value
 from tests.upstream_fakes import AsgiClient
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "upstream"
@@ -193,4 +194,5 @@ async def test_client_gets_the_normalized_value_through_the_proxy(
     outcome = "unknown" if case["source"] is None else ("hit" if case["cached_tokens"] else "miss")
     assert f'cache="{outcome}"' in metrics, metrics
     if case["source"] == "upstream" and case["cached_tokens"]:
-        assert f'source="upstream",tier="all"}} {float(case["cached_tokens"])}' in metrics
+        cached = metric_value(metrics, "cachetally_cached_tokens_total", source="upstream", tier="all")
+        assert cached == case["cached_tokens"]

@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from tests import clients
-from tests.servers import metric_value
+from tests.servers import Pace, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -33,9 +33,15 @@ def server(vllm_server: str) -> str:
     return vllm_server
 
 
+@pytest.fixture(scope="module")
+def pace(vllm_pace: Pace) -> Pace:
+    return vllm_pace
+
+
 @pytest.fixture
-def client(server: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as c:
+def client(server: str, pace: Pace) -> Iterator[openai.OpenAI]:
+    # n=2 and ~600-token prompts: a few times the measured request.
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=pace.timeout(4)) as c:
         yield c
 
 
@@ -122,7 +128,31 @@ def test_batch_of_two_prompts_and_n2_are_aggregated_like_prompt_tokens(client) -
     assert n2.usage.prompt_tokens_details.cached_tokens == ((single.prompt_tokens - 1) // BLOCK) * BLOCK
 
 
-def test_client_dropping_mid_stream_aborts_the_engine_request(server, client) -> None:
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_n2_reports_the_first_copy_the_same_streamed_or_not(client, server, route) -> None:
+    """Each prompt counts once, with what its first copy found: 0 cold, the full blocks warm.
+
+    vLLM's own counter counts every copy, so the second copy's hits show there only.
+    """
+    def ask_n2(stream: bool, prompt: str):  # vLLM refuses n > 1 with greedy sampling
+        return clients.ask(client, route, stream, prompt, model=model_id(client), max_tokens=2, n=2, temperature=1.0)
+
+    for stream in (False, True):
+        prompt = fresh_prompt()
+        before = metric_value(clients.scrape(server), VLLM_CACHED)
+        cold = ask_n2(stream, prompt)
+        middle = metric_value(clients.scrape(server), VLLM_CACHED)
+        warm = ask_n2(stream, prompt)
+        after = metric_value(clients.scrape(server), VLLM_CACHED)
+
+        full_blocks = ((cold.prompt_tokens - 1) // BLOCK) * BLOCK
+        assert (stream, cold.prompt_tokens_details.cached_tokens) == (stream, 0)
+        assert (stream, warm.prompt_tokens_details.cached_tokens) == (stream, full_blocks)
+        assert after - middle == 2 * full_blocks  # vLLM: both copies hit
+        assert middle - before in (0, full_blocks)  # vLLM: the second cold copy may hit the first
+
+
+def test_client_dropping_mid_stream_aborts_the_engine_request(server, client, pace) -> None:
     async def drop() -> None:
         body = {
             "model": model_id(client),
@@ -131,28 +161,26 @@ def test_client_dropping_mid_stream_aborts_the_engine_request(server, client) ->
             "ignore_eos": True,
             "stream": True,
         }
-        async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=server, timeout=pace.timeout()) as http:
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 async for _ in response.aiter_bytes():
                     break  # first chunk in, then hang up
 
     asyncio.run(drop())
-    for _ in range(100):
-        text = clients.scrape(server)
-        if metric_value(text, VLLM_RUNNING) == 0:
-            break
+    deadline = time.monotonic() + pace.timeout()  # vLLM sees the abort at its next step
+    while metric_value(text := clients.scrape(server), VLLM_RUNNING) != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert metric_value(text, VLLM_RUNNING) == 0, "vLLM still runs the abandoned request"
     assert metric_value(text, "cachetally_ledger_open_slots") == 0
 
 
-def test_request_id_traces_response_and_engine(server, client) -> None:
+def test_request_id_traces_response_and_engine(server, client, pace) -> None:
     prompt = fresh_prompt()
     ask(client, "chat", False, prompt)
 
     async def both() -> list[httpx.Response]:
         body = {"model": model_id(client), "messages": [{"role": "user", "content": prompt}], "max_tokens": 24}
-        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=server, timeout=pace.timeout(2)) as http:
             return await asyncio.gather(
                 *(http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-7"}) for _ in range(2))
             )
@@ -193,17 +221,17 @@ def test_metrics_and_stats_equal_what_responses_reported(server, client) -> None
     assert after_stats["total_prompt_tokens"] - before_stats["total_prompt_tokens"] == prompt_sum
 
 
-def test_tier_details_on_request(server, client) -> None:
+def test_tier_details_on_request(server, client, pace) -> None:
     prompt = fresh_prompt()
     ask(client, "completions", False, prompt)
     body = {"model": model_id(client), "prompt": prompt, "max_tokens": 2, "return_cached_tokens_details": True}
-    payload = httpx.post(f"{server}/v1/completions", json=body, timeout=120).json()
+    payload = httpx.post(f"{server}/v1/completions", json=body, timeout=pace.timeout()).json()
     cached = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0
     assert payload["cached_tokens_details"] == {"local": cached, "external": 0, "created": 0, "source": "engine"}
 
 
-def test_bench_cache_against_the_embedded_engine(server) -> None:
+def test_bench_cache_against_the_embedded_engine(server, pace) -> None:
     import subprocess
     import sys
 
@@ -211,7 +239,7 @@ def test_bench_cache_against_the_embedded_engine(server) -> None:
         [sys.executable, "-m", "proxy.cli", "bench", "cache", "--url", server, "--repeats", "2", "--json"],
         capture_output=True,
         check=True,
-        timeout=300,
+        timeout=pace.timeout(20),  # six ~1,000-token requests and a warm-up
     )
     report = orjson.loads(out.stdout)
     warm = [r for r in report["requests"] if r["kind"] == "warm"]

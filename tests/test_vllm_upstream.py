@@ -35,8 +35,9 @@ import psutil
 import pytest
 
 from engine_adapter.model_store import DEFAULT_MODEL_NAME, ensure_default_model
+from engine_adapter.vllm_cpu import machine_flags
 from proxy.bench.processes import stop
-from tests.servers import ROOT, free_port, metric_value, running_server
+from tests.servers import ROOT, Pace, free_port, measure_pace, metric_value, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -67,10 +68,10 @@ def vllm_server(details: bool, log_path: Path) -> Iterator[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(ensure_default_model(progress=False)),
         "--served-model-name", DEFAULT_MODEL_NAME,
-        "--enforce-eager", "--enable-prefix-caching",
-        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        "--enable-prefix-caching", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+    args += machine_flags(args)  # the embedded engine's CPU defaults (eager, float32 without bf16)
     if details:
         args.append("--enable-prompt-tokens-details")
     # Children are collected while the server runs: once the parent is gone, orphans can
@@ -120,6 +121,19 @@ class Stack:
     vllm: str
     proxy: str  # cachetally serve --upstream, `missing` = zero (the default)
     omit: str  # the same with --missing omit
+    pace: Pace  # one request on this vLLM, timed
+
+    def send(self, base: str, route: str, payload: dict[str, Any]) -> bytes:
+        """The raw response body (the SSE stream as it came, for a streaming request)."""
+        with (
+            httpx.Client(timeout=self.pace.timeout()) as client,
+            client.stream("POST", base + ROUTES[route], json=payload) as resp,
+        ):
+            raw = b"".join(resp.iter_raw())
+            assert resp.status_code == 200, raw
+            kind = "text/event-stream" if payload.get("stream") else "application/json"
+            assert resp.headers["content-type"].startswith(kind)
+            return raw
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +145,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         serve = ["-m", "proxy.cli", "serve", "--upstream", upstream, "--log-level", "warning"]
         zero, _ = proxies.enter_context(running_server(serve, timeout_s=120))
         omit, _ = proxies.enter_context(running_server([*serve, "--missing", "omit"], timeout_s=120))
-        yield Stack(details, upstream, zero, omit)
+        yield Stack(details, upstream, zero, omit, measure_pace(upstream, DEFAULT_MODEL_NAME))
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -150,16 +164,6 @@ def body(route: str, prompt: str, stream: bool, stream_options: dict[str, Any] |
         if stream_options is not None:
             out["stream_options"] = stream_options
     return out
-
-
-def send(base: str, route: str, payload: dict[str, Any]) -> bytes:
-    """The raw response body (the SSE stream as it came, for a streaming request)."""
-    with httpx.Client(timeout=120) as client, client.stream("POST", base + ROUTES[route], json=payload) as resp:
-        raw = b"".join(resp.iter_raw())
-        assert resp.status_code == 200, raw
-        kind = "text/event-stream" if payload.get("stream") else "application/json"
-        assert resp.headers["content-type"].startswith(kind)
-        return raw
 
 
 def normalized(raw: bytes) -> bytes:
@@ -229,9 +233,9 @@ def test_cached_tokens_and_bytes_equal_vllms_own(stack: Stack, route: str, strea
     prompt = fresh_prompt()
     options = {"include_usage": True}
     counts = Counts(stack.proxy)
-    cold = usage_of(send(stack.proxy, route, body(route, prompt, stream, options)), stream)
-    direct = send(stack.vllm, route, body(route, prompt, stream, options))
-    proxied = send(stack.proxy, route, body(route, prompt, stream, options))
+    cold = usage_of(stack.send(stack.proxy, route, body(route, prompt, stream, options)), stream)
+    direct = stack.send(stack.vllm, route, body(route, prompt, stream, options))
+    proxied = stack.send(stack.proxy, route, body(route, prompt, stream, options))
 
     assert cold["prompt_tokens"] > 4 * BLOCK
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0  # 0 is written as 0
@@ -252,10 +256,10 @@ def test_cached_tokens_and_bytes_equal_vllms_own(stack: Stack, route: str, strea
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_ghost_usage_leaves_the_stream_byte_identical_and_counts_it(stack: Stack, route: str) -> None:
     prompt = fresh_prompt()
-    send(stack.vllm, route, body(route, prompt, stream=False))  # warm
+    stack.send(stack.vllm, route, body(route, prompt, stream=False))  # warm
     counts = Counts(stack.proxy)
-    direct = sse_events(send(stack.vllm, route, body(route, prompt, stream=True)))
-    proxied = sse_events(send(stack.proxy, route, body(route, prompt, stream=True)))
+    direct = sse_events(stack.send(stack.vllm, route, body(route, prompt, stream=True)))
+    proxied = sse_events(stack.send(stack.proxy, route, body(route, prompt, stream=True)))
 
     # The proxy asked vLLM for include_usage and dropped the usage chunk: the client gets
     # exactly the events a direct request gives (ids and timestamps aside), including the
@@ -273,10 +277,10 @@ def test_ghost_usage_leaves_the_stream_byte_identical_and_counts_it(stack: Stack
 def test_continuous_usage_chunks_gain_cached_tokens(stack: Stack, route: str) -> None:
     prompt = fresh_prompt()
     options = {"include_usage": True, "continuous_usage_stats": True}
-    send(stack.vllm, route, body(route, prompt, stream=False))  # warm
-    direct = sse_events(send(stack.vllm, route, body(route, prompt, True, options)))
+    stack.send(stack.vllm, route, body(route, prompt, stream=False))  # warm
+    direct = sse_events(stack.send(stack.vllm, route, body(route, prompt, True, options)))
     counts = Counts(stack.proxy)
-    proxied = sse_events(send(stack.proxy, route, body(route, prompt, True, options)))
+    proxied = sse_events(stack.send(stack.proxy, route, body(route, prompt, True, options)))
     # Counted once, with the final chunk's value (the last usage object seen wins).
     assert counts.requests(route, True) == {"hit": 1, "miss": 0, "unknown": 0}
 
@@ -303,9 +307,9 @@ def test_continuous_usage_chunks_gain_cached_tokens(stack: Stack, route: str) ->
 def test_continuous_usage_chunks_with_missing_omit_stay_as_vllm_sent_them(stack: Stack) -> None:
     prompt = fresh_prompt()
     options = {"include_usage": True, "continuous_usage_stats": True}
-    send(stack.vllm, "chat", body("chat", prompt, stream=False))  # warm
-    direct = sse_events(send(stack.vllm, "chat", body("chat", prompt, True, options)))
-    proxied = sse_events(send(stack.omit, "chat", body("chat", prompt, True, options)))
+    stack.send(stack.vllm, "chat", body("chat", prompt, stream=False))  # warm
+    direct = sse_events(stack.send(stack.vllm, "chat", body("chat", prompt, True, options)))
+    proxied = sse_events(stack.send(stack.omit, "chat", body("chat", prompt, True, options)))
     assert proxied == direct
     assert data(proxied[-2])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
@@ -321,11 +325,11 @@ def test_without_the_flag_missing_policy_applies_and_cache_is_unknown(
 ) -> None:
     prompt = fresh_prompt()
     options = {"include_usage": True}
-    send(stack.vllm, route, body(route, prompt, stream=False))  # warm: vLLM does hit, silently
+    stack.send(stack.vllm, route, body(route, prompt, stream=False))  # warm: vLLM does hit, silently
     zero_counts, omit_counts, engine_counts = Counts(stack.proxy), Counts(stack.omit), Counts(stack.vllm)
-    direct = send(stack.vllm, route, body(route, prompt, stream, options))
-    zero = send(stack.proxy, route, body(route, prompt, stream, options))
-    omit = send(stack.omit, route, body(route, prompt, stream, options))
+    direct = stack.send(stack.vllm, route, body(route, prompt, stream, options))
+    zero = stack.send(stack.proxy, route, body(route, prompt, stream, options))
+    omit = stack.send(stack.omit, route, body(route, prompt, stream, options))
 
     sent = usage_of(direct, stream)
     # vLLM did reuse its cache for all three; it just does not say so in the response.
@@ -362,6 +366,6 @@ def test_without_the_flag_missing_policy_applies_and_cache_is_unknown(
 def test_without_the_flag_ghost_usage_counts_unknown(stack: Stack, route: str) -> None:
     prompt = fresh_prompt()
     counts = Counts(stack.proxy)
-    raw = send(stack.proxy, route, body(route, prompt, stream=True))
+    raw = stack.send(stack.proxy, route, body(route, prompt, stream=True))
     assert b'"usage"' not in raw
     assert counts.requests(route, True) == {"hit": 0, "miss": 0, "unknown": 1}

@@ -75,6 +75,10 @@ class UpstreamEngine:
         if client is not None:
             await client.aclose()
 
+    def describe(self) -> str:
+        origin = self.origin
+        return f"forwarding to {'https' if origin.tls else 'http'}://{origin.host_header.decode()}{origin.base_path.decode()}"
+
     def healthy(self) -> bool:
         # Started is healthy: an unreachable upstream is answered per request (502), and
         # the app refuses every request while this is False, so it must not flap.

