@@ -624,6 +624,7 @@ async def test_streamed_request_body_is_forwarded_as_it_comes(length: int | None
 async def test_lifecycle_health_pool_gauges_and_websockets() -> None:
     engine: Engine = UpstreamEngine(Settings(engine="upstream", upstream="http://127.0.0.1:9"))
     assert engine.name == "upstream"
+    assert engine.describe() == "forwarding to http://127.0.0.1:9"  # the ready line
     assert not engine.healthy()
     assert engine.metrics_text() == b""
     app = await engine.start()

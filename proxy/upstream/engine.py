@@ -77,7 +77,8 @@ class UpstreamEngine:
 
     def describe(self) -> str:
         origin = self.origin
-        return f"forwarding to {'https' if origin.tls else 'http'}://{origin.host_header.decode()}{origin.base_path.decode()}"
+        scheme = "https" if origin.tls else "http"
+        return f"forwarding to {scheme}://{origin.host_header.decode()}{origin.base_path.decode()}"
 
     def healthy(self) -> bool:
         # Started is healthy: an unreachable upstream is answered per request (502), and
