@@ -26,6 +26,8 @@ examples:
                                                     extra vLLM engine flags go after "--"
   cachetally serve --engine sim --port 9000         simulated engine (tests, benchmarks)
   cachetally serve --upstream http://127.0.0.1:8001 in front of a running OpenAI-compatible server
+  cachetally serve --upstream https://llm.internal:8443 --upstream-ca ca.pem
+                                                    an https upstream whose certificate a private CA signed
 
 Settings come from the TOML file (--config; default config/default.toml), then
 CACHETALLY_* environment variables (e.g. CACHETALLY_PORT=9000), then these flags.
@@ -49,6 +51,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--engine", choices=["vllm", "sim"], help="engine to embed (default: vllm)")
     p.add_argument("--upstream", metavar="URL", help="front a running server instead of embedding one")
+    p.add_argument(
+        "--upstream-ca",
+        metavar="FILE",
+        help="PEM file of CAs to verify an https:// upstream with (default: the system's CAs; "
+        "certificates are always verified)",
+    )
     p.add_argument("--model", help="local Hugging Face folder or hub name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: 8000)")
@@ -178,6 +186,7 @@ def serve_settings(args: argparse.Namespace) -> Settings:
         overrides={
             "engine": args.engine,
             "upstream": args.upstream,
+            "upstream_ca": args.upstream_ca,
             "model": args.model,
             "host": args.host,
             "port": args.port,

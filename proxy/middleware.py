@@ -13,7 +13,9 @@ Per request on a patched route:
    close is synchronous, so cancellation cannot skip it.
 3. The JSON request body is read once (size-capped) for the few options that matter,
    and replayed to the inner app; later ``receive`` calls (disconnects) go straight
-   through.
+   through. The inner app sees this route's headers rewritten by the middleware that
+   owns them: the request key, the replayed body's ``Content-Length``, and
+   ``Accept-Encoding: identity`` (the response is parsed and patched).
 4. The response is patched: a JSON body is held, patched and re-measured; an SSE stream
    is passed on as it comes, with only usage events rewritten (``proxy.sse``).
 5. On the way out, one :class:`~proxy.metrics.RequestRecord` is counted under the

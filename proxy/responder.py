@@ -19,7 +19,6 @@ import orjson
 from engine_adapter.engine import Message, Receive, Scope, Send
 from proxy.errors import send_error
 from proxy.ghost import GhostHold
-from proxy.hop_headers import Headers
 from proxy.ledger import SlotUsage
 from proxy.metrics import RequestRecord
 from proxy.records.notes import RequestNotes
@@ -45,6 +44,11 @@ if TYPE_CHECKING:
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _MODEL_SNIFF_CHUNKS = 4
 _TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+#: Request headers the responder replaces before the inner app sees them.
+_REWRITTEN = (b"x-request-id", b"content-length", b"accept-encoding")
+
+
+Headers = list[tuple[bytes, bytes]]
 
 
 def without(headers: Headers, lower_name: bytes) -> Headers:
@@ -101,12 +105,18 @@ class Responder:
             await send_error(self.send, 400, str(exc))
             return
         body = self._rewrite(payload, body)
+        # This route's headers are ours to rewrite: the request key, the length of the body
+        # as replayed, and an unencoded response, because it is parsed and patched.
         headers = [
             (name, value)
             for name, value in scope["headers"]
-            if name.lower() not in (b"x-request-id", b"content-length")
+            if name.lower() not in _REWRITTEN
         ]
-        headers += [(b"x-request-id", self.key.encode()), (b"content-length", str(len(body)).encode())]
+        headers += [
+            (b"x-request-id", self.key.encode()),
+            (b"content-length", b"%d" % len(body)),
+            (b"accept-encoding", b"identity"),
+        ]
         await self.mw.app({**scope, "headers": headers}, replay(body, self._watch(receive)), self.send)
 
     def _watch(self, receive: Receive) -> Receive:

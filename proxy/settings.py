@@ -61,6 +61,8 @@ class Settings:
     # upstream mode
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
+    write_timeout_s: float = 60.0
+    upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
     # simulator
     sim_block_size: int = 16
     sim_token_delay_s: float = 0.0
@@ -73,9 +75,21 @@ class Settings:
         if self.engine == "upstream" and not self.upstream:
             raise SettingsError("engine 'upstream' needs an upstream URL (--upstream http://HOST:PORT)")
         if self.upstream:
-            parts = urlsplit(self.upstream)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise SettingsError(f"upstream must be http://HOST:PORT or https://HOST:PORT, not {self.upstream!r}")
+            from proxy.upstream.client import Origin  # here: proxy.upstream imports this module
+
+            try:
+                origin = Origin.parse(self.upstream)
+            except ValueError:
+                raise SettingsError(
+                    f"upstream must be http://HOST:PORT[/PATH] or https://HOST:PORT[/PATH], not {self.upstream!r}"
+                ) from None
+            if self.upstream_ca and not origin.tls:
+                raise SettingsError("upstream_ca applies to an https:// upstream only")
+        if self.upstream_ca and not Path(self.upstream_ca).is_file():
+            raise SettingsError(f"upstream_ca: no such file: {self.upstream_ca}")
+        for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be a positive number of seconds")
         if self.missing not in ("zero", "omit"):
             raise SettingsError(f"missing must be 'zero' or 'omit', not {self.missing!r}")
         self._validate_accounting()

@@ -153,6 +153,23 @@ async def test_the_relay_copies_bytes_both_ways_and_closes_with_its_peer() -> No
         await upstream.wait_closed()
 
 
+def test_baseline_runs_two_checkouts_side_by_side_and_counts_failures(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--baseline`` with this checkout as its own baseline: both sides measured, none failed."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    assert main(["bench", "proxy", "--quick", "--json", "--baseline", str(root)]) == 0
+    ab = json.loads(capsys.readouterr().out)
+    for load in ("c64", "c64_sse", "c1"):
+        for side in ("baseline", "this"):
+            f = {key: ab[load][f"{side}_{key}"] for key in ("rps", "p50_ms", "p99_ms", "errors")}
+            assert positive(f["rps"]) and positive(f["p50_ms"]) and f["p99_ms"] >= f["p50_ms"], (load, side, f)
+            assert f["errors"] == 0, (load, side)
+        assert positive(ab[load]["ratio_rps"])
+    assert main(["bench", "proxy", "--quick", "--baseline", str(root / "docs")]) == 1  # not a checkout
+    assert "not a checkout of cachetally" in capsys.readouterr().err
+
+
 def test_no_server_left_behind(figures: dict[str, Any]) -> None:
     import os
 
@@ -166,3 +183,4 @@ def test_no_server_left_behind(figures: dict[str, Any]) -> None:
         except OSError:
             continue
     assert ours == []
+

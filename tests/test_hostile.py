@@ -299,7 +299,7 @@ async def test_a_non_path_request_target_is_refused_upstream_not_forwarded(targe
     scope = {"type": "http", "method": "GET", "path": target.decode(), "raw_path": target,
              "query_string": b"", "headers": []}
     try:
-        assert engine.url_for(scope) is None
+        assert engine.target_for(scope) is None
         await asyncio.wait_for(app(scope, receive, send), 5)
     finally:
         await engine.stop()

@@ -29,12 +29,12 @@ from starlette.responses import JSONResponse, Response
 from engine_adapter.engine import Engine, Message
 from proxy.app import CachetallyApp
 from proxy.errors import error_body
-from proxy.hop_headers import request_headers, response_headers
 from proxy.settings import Settings
 from proxy.upstream import UpstreamEngine
-from proxy.upstream_http1 import Http1Client
-from proxy.upstream_client import POOL_FULL, TIMED_OUT, UNREACHABLE, UpstreamFailure
-from proxy.upstream_forward import UpstreamBodyError
+from proxy.upstream.client import POOL_FULL, TIMED_OUT, UNREACHABLE, Origin, UpstreamFailure
+from proxy.upstream.forward import UpstreamBodyError
+from proxy.upstream.hop_headers import declared_length, request_headers, response_headers
+from proxy.upstream.pool import Http1Pool
 from tests.servers import free_port, metric_value, running_server
 from tests.upstream_fakes import AsgiClient, ScriptedClient, ScriptedResponse, Sent
 
@@ -393,7 +393,7 @@ async def llama_cpp(request: Request) -> Response:
 @contextlib.asynccontextmanager
 async def in_process(upstream_app: Any, upstream: str = "http://fake-upstream:9") -> AsyncIterator[Any]:
     settings = Settings(engine="upstream", upstream=upstream).validate()
-    app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, lambda: AsgiClient(upstream_app)))
+    app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, lambda origin: AsgiClient(upstream_app, origin)))
     async with app.running(), httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://cachetally"
     ) as client:
@@ -485,12 +485,9 @@ def test_hop_by_hop_headers_are_dropped_both_ways() -> None:
         (b"Host", b"client"), (b"Connection", b"close, X-Foo"), (b"X-Foo", b"1"), (b"Upgrade", b"h2c"),
         (b"Transfer-Encoding", b"chunked"), (b"Content-Length", b"3"), (b"X-Keep", b"a"), (b"X-Keep", b"b"),
     ]
-    assert request_headers(raw, identity=False, keep_length=True) == [
-        (b"Content-Length", b"3"), (b"X-Keep", b"a"), (b"X-Keep", b"b"),
-    ]
-    assert request_headers(raw, identity=True, keep_length=False) == [
-        (b"X-Keep", b"a"), (b"X-Keep", b"b"), (b"accept-encoding", b"identity"),
-    ]
+    assert request_headers(raw) == [(b"X-Keep", b"a"), (b"X-Keep", b"b")]
+    assert declared_length(raw) == 3
+    assert declared_length([(b"content-length", b"-1")]) is None
     upstream = [(b"date", b"x"), (b"server", b"y"), (b"content-length", b"3"), (b"te", b"z")]
     assert response_headers(upstream) == [(b"content-length", b"3")]
 
@@ -500,7 +497,7 @@ def test_hop_by_hop_headers_are_dropped_both_ways() -> None:
 
 def engine_with(respond: Callable[[Sent], ScriptedResponse]) -> UpstreamEngine:
     client = ScriptedClient(respond)
-    return UpstreamEngine(Settings(engine="upstream", upstream="http://up:1"), lambda: client)
+    return UpstreamEngine(Settings(engine="upstream", upstream="http://up:1"), lambda origin: client)
 
 
 def http_scope(path: str = "/v1/chat/completions", method: str = "POST") -> dict[str, Any]:
@@ -595,9 +592,10 @@ async def test_client_disconnect_closes_the_upstream_stream_at_once() -> None:
 
 
 @pytest.mark.asyncio
-async def test_streamed_request_body_is_forwarded_as_it_comes() -> None:
+@pytest.mark.parametrize("length", [None, 8], ids=["chunked", "content-length"])
+async def test_streamed_request_body_is_forwarded_as_it_comes(length: int | None) -> None:
     client = ScriptedClient(lambda r: ScriptedResponse([b"ok"]))
-    engine = UpstreamEngine(Settings(engine="upstream", upstream="http://up:1"), lambda: client)
+    engine = UpstreamEngine(Settings(engine="upstream", upstream="http://up:1"), lambda origin: client)
     app = await engine.start()
     parts = [b'{"a":', b' 1', b"}"]
     messages = [{"type": "http.request", "body": p, "more_body": i < 2} for i, p in enumerate(parts)]
@@ -612,14 +610,13 @@ async def test_streamed_request_body_is_forwarded_as_it_comes() -> None:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    scope = http_scope("/v1/embeddings") | {
-        "headers": [(b"transfer-encoding", b"chunked"), (b"content-type", b"application/json")]
-    }
+    framing = [(b"transfer-encoding", b"chunked")] if length is None else [(b"content-length", b"%d" % length)]
+    scope = http_scope("/v1/embeddings") | {"headers": [*framing, (b"content-type", b"application/json")]}
     await asyncio.wait_for(app(scope, receive, send), 5)
     await engine.stop()
     request = client.requests[0]
-    assert request.headers == [(b"content-type", b"application/json")]  # our chunked framing is dropped
-    assert request.body == b'{"a": 1}'
+    assert request.headers == [(b"content-type", b"application/json")]  # framing is the pool's to write
+    assert (request.body, request.length) == (b'{"a": 1}', length)  # the client's length, to be checked
     assert [m.get("body") for m in sent] == [None, b"ok", b""]
 
 
@@ -627,6 +624,7 @@ async def test_streamed_request_body_is_forwarded_as_it_comes() -> None:
 async def test_lifecycle_health_pool_gauges_and_websockets() -> None:
     engine: Engine = UpstreamEngine(Settings(engine="upstream", upstream="http://127.0.0.1:9"))
     assert engine.name == "upstream"
+    assert engine.describe() == "forwarding to http://127.0.0.1:9"  # the ready line
     assert not engine.healthy()
     assert engine.metrics_text() == b""
     app = await engine.start()
@@ -772,9 +770,9 @@ PARTIAL_SSE = (
 )
 
 
-def http1_client(**overrides: float) -> Http1Client:
+def http1_client(url: str, **overrides: float) -> Http1Pool:
     options = {"max_connections": 1024, "keepalive_s": 30.0, "connect_timeout_s": 2.0, "read_timeout_s": 5.0}
-    return Http1Client(**(options | overrides))  # type: ignore[arg-type]
+    return Http1Pool(Origin.parse(url), **(options | overrides))  # type: ignore[arg-type]
 
 
 @loopback
@@ -786,9 +784,9 @@ def http1_client(**overrides: float) -> Http1Client:
 )
 async def test_default_client_maps_a_failure_mid_body(answers: list[bytes], read_timeout_s: float, status: int) -> None:
     async with RawUpstream(answers) as url:
-        client = http1_client(read_timeout_s=read_timeout_s)
+        client = http1_client(url, read_timeout_s=read_timeout_s)
         try:
-            response = await client.send("GET", client.target(url + "/v1/x"), [], b"")
+            response = await client.send("GET", b"/v1/x", [], b"")
             assert await response.read() == b"data:"
             with pytest.raises(UpstreamFailure) as info:
                 await response.read()
@@ -803,12 +801,12 @@ async def test_default_client_maps_a_failure_mid_body(answers: list[bytes], read
 @pytest.mark.asyncio
 async def test_default_client_answers_503_when_every_connection_stays_busy() -> None:
     async with RawUpstream([PARTIAL_SSE, b""]) as url:
-        client = http1_client(max_connections=1, connect_timeout_s=0.2)
+        client = http1_client(url, max_connections=1, connect_timeout_s=0.2)
         try:
-            held = await client.send("GET", client.target(url + "/a"), [], b"")
+            held = await client.send("GET", b"/a", [], b"")
             assert client.pool_state() == (1, 0, 1, 0)
             with pytest.raises(UpstreamFailure) as info:
-                await client.send("GET", client.target(url + "/b"), [], b"")
+                await client.send("GET", b"/b", [], b"")
             assert info.value.status == 503
             held.close()  # unfinished: dropped, so the upstream sees the client leave
             assert client.pool_state() == (0, 0, 0, 0)
@@ -819,10 +817,10 @@ async def test_default_client_answers_503_when_every_connection_stays_busy() -> 
 @loopback
 @pytest.mark.asyncio
 async def test_default_client_answers_502_when_nothing_listens() -> None:
-    client = http1_client()
+    client = http1_client(f"http://127.0.0.1:{free_port()}")
     try:
         with pytest.raises(UpstreamFailure) as info:
-            await client.send("GET", client.target(f"http://127.0.0.1:{free_port()}/v1/models"), [], b"")
+            await client.send("GET", b"/v1/models", [], b"")
     finally:
         await client.aclose()
     assert (info.value.status, info.value.reason) == (502, "ConnectionRefusedError")

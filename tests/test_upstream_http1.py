@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.upstream_client import UpstreamFailure
-from proxy.upstream_http1 import Http1Client, Http1Response
+from proxy.upstream.client import Origin, UpstreamFailure
+from proxy.upstream.response import Http1Response
+from proxy.upstream.pool import Http1Pool
 
 pytestmark = pytest.mark.loopback
 
@@ -117,9 +118,9 @@ async def serving(handle: Handler) -> AsyncIterator[str]:
         await listener.wait_closed()
 
 
-def client(**overrides: float) -> Http1Client:
+def client(url: str, **overrides: float) -> Http1Pool:
     options = {"max_connections": 4, "keepalive_s": 30.0, "connect_timeout_s": 2.0, "read_timeout_s": 5.0}
-    return Http1Client(**(options | overrides))  # type: ignore[arg-type]
+    return Http1Pool(Origin.parse(url), **(options | overrides))  # type: ignore[arg-type]
 
 
 async def read_all(response: Http1Response) -> bytes:
@@ -129,8 +130,8 @@ async def read_all(response: Http1Response) -> bytes:
     return bytes(out)
 
 
-async def exchange(pool: Http1Client, url: str) -> tuple[Http1Response, bytes]:
-    response = await pool.send("GET", pool.target(url + "/v1/models?x=1"), [(b"x-client", b"c")], b"")
+async def exchange(pool: Http1Pool) -> tuple[Http1Response, bytes]:
+    response = await pool.send("GET", b"/v1/models?x=1", [(b"x-client", b"c")], b"")
     body = await read_all(response)
     response.close()
     return response, body
@@ -141,10 +142,10 @@ async def exchange(pool: Http1Client, url: str) -> tuple[Http1Response, bytes]:
 def test_any_framing_and_any_cut_gives_back_the_exact_body(first: Script, second: Script) -> None:
     async def scenario() -> None:
         server = Server([first, second])
-        pool = client()
         async with serving(server.handle) as url:
+            pool = client(url)
             for script in (first, second):
-                response, body = await asyncio.wait_for(exchange(pool, url), 10)
+                response, body = await asyncio.wait_for(exchange(pool), 10)
                 assert (response.status, body) == (script.status, script.body)
                 assert [v for k, v in response.headers if k.lower() == b"x-kept"] == [b"1", b"2"]
                 assert pool.pool_state()[2] == 0  # nothing checked out after close()
@@ -169,9 +170,9 @@ async def test_a_body_cut_short_is_a_502_not_a_shorter_body() -> None:
         await writer.drain()
         writer.close()
 
-    pool = client()
     async with serving(handle) as url:
-        response = await pool.send("GET", pool.target(url + "/"), [], b"")
+        pool = client(url)
+        response = await pool.send("GET", b"/", [], b"")
         with pytest.raises(UpstreamFailure) as info:
             await read_all(response)
         response.close()
@@ -199,11 +200,10 @@ async def test_streamed_body_is_chunked_or_sent_with_the_clients_length() -> Non
         for part in (b"abc", b"def", b"ghi"):
             yield part
 
-    pool = client()
     async with serving(handle) as url:
-        target = pool.target(url + "/v1/x")
-        for headers in ([], [(b"content-length", b"9")]):
-            response = await pool.send("POST", target, headers, parts())  # type: ignore[arg-type]
+        pool = client(url)
+        for length in (None, 9):
+            response = await pool.send("POST", b"/v1/x", [], parts(), length)  # type: ignore[arg-type]
             assert await read_all(response) == b"ok"
             response.close()
         await pool.aclose()
@@ -220,9 +220,9 @@ async def test_head_responses_end_at_their_headers() -> None:
         await writer.drain()
         await asyncio.sleep(5)
 
-    pool = client()
     async with serving(handle) as url:
-        response = await pool.send("HEAD", pool.target(url + "/"), [], b"")
+        pool = client(url)
+        response = await pool.send("HEAD", b"/", [], b"")
         assert (response.status, await asyncio.wait_for(read_all(response), 2)) == (200, b"")
         response.close()
         await pool.aclose()
@@ -239,9 +239,9 @@ async def test_a_slow_client_pauses_the_upstream_and_is_not_taken_for_a_silent_o
             writer.write(b"z" * 65536)
             await writer.drain()
 
-    pool = client(read_timeout_s=0.2)
     async with serving(handle) as url:
-        response = await pool.send("GET", pool.target(url + "/"), [], b"")
+        pool = client(url, read_timeout_s=0.2)
+        response = await pool.send("GET", b"/", [], b"")
         await asyncio.sleep(0.6)  # the client reads nothing for three read timeouts
         first = await response.read()
         assert len(first) < 2 << 20  # what waited for us is bounded, not the whole 8 MiB
@@ -262,9 +262,9 @@ async def test_a_request_cancelled_at_any_point_leaves_no_connection_behind() ->
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             await writer.drain()
 
-    pool = client()
     async with serving(handle) as url:
-        target = pool.target(url + "/")
+        pool = client(url)
+        target = b"/"
         for turns in range(40):
             task = asyncio.ensure_future(pool.send("POST", target, [], b"{}"))
             for _ in range(turns):
@@ -280,3 +280,31 @@ async def test_a_request_cancelled_at_any_point_leaves_no_connection_behind() ->
             await asyncio.sleep(0)
             assert pool.pool_state()[2] == 0, (turns, pool.pool_state())  # nothing checked out
         await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_body_ended_by_close_is_complete_only_when_the_upstream_closes() -> None:
+    """A response without a length ends with its connection, but only with the upstream's
+    close: when the pool drops the connection itself (the client left mid-upload), what was
+    read is not passed off as the whole body."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\npart")  # no length, still open
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def leaves() -> AsyncIterator[bytes]:
+        yield b"x"
+        await asyncio.sleep(0.1)  # the early answer arrives meanwhile
+        raise ConnectionAbortedError("the client left")
+
+    async with serving(handle) as url:
+        pool = client(url)
+        response = await pool.send("POST", b"/", [], leaves(), 100)
+        assert await response.read() == b"part"
+        with pytest.raises(UpstreamFailure) as info:
+            await response.read()
+        response.close()
+        await pool.aclose()
+    assert info.value.status == 502

@@ -151,7 +151,7 @@ async def proxied() -> AsyncIterator[Any]:
     async def make(case: dict[str, Any]) -> tuple[httpx.AsyncClient, CachetallyApp]:
         settings = Settings(engine="upstream", upstream="http://fake-upstream:9").validate()
         upstream = fake_upstream(case)
-        app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, lambda: AsgiClient(upstream)))
+        app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, lambda origin: AsgiClient(upstream, origin)))
         running = app.running()
         await running.__aenter__()
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://cachetally")

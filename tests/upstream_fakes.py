@@ -1,6 +1,6 @@
 """``UpstreamClient`` implementations for tests: scripted failures, and ASGI apps in process.
 
-The real client (``proxy.upstream_http1``) is tested against real sockets; these stand
+The real client (``proxy.upstream.pool``) is tested against real sockets; these stand
 in where a test needs an upstream to fail at an exact point, or a fake upstream app
 without a server.
 """
@@ -14,8 +14,7 @@ from typing import Any
 
 import httpx
 
-from proxy.hop_headers import Headers
-from proxy.upstream_client import UpstreamFailure
+from proxy.upstream.client import Headers, Origin, UpstreamFailure
 
 
 @dataclass
@@ -47,9 +46,10 @@ class ScriptedResponse:
 @dataclass
 class Sent:
     method: str
-    url: str
+    url: str  # the origin-form target
     headers: Headers
     body: bytes
+    length: int | None  # the declared length of a streamed body
 
 
 class ScriptedClient:
@@ -59,13 +59,13 @@ class ScriptedClient:
         self.respond = respond
         self.requests: list[Sent] = []
 
-    def target(self, url: str) -> str:
-        return url
-
-    async def send(self, method: str, target: object, headers: Headers, body: bytes | AsyncIterable[bytes]) -> Any:
+    async def send(
+        self, method: str, target: bytes, headers: Headers, body: bytes | AsyncIterable[bytes],
+        length: int | None = None,
+    ) -> Any:
         if not isinstance(body, bytes):
             body = b"".join([chunk async for chunk in body])
-        self.requests.append(request := Sent(method, str(target), headers, body))
+        self.requests.append(request := Sent(method, target.decode("latin-1"), headers, body, length))
         return self.respond(request)
 
     def pool_state(self) -> None:
@@ -90,14 +90,17 @@ class _AsgiResponse:
 class AsgiClient:
     """Sends to an ASGI app in process; ``Host`` and framing are added as on the wire."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, origin: Origin) -> None:
         self._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+        self._base = ("https://" if origin.tls else "http://") + origin.host_header.decode() + origin.base_path.decode()
 
-    def target(self, url: str) -> str:
-        return url
-
-    async def send(self, method: str, target: object, headers: Headers, body: bytes | AsyncIterable[bytes]) -> Any:
-        request = httpx.Request(method, str(target), headers=headers, content=body)
+    async def send(
+        self, method: str, target: bytes, headers: Headers, body: bytes | AsyncIterable[bytes],
+        length: int | None = None,
+    ) -> Any:
+        if length is not None:
+            headers = [*headers, (b"content-length", b"%d" % length)]
+        request = httpx.Request(method, self._base + target.decode("latin-1"), headers=headers, content=body)
         return _AsgiResponse(await self._http.send(request, stream=True))
 
     def pool_state(self) -> None:

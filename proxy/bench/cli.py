@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 _CACHE_EPILOG = """\
 examples:
@@ -29,6 +30,9 @@ examples:
   cachetally bench proxy            the table (takes a few minutes)
   cachetally bench proxy --json     every figure as JSON (docs/PERFORMANCE.md holds one)
   cachetally bench proxy --quick    seconds; checks that everything runs
+  cachetally bench proxy --baseline /tmp/bench-main
+                                    this checkout's proxy against another checkout's, side by side
+                                    (git worktree add --detach /tmp/bench-main main)
 
 Starts its own servers on free ports and stops them when done. With two or more cores the
 proxy is pinned to one core and the sim and load generator to the others.
@@ -79,6 +83,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     proxy.add_argument("--json", action="store_true", help="print JSON instead of a table")
     proxy.add_argument("--quick", action="store_true", help="tiny counts: a smoke test, not a measurement")
     proxy.add_argument("--rounds", type=_positive, metavar="R", help="direct/proxied round pairs (default: 5)")
+    proxy.add_argument(
+        "--baseline",
+        metavar="DIR",
+        type=Path,
+        help="instead: this checkout's proxy against the one in DIR (another checkout, e.g. a git "
+        "worktree of main), both running at once, alternating rounds; req/s per proxy core and latency",
+    )
     proxy.set_defaults(run=run_proxy)
 
 
@@ -137,6 +148,16 @@ def run_proxy(args: argparse.Namespace) -> int:
     counts = proxy.QUICK if args.quick else proxy.Counts()
     if args.rounds:
         counts = dataclasses.replace(counts, rounds=args.rounds)
+    if args.baseline is not None:
+        from proxy.bench import baseline
+
+        try:
+            ab = baseline.compare(args.baseline.resolve(), counts.rounds, counts.c64_per_conn, counts.c1_requests)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            print(f"cachetally bench proxy: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(ab, indent=2) if args.json else baseline.table(ab))
+        return 0
     try:
         figures = proxy.run(counts, progress=proxy.tqdm_progress)
     except (RuntimeError, TimeoutError, OSError) as exc:

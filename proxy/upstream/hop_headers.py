@@ -2,9 +2,11 @@
 
 Hop-by-hop headers describe one connection, not the message: ``Connection`` and every
 header it names, ``Keep-Alive``, ``TE``, ``Trailer(s)``, ``Transfer-Encoding``,
-``Upgrade`` and the ``Proxy-*`` family. They are dropped both ways. ``Host`` is rebuilt
-for the upstream by the upstream client from the URL. From the upstream response, ``Date`` and
-``Server`` are dropped too, because uvicorn writes its own (as nginx does).
+``Upgrade`` and the ``Proxy-*`` family. They are dropped both ways. Toward the upstream,
+``Host`` and ``Content-Length`` go too: the pool writes ``Host`` from the configured URL
+and frames the body itself (:func:`declared_length` hands it the client's length for a
+streamed body). From the upstream response, ``Date`` and ``Server`` are dropped too,
+because uvicorn writes its own (as nginx does).
 
 Headers stay raw ``bytes`` pairs, in order, so repeated headers survive. Nothing here
 logs: ``Authorization`` passes through untouched and is never printed.
@@ -14,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-Headers = list[tuple[bytes, bytes]]
+from proxy.upstream.client import Headers
 
 HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade"}
 )
-_REQUEST_ONLY = frozenset({b"host"})
+_REQUEST_ONLY = frozenset({b"host", b"content-length"})
 _RESPONSE_ONLY = frozenset({b"date", b"server"})
 
 
@@ -41,22 +43,17 @@ def _filter(headers: Headers, also: frozenset[bytes] | set[bytes]) -> Headers:
     ]
 
 
-def request_headers(headers: Headers, *, identity: bool, keep_length: bool) -> Headers:
-    """The client's headers as sent upstream.
+def request_headers(headers: Headers) -> Headers:
+    """The client's headers as sent upstream: end-to-end ones only, no ``Host``, no framing."""
+    return _filter(headers, _REQUEST_ONLY)
 
-    ``identity``: ask for an unencoded body (``Accept-Encoding: identity``) because the
-    middleware will parse it. ``keep_length``: keep ``Content-Length`` (a streamed body);
-    otherwise the upstream client frames the bytes itself.
-    """
-    also = set(_REQUEST_ONLY)
-    if identity:
-        also.add(b"accept-encoding")
-    if not keep_length:
-        also.add(b"content-length")
-    out = _filter(headers, also)
-    if identity:
-        out.append((b"accept-encoding", b"identity"))
-    return out
+
+def declared_length(headers: Headers) -> int | None:
+    """The client's ``Content-Length`` (the server in front already refused a bad one), or ``None``."""
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def response_headers(headers: Headers) -> Headers:

@@ -1,13 +1,14 @@
 """One request forwarded upstream and its response streamed back (``UpstreamEngine``'s app).
 
 The exchange runs in the request's own task: send the request (the body streamed as
-``receive`` yields it), relay the response chunk by chunk as it arrives, and close the
+``receive`` yields it, by the pool's upload task, so that an early answer such as a 401
+or 413 is relayed while the upload is still under way), relay the response chunk by chunk as it arrives, and close the
 upstream response in ``finally`` on success, error and disconnect alike. Beside it, one
 watcher task waits, once the request body is consumed, for ``http.disconnect`` and then
 cancels the exchange. A client that goes away therefore closes the upstream connection
 at once, so the engine sees the disconnect and aborts; without the watcher a ``send``
 after a disconnect is silently dropped (ASGI 2.3) and the stream would be read to its
-end. Closing a response is synchronous (:class:`~proxy.upstream_client.UpstreamResponse`),
+end. Closing a response is synchronous (:class:`~proxy.upstream.client.UpstreamResponse`),
 so a cancellation can never land halfway through it and leave a connection checked out.
 
 Failures: no connection or a broken one before the headers -> 502, a timeout -> 504, a
@@ -25,8 +26,8 @@ from collections.abc import AsyncIterator
 
 from engine_adapter.engine import Receive, Scope, Send
 from proxy.errors import error_sse_event, send_error
-from proxy.hop_headers import Headers, request_headers, response_headers
-from proxy.upstream_client import UpstreamClient, UpstreamFailure, UpstreamResponse
+from proxy.upstream.client import Headers, UpstreamClient, UpstreamFailure, UpstreamResponse
+from proxy.upstream.hop_headers import declared_length, request_headers, response_headers
 
 logger = logging.getLogger("cachetally.upstream")
 
@@ -46,12 +47,10 @@ def is_sse(headers: Headers) -> bool:
 
 
 class Forward:
-    __slots__ = ("body_done", "client", "gone", "identity", "receive", "scope", "send", "target")
+    __slots__ = ("body_done", "client", "gone", "receive", "scope", "send", "target")
 
-    def __init__(
-        self, client: UpstreamClient, target: object, identity: bool, scope: Scope, receive: Receive, send: Send
-    ) -> None:
-        self.client, self.target, self.identity = client, target, identity
+    def __init__(self, client: UpstreamClient, target: bytes, scope: Scope, receive: Receive, send: Send) -> None:
+        self.client, self.target = client, target
         self.scope, self.receive, self.send = scope, receive, send
         self.body_done = asyncio.Event()
         self.gone = False  # the client disconnected
@@ -92,11 +91,15 @@ class Forward:
         if not streamed:
             self.body_done.set()
         scope = self.scope
-        headers = request_headers(scope["headers"], identity=self.identity, keep_length=streamed)
+        headers = request_headers(scope["headers"])
         try:
-            response = await self.client.send(
-                scope["method"], self.target, headers, self._stream_body(body) if streamed else body
-            )
+            if streamed:
+                length = declared_length(scope["headers"])
+                response = await self.client.send(
+                    scope["method"], self.target, headers, self._stream_body(body), length
+                )
+            else:
+                response = await self.client.send(scope["method"], self.target, headers, body)
         except _ClientGone:
             return
         except UpstreamFailure as exc:
@@ -136,6 +139,8 @@ class Forward:
                 tail = (tail + chunk[-4:])[-4:]  # never copy the whole chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamFailure as exc:
+            if self.gone:  # the client left mid-upload after an early answer: nobody to tell
+                return
             scope = self.scope
             logger.warning("upstream %s %s failed mid-response: %s", scope["method"], scope["path"], exc.reason)
             if not is_sse(response.headers):

@@ -5,12 +5,18 @@ chat and completions on the way back, everything else (``/v1/models``, ``/tokeni
 errors) passes through byte for byte. The engine publishes no events: usage comes from
 the upstream's own report (``proxy.vendor_usage``, ``source=upstream``).
 
+The upstream URL is parsed once, into an :class:`~proxy.upstream.client.Origin`, when
+the engine is built; each request's target is the origin's path + the request's raw path
++ query, checked to be a path (never a host) and left as the client encoded it.
+
 One shared upstream client is created in :meth:`start` (the app's lifespan) and closed in
-:meth:`stop`: an HTTP/1.1 keep-alive pool (:mod:`proxy.upstream_http1`, chosen over httpx
+:meth:`stop`: an HTTP/1.1 keep-alive pool (:mod:`proxy.upstream.pool`, chosen over httpx
 and aiohttp by measurement, see docs/PERFORMANCE.md) unless a client is injected (tests).
 The pool is sized for about a thousand concurrent streams; a request that finds it full waits
 ``connect_timeout_s``, then gets 503. The per-request work is in
-:mod:`proxy.upstream_forward`.
+:mod:`proxy.upstream.forward`. Which headers the upstream sees for the patched routes
+(``Accept-Encoding: identity``, the rewritten body's ``Content-Length``) is the
+middleware's business (:mod:`proxy.responder`), not this engine's.
 """
 
 from __future__ import annotations
@@ -21,11 +27,10 @@ from urllib.parse import quote
 
 from engine_adapter.engine import ASGIApp, Receive, Scope, Send
 from proxy.errors import send_error
-from proxy.middleware import DEFAULT_ROUTES
 from proxy.settings import Settings
-from proxy.upstream_client import UpstreamClient
-from proxy.upstream_forward import Forward
-from proxy.upstream_http1 import Http1Client
+from proxy.upstream.client import Origin, UpstreamClient
+from proxy.upstream.forward import Forward
+from proxy.upstream.pool import Http1Pool
 
 logger = logging.getLogger("cachetally.upstream")
 
@@ -36,48 +41,44 @@ MAX_CONNECTIONS = 1024
 #: connection, and a request is never sent on one the upstream is closing.
 KEEPALIVE_EXPIRY_S = 4.0
 
-#: Parsed upstream targets kept (by path + query); the cache is cleared when it is full.
-URL_CACHE_SIZE = 1024
-
-#: Routes whose bodies the middleware parses: the upstream must not compress them.
-_PATCHED_PATHS = frozenset(DEFAULT_ROUTES)
-
 
 class UpstreamEngine:
     """Forwards to a running OpenAI-compatible server; implements ``Engine``."""
 
     name = "upstream"
 
-    def __init__(self, settings: Settings, client: Callable[[], UpstreamClient] | None = None) -> None:
-        """``client``: makes the upstream client at :meth:`start` (default: the HTTP/1.1 pool)."""
+    def __init__(self, settings: Settings, client: Callable[[Origin], UpstreamClient] | None = None) -> None:
+        """``client``: makes the upstream client for the origin at :meth:`start` (default: the pool)."""
         if not settings.upstream:
             raise ValueError("UpstreamEngine needs settings.upstream (http://HOST:PORT)")
-        self.base_url = settings.upstream.rstrip("/")
+        self.origin = Origin.parse(settings.upstream)
         self._make_client = client or (
-            lambda: Http1Client(
+            lambda origin: Http1Pool(
+                origin,
                 max_connections=MAX_CONNECTIONS,
                 keepalive_s=KEEPALIVE_EXPIRY_S,
                 connect_timeout_s=settings.connect_timeout_s,
                 read_timeout_s=settings.read_timeout_s,
+                write_timeout_s=settings.write_timeout_s,
+                ca_file=settings.upstream_ca,
             )
         )
         self._client: UpstreamClient | None = None
-        # The targets repeat (a handful of routes), so each is built and parsed once.
-        self._targets: dict[bytes, object] = {}
 
     async def start(self) -> ASGIApp:
         if self._client is None:
-            self._client = self._make_client()
+            self._client = self._make_client(self.origin)
         return self.app
 
     async def stop(self) -> None:
         client, self._client = self._client, None
-        self._targets.clear()
         if client is not None:
             await client.aclose()
 
     def describe(self) -> str:
-        return f"forwarding to {self.base_url}"
+        origin = self.origin
+        scheme = "https" if origin.tls else "http"
+        return f"forwarding to {scheme}://{origin.host_header.decode()}{origin.base_path.decode()}"
 
     def healthy(self) -> bool:
         # Started is healthy: an unreachable upstream is answered per request (502), and
@@ -94,43 +95,28 @@ class UpstreamEngine:
         if client is None:
             await send_error(send, 503, "The upstream engine is not running")
             return
-        target = self._target(client, scope)
+        target = self.target_for(scope)
         if target is None:
             await send_error(send, 400, "The request target must be an absolute path")
             return
-        await Forward(client, target, scope["path"] in _PATCHED_PATHS, scope, receive, send).run()
+        await Forward(client, target, scope, receive, send).run()
 
-    def _target(self, client: UpstreamClient, scope: Scope) -> object | None:
-        """:meth:`url_for`, parsed by ``client``, from a cache keyed by the raw target."""
-        raw_path: bytes | None = scope.get("raw_path")
-        if not raw_path:
-            url = self.url_for(scope)
-            return None if url is None else client.target(url)
-        key = raw_path + b"?" + scope.get("query_string", b"")
-        target = self._targets.get(key)
-        if target is None:
-            url = self.url_for(scope)
-            if url is None:
-                return None
-            if len(self._targets) >= URL_CACHE_SIZE:
-                self._targets.clear()
-            target = self._targets[key] = client.target(url)
-        return target
-
-    def url_for(self, scope: Scope) -> str | None:
-        """``upstream`` + the request's raw path + query, encoding left as the client sent it.
+    @staticmethod
+    def target_for(scope: Scope) -> bytes | None:
+        """The request's raw path + query (the origin's path is the pool's to add), encoding
+        left as the client sent it.
 
         ``None`` unless the path starts with ``/``: the upstream is fixed by configuration,
-        and a target such as ``@evil.example/x`` (which h11 passes on as ``raw_path``)
-        appended to ``http://host:port`` would turn the configured address into userinfo
-        and pick another host.
+        and a target such as ``@evil.example/x`` (which h11 passes on as ``raw_path``) must
+        never be read as anything but a path. What else a target may hold is checked where
+        it is written (:mod:`proxy.upstream.wire`).
         """
         raw_path: bytes | None = scope.get("raw_path")
-        path = raw_path.decode("latin-1") if raw_path else quote(scope["path"])
-        if not path.startswith("/"):
+        path = raw_path if raw_path else quote(scope["path"]).encode("latin-1")
+        if not path.startswith(b"/"):
             return None
         query: bytes = scope.get("query_string", b"")
-        return self.base_url + path + ("?" + query.decode("latin-1") if query else "")
+        return path + b"?" + query if query else path
 
     def metrics_text(self) -> bytes:
         """Pool gauges, read from the connection pool when it has the expected shape (else empty)."""

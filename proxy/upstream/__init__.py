@@ -1,0 +1,17 @@
+"""Upstream mode: cachetally as a drop-in proxy in front of a running OpenAI-compatible server.
+
+One entry point, :class:`UpstreamEngine` (``engine.py``). Inside, one module per concern:
+
+- ``engine.py``: the ``Engine``: parses the upstream URL once, owns the shared client;
+- ``forward.py``: one request forwarded and its response relayed, disconnects included;
+- ``hop_headers.py``: which headers pass each way;
+- ``client.py``: the seam between ``Forward`` and the pool, and the failures it reports;
+- ``pool.py``: the HTTP/1.1 keep-alive pool, its limit and its fair wait queue;
+- ``connection.py``: one connection, with h11's two explicit states (request, response);
+- ``response.py``: one exchange's response as the forwarder reads it, and its read timeout;
+- ``wire.py``: every byte written upstream, validated.
+"""
+
+from proxy.upstream.engine import UpstreamEngine
+
+__all__ = ["UpstreamEngine"]
