@@ -56,8 +56,8 @@ def make_engine(settings: Settings, sink: EventSink) -> Engine:
         from proxy.upstream import UpstreamEngine
 
         return UpstreamEngine(settings)
-    from engine_adapter.model_store import DEFAULT_MODEL_NAME, ensure_default_model
-    from engine_adapter.vllm_engine import VllmEngine
+    from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
+    from engine_adapter.vllm.engine import VllmEngine
 
     if settings.model:
         return VllmEngine(sink, settings.model, settings.engine_args)

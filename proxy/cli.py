@@ -260,7 +260,7 @@ def settle_heap() -> None:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from engine_adapter.model_store import ensure_default_model
+    from engine_adapter.vllm.model_store import ensure_default_model
 
     print(ensure_default_model(args.dir))
     return 0

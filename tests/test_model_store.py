@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_adapter import model_store
+from engine_adapter.vllm import model_store
 
 
 @pytest.mark.vllm

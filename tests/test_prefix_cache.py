@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_adapter.prefix_cache import PrefixCache
+from engine_adapter.sim.prefix_cache import PrefixCache
 
 
 def test_cold_cache_hits_nothing() -> None:

@@ -19,7 +19,7 @@ import pytest_asyncio
 from engine_adapter.engine import Engine
 from engine_adapter.events import Scheduled, current_request_key
 from engine_adapter.sim import SimConfig, SimEngine
-from engine_adapter.sim_tokenizer import render_chat, tokenize
+from engine_adapter.sim.tokenizer import render_chat, tokenize
 from proxy.bench.processes import stop
 
 ROOT = Path(__file__).resolve().parent.parent

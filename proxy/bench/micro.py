@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from engine_adapter.sim_protocol import sse, stream_choice, usage
+from engine_adapter.sim.protocol import sse, stream_choice, usage
 from proxy.ledger import SlotUsage
 from proxy.sse import SSEPatcher
 from proxy.usage import Observation, UsagePatch

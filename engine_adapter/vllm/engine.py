@@ -4,7 +4,7 @@ The app is vLLM's (``build_app`` + ``init_app_state``, module paths as of vLLM 0
 to :class:`TappedEngineClient`, which delegates everything to the real ``AsyncLLM`` and
 publishes one :class:`~engine_adapter.events.Scheduled` per engine request from the first
 ``RequestOutput`` of ``generate()``, before the serving layer sees it, with the figures of the request's
-first copy (:mod:`engine_adapter.vllm_prefill`; ``n > 1`` fans out). The key is
+first copy (:mod:`engine_adapter.vllm.prefill`; ``n > 1`` fans out). The key is
 :data:`~engine_adapter.events.current_request_key`, else vLLM's own request id.
 ``--enable-prompt-tokens-details`` is left off: the numbers come from the tap.
 
@@ -18,7 +18,7 @@ so :meth:`VllmEngine.start` enters ``app.router.lifespan_context`` itself, in th
 this app. Prometheus metrics need no lifespan: the stat loggers run in the engine
 client's output handler.
 
-Tiers: see :mod:`engine_adapter.vllm_prefill`; without them events carry totals only.
+Tiers: see :mod:`engine_adapter.vllm.prefill`; without them events carry totals only.
 
 Metrics: with one API process vLLM keeps its metrics in ``prometheus_client``'s default
 ``REGISTRY`` (multiprocess mode only if ``PROMETHEUS_MULTIPROC_DIR`` is set), along with
@@ -41,10 +41,10 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
-from .engine import ASGIApp
-from .events import EventSink, Scheduled, current_request_key
-from .vllm_cpu import machine_flags
-from .vllm_prefill import Prefill, PrefillTap
+from engine_adapter.engine import ASGIApp
+from engine_adapter.events import EventSink, Scheduled, current_request_key
+from engine_adapter.vllm.cpu import machine_flags
+from engine_adapter.vllm.prefill import Prefill, PrefillTap
 
 logger = logging.getLogger("cachetally.engine.vllm")
 

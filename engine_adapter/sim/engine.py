@@ -1,7 +1,7 @@
 """A simulated OpenAI-compatible engine with a real prefix cache, for tests and benchmarks.
 
-No model: prompts are tokenized deterministically (``sim_tokenizer``), looked up in a
-block-hash prefix cache with vLLM's counting rules (``prefix_cache``), and answered with
+No model: prompts are tokenized deterministically (:mod:`engine_adapter.sim.tokenizer`), looked up in a
+block-hash prefix cache with vLLM's counting rules (:mod:`engine_adapter.sim.prefix_cache`), and answered with
 ``max_tokens`` deterministic tokens (`` tok0 tok1 …``, ``finish_reason: length``).
 
 Each engine request (each prompt of a request; ``n`` choices share one) is scheduled
@@ -31,8 +31,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine_adapter.events import EventSink, Scheduled, current_request_key
-from engine_adapter.prefix_cache import PrefixCache
-from engine_adapter.sim_protocol import (
+from engine_adapter.sim.prefix_cache import PrefixCache
+from engine_adapter.sim.protocol import (
     Kind,
     RequestError,
     SimRequest,
@@ -248,5 +248,3 @@ def main(argv: list[str] | None = None) -> None:
     run(_serve(SimEngine(config=config), args.host, args.port, args.log_level))
 
 
-if __name__ == "__main__":
-    main()

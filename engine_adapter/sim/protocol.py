@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import orjson
 
-from engine_adapter.sim_tokenizer import render_chat, tokenize
+from engine_adapter.sim.tokenizer import render_chat, tokenize
 
 Kind = Literal["chat", "completion"]
 
