@@ -17,7 +17,7 @@ from pathlib import Path
 from proxy.bench.cli import add_bench_parser
 from proxy.logs import configure_logging
 from proxy.records.report_cli import add_report_parser
-from proxy.settings import Settings, SettingsError, load_settings
+from proxy.settings import Settings, SettingsError, load_settings, settings_environment
 
 _SERVE_EPILOG = """\
 examples:
@@ -214,14 +214,13 @@ def _serve(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"cachetally: {exc}", file=sys.stderr)
         return 2
+    configure_logging(settings.log_level)
+    if settings.engine == "vllm":
+        return _serve_vllm(settings)
     import uvicorn
 
     from proxy.app import CachetallyApp
 
-    configure_logging(settings.log_level)
-    if settings.engine == "vllm":
-        # Read by vLLM when it is first imported, and inherited by its engine processes.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if settings.log_level == "debug" else "WARNING")
     try:
         app = CachetallyApp(settings, on_started=settle_heap)
     except ValueError as exc:  # SettingsError included: the API keys file, the otlp extra
@@ -235,6 +234,40 @@ def _serve(args: argparse.Namespace) -> int:
         lifespan="on",
         timeout_graceful_shutdown=10,
     )
+    return 0
+
+
+#: The middleware ``cachetally serve`` adds to vLLM's own server (README: ``vllm serve ... --middleware``).
+VLLM_MIDDLEWARE = "proxy.vllm_middleware.CachetallyMiddleware"
+
+
+def _serve_vllm(settings: Settings) -> int:
+    """vLLM's own ``vllm serve`` with the middleware; settings reach it through the environment.
+
+    Every API server process vLLM starts inherits ``os.environ``, so the resolved settings
+    (file, environment, flags) are written there as ``CACHETALLY_*`` variables, and the
+    middleware in each process loads exactly these.
+    """
+    from proxy.accounting import Accounting
+
+    try:
+        Accounting(settings)  # fail here, with a message, on what each API server would refuse
+    except ValueError as exc:
+        print(f"cachetally: {exc}", file=sys.stderr)
+        return 2
+    os.environ.update(settings_environment(settings))
+    # Read by vLLM when it is first imported, and inherited by its engine processes.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if settings.log_level == "debug" else "WARNING")
+    from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
+    from engine_adapter.vllm.serve import serve_argv, vllm_serve
+
+    user = list(settings.engine_args)
+    if settings.model:
+        model = settings.model
+    else:  # the default model, served under its name, not its cache path; user flags still win
+        model, user = str(ensure_default_model()), ["--served-model-name", DEFAULT_MODEL_NAME, *user]
+    uvicorn_level = ["--uvicorn-log-level", settings.log_level]
+    vllm_serve(serve_argv(model, [*uvicorn_level, *user], VLLM_MIDDLEWARE, settings.host, settings.port))
     return 0
 
 

@@ -183,8 +183,8 @@ class _RequestSeries(Collector):
 
 
 class Metrics:
-    def __init__(self, ledger: UsageLedger) -> None:
-        self.registry = registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, ledger: UsageLedger, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.stats = CacheStats()
         self._series = _RequestSeries()
         registry.register(self._series)

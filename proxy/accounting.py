@@ -1,0 +1,96 @@
+"""What one cachetally instance keeps, whichever server carries the routes.
+
+An :class:`Accounting` holds the ledger, the metrics, the tenancy and its API-key guard,
+and the usage recorder, and wraps an engine's ASGI app in the usage-patching middleware
+behind an :class:`~proxy.error_guard.ErrorGuard`. Two servers use it:
+
+- :class:`proxy.app.CachetallyApp`: cachetally's own uvicorn app (sim and upstream engines);
+- :class:`proxy.vllm_middleware.CachetallyMiddleware`: inside vLLM's own server
+  (``vllm serve --middleware``, which ``cachetally serve`` runs for the vLLM engine).
+
+:meth:`Accounting.running` starts the recorder and the ledger's TTL sweep, and on exit
+stops the sweep and drains the recorder, so a graceful stop loses no record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry
+
+from engine_adapter.engine import ASGIApp
+from proxy.auth import ApiKeyGuard
+from proxy.error_guard import ErrorGuard
+from proxy.ledger import UsageLedger
+from proxy.metrics import Metrics
+from proxy.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.records.recorder import Recorder, recorder_from_settings
+from proxy.settings import Settings
+from proxy.tenants import tenancy_from_settings
+
+logger = logging.getLogger("cachetally.app")
+
+
+class Accounting:
+    """Ledger, metrics, tenants and records of one instance (see module docstring)."""
+
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.ledger = UsageLedger(ttl_s=settings.ledger_ttl_s, max_slots=settings.ledger_max_slots)
+        self.metrics = Metrics(self.ledger, registry=registry)
+        self.tenancy = tenancy_from_settings(settings)
+        keys = self.tenancy.keys
+        self.auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths, keys) if settings.api_key or keys else None
+        self.recorder: Recorder | None = recorder_from_settings(settings)
+        if self.recorder is not None:
+            self.metrics.watch_recorder(self.recorder)
+
+    def patch(self, inner: ASGIApp, *, upstream: bool = False) -> UsagePatchMiddleware:
+        """``inner`` behind the error guard and the usage-patching middleware.
+
+        ``upstream``: a drop-in proxy asks for usage chunks the client did not (ghost
+        usage), passes ``return_cached_tokens_details`` on, and rewrites framework errors
+        on the patched routes only.
+        """
+        s = self.settings
+        config = PatchConfig(
+            missing=s.missing,  # type: ignore[arg-type]  # validated by Settings
+            max_request_bytes=s.max_request_bytes,
+            max_response_bytes=s.max_response_bytes,
+            max_event_bytes=s.max_event_bytes,
+            ghost_usage=upstream,
+            strip_details_flag=not upstream,
+            default_model=s.model or "unknown",
+            tenancy=self.tenancy,
+        )
+        guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)
+        return UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config,
+                                    recorder=self.recorder)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The recorder and the TTL sweep, for as long as the server runs."""
+        if self.recorder is not None:
+            self.recorder.start()
+        try:
+            sweeper = asyncio.create_task(self._sweep_forever())
+            try:
+                yield
+            finally:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+        finally:
+            if self.recorder is not None:
+                await asyncio.to_thread(self.recorder.stop, self.settings.otlp_timeout_s + 5)
+
+    async def _sweep_forever(self) -> None:
+        period = max(1.0, self.settings.ledger_ttl_s / 10)
+        while True:
+            await asyncio.sleep(period)
+            evicted = self.ledger.sweep()
+            if evicted:
+                logger.warning("ledger TTL sweep evicted %d slot(s): a drop guard was missed", evicted)

@@ -1,0 +1,136 @@
+"""cachetally inside vLLM's own OpenAI server: one flag on ``vllm serve``.
+
+```
+vllm serve MODEL --middleware proxy.vllm_middleware.CachetallyMiddleware
+```
+
+vLLM adds the class with ``app.add_middleware`` after its own middlewares, so it is the
+outermost layer of each API server's app. Starlette builds that stack on the first ASGI
+call, the lifespan, by which time vLLM has bound the app to its engine client
+(``init_app_state`` sets ``app.state.engine_client``). At ``lifespan.startup`` the
+middleware taps that client (:class:`engine_adapter.vllm.tap.EngineTap`); at shutdown it
+removes the tap and drains the usage records. Each API server process of
+``--api-server-count N`` builds its own app, so each taps its own client.
+
+Per request it is what ``cachetally serve`` has always put in front of vLLM's routes:
+exact ``cached_tokens`` in JSON and SSE, final and continuous-usage chunks, 0 included;
+tiers on request; request ids; tenants and usage records; OpenAI error JSON for 404/405
+and for a dead engine (503 at once; vLLM's own watchdog then stops the server).
+
+Settings come from the default TOML file and ``CACHETALLY_*`` environment variables
+(:func:`proxy.settings.load_settings`), the only channel that reaches every API server
+process. vLLM's ``--enable-prompt-tokens-details`` stays off: the numbers come from the tap.
+
+Routes: ``/stats`` is served here; ``/metrics`` and ``/health`` are vLLM's own. The
+``cachetally_*`` series are registered in prometheus_client's default registry, which
+vLLM's ``/metrics`` exposes with one API server; with several, vLLM sets
+``PROMETHEUS_MULTIPROC_DIR`` and its ``/metrics`` sums every process's files, ours included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import orjson
+
+from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
+from engine_adapter.vllm.tap import EngineTap
+from proxy.accounting import Accounting
+from proxy.errors import send_error
+from proxy.logs import configure_logging
+from proxy.middleware import DEFAULT_ROUTES
+from proxy.settings import load_settings
+
+logger = logging.getLogger("cachetally.vllm")
+
+
+class CachetallyMiddleware:
+    """Pure ASGI; holds the instance's accounting and, once started, the engine tap."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        from prometheus_client import REGISTRY
+
+        self.app = app
+        settings = load_settings()
+        configure_logging(settings.log_level)
+        self.accounting = Accounting(settings, registry=REGISTRY)
+        self._patched = self.accounting.patch(app)
+        self._client: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
+        auth = self.accounting.auth
+        if auth is not None and kind in ("http", "websocket") and not auth.allows(scope):
+            await auth.refuse(scope, send)
+            return
+        path = scope.get("path")
+        if kind == "http" and path == "/stats":
+            if scope["method"] in ("GET", "HEAD"):
+                await self._stats(send)
+            else:
+                await send_error(send, 405, "Method Not Allowed", [(b"allow", b"GET, HEAD")])
+        elif kind == "http" and path in DEFAULT_ROUTES and getattr(self._client, "errored", False):
+            await send_error(send, 503, "the vllm engine is not healthy")
+        else:
+            await self._patched(scope, receive, send)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        app = scope.get("app")  # the FastAPI app: Starlette puts itself in every scope
+        async with contextlib.AsyncExitStack() as stack:
+
+            async def lifespan_receive() -> Message:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await stack.enter_async_context(self.accounting.running())
+                    self._tap_engine(app, stack)
+                return message
+
+            async def lifespan_send(message: Message) -> None:
+                if message["type"] == "lifespan.startup.complete":
+                    logger.info("cachetally ready on %s", _describe(app))
+                elif message["type"].startswith("lifespan.shutdown."):
+                    await stack.aclose()  # tap removed, records drained, before vLLM says done
+                await send(message)
+
+            await self.app(scope, lifespan_receive, lifespan_send)
+
+    def _tap_engine(self, app: Any, stack: contextlib.AsyncExitStack) -> None:
+        client = getattr(getattr(app, "state", None), "engine_client", None)
+        if client is None:
+            raise RuntimeError("no vLLM engine client on app.state: is this vLLM's OpenAI server?")
+        tap = EngineTap(client, self.accounting.ledger)
+        self._client = client
+        stack.callback(tap.uninstall)
+        stack.callback(setattr, self, "_client", None)
+
+    async def _stats(self, send: Send) -> None:
+        body = orjson.dumps(self.accounting.metrics.stats.as_dict())
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _describe(app: Any) -> str:
+    """``http://HOST:PORT: engine vllm (model M, dtype D, cpu), started in S s`` for the ready line."""
+    import psutil  # vLLM's own dependency
+    import torch
+
+    state = app.state
+    args = state.args
+    config = state.engine_client.model_config
+    names = getattr(config, "served_model_name", None) or config.model
+    name = names[0] if isinstance(names, list) else names
+    dtype = str(getattr(config, "dtype", "?")).removeprefix("torch.")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    servers = getattr(args, "api_server_count", 1) or 1
+    which = f", API server pid {os.getpid()} of {servers}" if servers > 1 else ""
+    started = time.time() - psutil.Process().create_time()
+    return (f"http://{args.host or '0.0.0.0'}:{args.port}: engine vllm (model {name}, dtype {dtype}, "
+            f"{device}{which}), started in {started:.1f} s")
