@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
 import openai
+
+#: vLLM's prefix-cache block size on CPU: a warm prompt reports its full blocks.
+VLLM_CPU_BLOCK = 128
+
+
+def fresh_prompt(words: int = 500) -> str:
+    """Unique from its first token, so no block of it is cached yet; ~600 tokens."""
+    return " ".join([uuid.uuid4().hex, *(f"topic{i % 37} item{i}" for i in range(words // 2))])
 
 
 def scrape(base_url: str) -> str:

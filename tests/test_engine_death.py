@@ -1,5 +1,6 @@
-"""The embedded vLLM engine, on its own server: logs stay free of secrets at debug level,
-and when the engine core process dies the proxy says so at once instead of hanging.
+"""`cachetally serve` (vLLM's own server with the middleware), on its own: logs stay free of
+secrets at debug level, and when the engine core process dies requests fail at once with
+an OpenAI error instead of hanging, and the server exits for its supervisor to restart.
 
 Not the shared ``vllm_server``: this module kills its engine. Its server runs with
 ``--log-level debug`` (and vLLM's own logger at DEBUG), an API key, and its output in a
@@ -101,19 +102,20 @@ def test_debug_logs_hold_no_prompt_completion_authorization_or_key(server: Serve
     assert "Traceback" not in text
 
 
-def test_engine_death_turns_health_503_and_requests_fail_fast(server: Server) -> None:
+def test_engine_death_fails_requests_at_once_and_the_server_exits_clean(server: Server) -> None:
+    """What a supervisor (Kubernetes, systemd) needs: no hung request, then an exit to restart.
+
+    The 503 with OpenAI error JSON on the patched routes is the middleware's; ``/health``
+    and the exit are vLLM's own (its watchdog stops the server about 5 s after the engine
+    died, unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``).
+    """
     assert httpx.get(f"{server.url}/health").status_code == 200
     model = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+    children = server.proc.children(recursive=True)
     core = engine_core(server)
     core.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     core.wait(timeout=10)
-    while httpx.get(f"{server.url}/health").status_code != 503:
-        assert time.monotonic() - killed < 5.0, "/health still 200 five seconds after the engine died"
-        time.sleep(0.05)
-    flipped = time.monotonic() - killed
-    health = httpx.get(f"{server.url}/health")
-    assert health.json()["error"]["type"] == "ServiceUnavailableError"
     timings = {}
     for path, body in (
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
@@ -124,7 +126,11 @@ def test_engine_death_turns_health_503_and_requests_fail_fast(server: Server) ->
                           headers=AUTH, timeout=server.pace.timeout())
         timings[path] = time.monotonic() - started
         assert resp.status_code == 503, resp.text
-        assert resp.json()["error"]["code"] == 503
+        assert resp.json()["error"]["type"] == "ServiceUnavailableError"
         assert timings[path] < 5.0
-    assert server.proc.is_running() and server.proc.status() != psutil.STATUS_ZOMBIE
-    report("engine-death", health_503_after_s=round(flipped, 3), request_503_s={k: round(v, 3) for k, v in timings.items()})
+    code = server.proc.wait(timeout=60)
+    exited = time.monotonic() - killed
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"engine processes left behind: {alive}"
+    report("engine-death", request_503_s={k: round(v, 3) for k, v in timings.items()},
+           server_exit_s=round(exited, 1), exit_code=code)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -19,13 +18,14 @@ import orjson
 import pytest
 
 from tests import clients
+from tests.clients import VLLM_CPU_BLOCK, fresh_prompt
 from tests.servers import Pace, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
 VLLM_CACHED = "vllm:prompt_tokens_cached_total"
 VLLM_RUNNING = "vllm:num_requests_running"
-BLOCK = 128  # vLLM's prefix-cache block size on CPU
+BLOCK = VLLM_CPU_BLOCK
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,6 @@ def client(server: str, pace: Pace) -> Iterator[openai.OpenAI]:
     # n=2 and ~600-token prompts: a few times the measured request.
     with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=pace.timeout(4)) as c:
         yield c
-
-
-def fresh_prompt(words: int = 500) -> str:
-    """Unique from its first token, so no block of it is cached yet; ~600 tokens."""
-    return " ".join([uuid.uuid4().hex, *(f"topic{i % 37} item{i}" for i in range(words // 2))])
 
 
 def model_id(client: openai.OpenAI) -> str:
