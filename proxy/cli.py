@@ -1,6 +1,6 @@
 """The ``cachetally`` command line.
 
-``cachetally serve`` runs the proxy (embedded vLLM by default); ``cachetally model pull``
+``cachetally serve`` serves with exact cached_tokens (vLLM's own server by default); ``cachetally model pull``
 materializes the default model; ``cachetally bench`` measures; ``cachetally report``
 totals usage records. Every subcommand's ``--help`` says what it does and what each
 flag changes.
@@ -21,9 +21,9 @@ from proxy.settings import Settings, SettingsError, load_settings, settings_envi
 
 _SERVE_EPILOG = """\
 examples:
-  cachetally serve                                  embedded vLLM + SmolLM2-135M-Instruct on :8000
-  cachetally serve --model ./my-hf-folder -- --max-model-len 4096
-                                                    extra vLLM engine flags go after "--"
+  cachetally serve                                  vLLM + SmolLM2-135M-Instruct on :8000
+  cachetally serve --model ./my-hf-folder -- --max-model-len 4096 --api-server-count 2
+                                                    any `vllm serve` flag goes after "--"
   cachetally serve --engine sim --port 9000         simulated engine (tests, benchmarks)
   cachetally serve --upstream http://127.0.0.1:8001 in front of a running OpenAI-compatible server
   cachetally serve --upstream https://llm.internal:8443 --upstream-ca ca.pem
@@ -35,21 +35,26 @@ Accounting: every chat and completions request belongs to a tenant (the API key'
 from --api-keys, else the --tenant-header value if configured, else "default") and, with
 --usage-dir or --otlp-endpoint, leaves one usage record; `cachetally report` totals them.
 
+Engine vllm: this runs vLLM's own `vllm serve` with --middleware
+proxy.vllm_middleware.CachetallyMiddleware (the same flag works on stock `vllm serve`);
+settings reach each of vLLM's API server processes as CACHETALLY_* variables.
+
 Routes: /v1/chat/completions and /v1/completions are patched with exact
-usage.prompt_tokens_details.cached_tokens; /health, /metrics (Prometheus) and /stats
-are cachetally's own; every other route is the engine's.
+usage.prompt_tokens_details.cached_tokens; /stats is cachetally's own; /health and
+/metrics (Prometheus, cachetally_* included) are cachetally's with the sim and upstream
+engines and vLLM's with vLLM; every other route is the engine's.
 """
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="run the proxy (embedded vLLM by default)",
+        help="serve with exact cached_tokens (vLLM's own server by default)",
         description="Serve OpenAI-compatible chat and completions with exact cached_tokens.",
         epilog=_SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--engine", choices=["vllm", "sim"], help="engine to embed (default: vllm)")
+    p.add_argument("--engine", choices=["vllm", "sim"], help="engine to serve (default: vllm)")
     p.add_argument("--upstream", metavar="URL", help="front a running server instead of embedding one")
     p.add_argument(
         "--upstream-ca",
@@ -85,7 +90,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="a path open without the API key, e.g. /health or /metrics (repeatable; default: none)",
     )
     _accounting_flags(p)
-    p.add_argument("engine_args", nargs=argparse.REMAINDER, help='vLLM engine flags, after "--"')
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help='`vllm serve` flags, after "--"')
 
 
 def _accounting_flags(p: argparse.ArgumentParser) -> None:

@@ -22,11 +22,41 @@ def test_vllm_engine_flags_pass_through_after_double_dash(monkeypatch: pytest.Mo
     assert settings.engine_args == ["--max-model-len", "4096", "--served-model-name", "m"]
 
 
-def test_defaults_are_the_embedded_engine_on_loopback_8000(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_defaults_are_the_vllm_engine_on_loopback_8000(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("CACHETALLY_ENGINE", "CACHETALLY_PORT", "CACHETALLY_HOST", "CACHETALLY_UPSTREAM"):
         monkeypatch.delenv(name, raising=False)
     settings = serve()
     assert (settings.engine, settings.host, settings.port, settings.model) == ("vllm", "127.0.0.1", 8000, None)
+
+
+def test_vllm_engine_runs_vllm_serve_with_the_middleware_and_the_users_flags_last(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """What `cachetally serve ... -- FLAGS` hands vLLM, and what every API server process reads back."""
+    import os
+
+    from engine_adapter.vllm import serve as vllm_serve_module
+    from proxy.settings import load_settings
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(vllm_serve_module, "vllm_serve", calls.append)
+    for name in [k for k in os.environ if k.startswith("CACHETALLY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the exports stay in this test
+    usage = tmp_path / "usage"
+    argv = ["serve", "--model", "./m", "--port", "8123", "--tenant-header", "X-Team", "--tenants", "red,blue",
+            "--usage-dir", str(usage), "--", "--api-server-count", "2", "--dtype", "bfloat16"]
+    assert main(argv) == 0
+    (vllm_argv,) = calls
+    assert vllm_argv[0] == "./m"
+    middleware = vllm_argv.index("--middleware")
+    assert vllm_argv[middleware + 1] == "proxy.vllm_middleware.CachetallyMiddleware"
+    assert vllm_argv[-4:] == ["--api-server-count", "2", "--dtype", "bfloat16"]  # the user's, last: they win
+    assert vllm_argv[vllm_argv.index("--port") + 1] == "8123"
+    assert "float32" not in vllm_argv  # the user's --dtype leaves the CPU default out
+    # The middleware in each API server process loads these settings from the environment alone.
+    child = load_settings(env={k: v for k, v in os.environ.items() if k.startswith("CACHETALLY_")})
+    assert (child.tenant_header, child.tenants, child.usage_dir, child.port) == ("X-Team", ["red", "blue"], str(usage), 8123)
 
 
 def test_flags_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
