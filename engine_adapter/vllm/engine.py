@@ -1,6 +1,6 @@
 """vLLM, embedded: ``AsyncLLM`` in process, vLLM's own OpenAI app, a tapped engine client.
 
-The app is vLLM's (``build_app`` + ``init_app_state``, module paths as of vLLM 0.32), bound
+The app is vLLM's (``build_app`` + ``init_app_state``, found by :mod:`.compat`), bound
 to :class:`TappedEngineClient`, which delegates everything to the real ``AsyncLLM`` and
 publishes one :class:`~engine_adapter.events.Scheduled` per engine request from the first
 ``RequestOutput`` of ``generate()``, before the serving layer sees it, with the figures of the request's
@@ -43,6 +43,7 @@ from typing import Any
 
 from engine_adapter.engine import ASGIApp
 from engine_adapter.events import EventSink, Scheduled, current_request_key
+from engine_adapter.vllm import compat
 from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.prefill import Prefill, PrefillTap
 
@@ -124,27 +125,28 @@ class VllmEngine:
         return argv + machine_flags(self._engine_args) + self._engine_args
 
     def parse_args(self) -> Any:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-        parser = make_arg_parser(FlexibleArgumentParser(prog="cachetally (vLLM engine args)"))
+        parser_class = compat.require("FlexibleArgumentParser")
+        parser = compat.require("make_arg_parser")(parser_class(prog="cachetally (vLLM engine args)"))
         args = parser.parse_args(self.serve_argv())
-        validate_parsed_serve_args(args)
+        if (validate := compat.resolve("validate_parsed_serve_args")) is not None:
+            validate(args)
         return args
 
     async def start(self) -> ASGIApp:
         if self._stack is not None:
             raise RuntimeError("VllmEngine already started")
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-        from vllm.entrypoints.launchers.app import build_app
-        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-        from vllm.logger import configure_logging_from_args
+        compat.check_version_once(logger)
+        compat.log_missing_once(logger)
+        init_app_state = compat.require("init_app_state")
+        build_async_engine_client = compat.require("build_async_engine_client")
+        build_app = compat.require("build_app")
 
         began = time.monotonic()
-        cli_env_setup()  # spawn the engine core, as `vllm serve` does
+        if (cli_env_setup := compat.resolve("cli_env_setup")) is not None:
+            cli_env_setup()  # spawn the engine core, as `vllm serve` does
         args = self.parse_args()
-        configure_logging_from_args(args)
+        if (configure_logging := compat.resolve("configure_logging_from_args")) is not None:
+            configure_logging(args)
         self._stack = stack = AsyncExitStack()
         try:
             self._client = await stack.enter_async_context(build_async_engine_client(args))
@@ -193,9 +195,9 @@ class VllmEngine:
         return client is not None and not getattr(client, "errored", True)
 
     def metrics_text(self) -> bytes:
-        if self._client is None:
+        registry = compat.resolve("get_prometheus_registry") if self._client is not None else None
+        if registry is None:
             return b""
         from prometheus_client import generate_latest
-        from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-        return generate_latest(get_prometheus_registry())
+        return generate_latest(registry())
