@@ -145,8 +145,20 @@ def test_missing_is_logged_once_in_one_line(fake_vllm, caplog: pytest.LogCapture
 
 def test_require_names_what_it_tried(fake_vllm) -> None:
     with pytest.raises(ImportError, match=rf"vLLM 0.33.0: cli_env_setup not found \({NEW_STARTUP}: "
-                                          rf"ModuleNotFoundError; {OLD_STARTUP}: ModuleNotFoundError\)"):
+                                          rf"no such module; {OLD_STARTUP}: no such module\)"):
         compat.require("cli_env_setup")
+
+
+def test_a_module_that_fails_to_import_says_why(fake_vllm) -> None:
+    fake_vllm(NEW_STARTUP, "import no_such_dependency_here\n")
+    fake_vllm(OLD_STARTUP, "def cli_env_setup():\n    pass\n")
+    assert compat.lookup("cli_env_setup")[1] == OLD_STARTUP
+    fake_vllm(OLD_STARTUP, "raise RuntimeError('no accelerator')\n")
+    del sys.modules[OLD_STARTUP]
+    compat.clear_cache()
+    assert compat.lookup("cli_env_setup")[2] == (
+        f"{NEW_STARTUP}: import failed (ModuleNotFoundError: No module named "
+        f"'no_such_dependency_here'); {OLD_STARTUP}: import failed (RuntimeError: no accelerator)")
 
 
 @pytest.mark.parametrize(("version", "ok"), [

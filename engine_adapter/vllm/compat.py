@@ -138,7 +138,9 @@ def lookup(qualname: str) -> tuple[Any, str | None, str]:
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:  # not there, or fails to import here: try the next one
-            problems.append(f"{module_name}: {type(exc).__name__}")
+            absent = isinstance(exc, ModuleNotFoundError) and module_name.startswith(exc.name or "?")
+            problems.append(f"{module_name}: " + (
+                "no such module" if absent else f"import failed ({type(exc).__name__}: {exc})"))
             continue
         obj: Any = module
         try:
