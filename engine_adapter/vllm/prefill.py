@@ -24,23 +24,29 @@ of the second and later copies; with ``n = 1`` (prompt lists included) they are 
 The hook wraps one bound method of the running engine's ``OutputProcessor`` instance,
 ``_update_stats_from_output(req_state, engine_core_output, ...)``, which runs for every
 engine output before vLLM clears ``req_state.is_prefilling`` and before the output is
-queued for ``generate()``. It is feature-detected: if vLLM renames that method or its
-fields, ``installed`` is False and the adapter publishes the output's totals (exact for
-``n = 1``). Entries are popped when published, discarded when ``generate()`` ends, and
-capped in number as a second line of defence, so nothing outlives its request.
+queued for ``generate()``. Its name, its leading parameters and the fields read here are
+declared in :mod:`engine_adapter.vllm.compat` and checked against each supported vLLM's
+sources. It is feature-detected: if the running engine's method is missing or takes other
+parameters, ``installed`` is False, one warning says so
+(:func:`~engine_adapter.vllm.compat.log_missing_once` where vLLM itself lacks it), and the
+adapter publishes the output's totals (exact for ``n = 1``). Entries are popped when
+published, discarded when ``generate()`` ends, and capped in number as a second line of
+defence, so nothing outlives its request.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from engine_adapter.vllm import compat
+
 logger = logging.getLogger("cachetally.engine.vllm")
 
-_HOOKED = "_update_stats_from_output"
+_HOOK = compat.TOUCH_POINTS["OutputProcessor._update_stats_from_output"]
+_HOOKED = _HOOK.attr
 _MAX_ENTRIES = 4096
 
 
@@ -61,21 +67,13 @@ class PrefillTap:
         self._first: OrderedDict[str, Prefill] = OrderedDict()
         self._processor = getattr(engine_client, "output_processor", None)
         self._original = getattr(self._processor, _HOOKED, None)
-        self.installed = self._compatible(self._original)
+        self.installed = self._original is not None and compat.params_match(_HOOK, self._original)
         if self.installed:
             setattr(self._processor, _HOOKED, self._hook)
-        else:
-            logger.warning(
-                "vLLM's %s not found: publishing RequestOutput totals (no tiers; n > 1 may "
-                "report a later copy's hit)", _HOOKED,
-            )
-
-    @staticmethod
-    def _compatible(method: Any) -> bool:
-        if method is None:
-            return False
-        params = list(inspect.signature(method).parameters)
-        return params[:2] == ["req_state", "engine_core_output"]
+        elif _HOOK.qualname not in compat.log_missing_once(logger):
+            # vLLM has it, this engine client does not (a wrapper, a subclass): say so here.
+            logger.warning("engine client %s has no %s(%s, ...): %s", type(engine_client).__name__,
+                           _HOOKED, ", ".join(_HOOK.params), _HOOK.without)
 
     def _hook(self, req_state: Any, engine_core_output: Any, *args: Any, **kwargs: Any) -> Any:
         stats = getattr(engine_core_output, "prefill_stats", None)

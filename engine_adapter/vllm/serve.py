@@ -20,11 +20,14 @@ launcher now owns the sockets, the lifespan, the engine core and the shutdown.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
 from engine_adapter.vllm import compat
 from engine_adapter.vllm.cpu import machine_flags
+
+logger = logging.getLogger("cachetally.engine.vllm")
 
 #: vLLM's default ``--shutdown-timeout 0`` SIGKILLs the engine core at once and leaks its
 #: shared memory and semaphores; a few seconds let it exit cleanly (about 5 s here).
@@ -43,13 +46,19 @@ def serve_argv(model: str, user_args: Sequence[str], middleware: str, host: str,
 
 def vllm_serve(argv: Sequence[str]) -> None:
     """``vllm serve ARGV``, in this process; returns when the server has stopped."""
-    compat.require("cli_env_setup")()  # spawn the engine core, as `vllm serve` does
+    compat.check_version_once(logger)
+    compat.log_missing_once(logger)
+    setup = compat.resolve("cli_env_setup")
+    if setup is not None:
+        setup()  # spawn the engine core, as `vllm serve` does
     parser = compat.require("FlexibleArgumentParser")(prog="vllm")
     subparsers = parser.add_subparsers(required=True, dest="subparser")
-    (serve,) = [cmd for cmd in compat.require("serve_cmd_init")() if cmd.name == "serve"]
+    (serve,) = [cmd for cmd in compat.require("cmd_init")() if cmd.name == "serve"]
     serve.subparser_init(subparsers).set_defaults(dispatch_function=serve.cmd)
     args = parser.parse_args(["serve", *argv])
-    compat.require("configure_logging_from_args")(args)
+    configure_logging = compat.resolve("configure_logging_from_args")
+    if configure_logging is not None:
+        configure_logging(args)
     serve.validate(args)
     args.dispatch_function(args)
 

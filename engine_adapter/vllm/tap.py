@@ -17,17 +17,23 @@ middleware set around the request, else vLLM's own request id. vLLM's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from engine_adapter.events import EventSink, Scheduled, current_request_key
+from engine_adapter.vllm import compat
 from engine_adapter.vllm.prefill import Prefill, PrefillTap
+
+logger = logging.getLogger("cachetally.engine.vllm")
 
 
 class EngineTap:
     """Installed on an ``AsyncLLM`` instance until :meth:`uninstall`."""
 
     def __init__(self, client: Any, sink: EventSink) -> None:
+        compat.check_version_once(logger)  # once per process: stock `vllm serve` never ran ours
+        compat.log_missing_once(logger)
         self._client = client
         self._sink = sink
         self._generate = client.generate
