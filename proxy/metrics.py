@@ -80,19 +80,18 @@ class RequestRecord:
         return "hit" if self.cached_tokens > 0 else "miss"
 
 
-class _Children:
-    """A labelled metric's ``inc`` or ``observe`` per label values, looked up once each."""
+class _Children(dict[tuple[str, ...], Callable[[float], None]]):
+    """A labelled metric's ``inc`` or ``observe`` per label values, each looked up once.
 
-    __slots__ = ("_metric", "_method", "_bound")
+    A dict, so that a lookup after the first is a plain C-level ``dict[...]``.
+    """
 
     def __init__(self, metric: Counter | Histogram, method: str) -> None:
+        super().__init__()
         self._metric, self._method = metric, method
-        self._bound: dict[tuple[str, ...], Callable[[float], None]] = {}
 
-    def __getitem__(self, labels: tuple[str, ...]) -> Callable[[float], None]:
-        bound = self._bound.get(labels)
-        if bound is None:
-            bound = self._bound[labels] = getattr(self._metric.labels(*labels), self._method)
+    def __missing__(self, labels: tuple[str, ...]) -> Callable[[float], None]:
+        bound = self[labels] = getattr(self._metric.labels(*labels), self._method)
         return bound
 
 
