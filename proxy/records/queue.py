@@ -108,7 +108,6 @@ class SinkWorker:
         self._drops = drops
         self._max = max_queued
         self._interval = interval_s
-        self.written = 0  # records the sink took (its thread writes)
         #: Called with the number of records the sink took, in the sink's thread.
         self.on_written: Callable[[int], None] | None = None
         self._queue: deque[UsageRecord] = deque()
@@ -167,7 +166,6 @@ class SinkWorker:
             self._drops.add(self.sink.name, self.sink.failure, len(batch), type(exc).__name__)
             return
         taken = len(batch) - lost
-        self.written += taken
         if taken and self.on_written is not None:
             self.on_written(taken)
         self._drops.add(self.sink.name, self.sink.failure, lost)
