@@ -12,7 +12,7 @@ is right in both of prometheus_client's modes:
   Custom collectors and ``Gauge.set_function`` are invisible there, which is why the
   per-request dicts behind a collector that this module used to have are gone.
   ``cachetally_ledger_open_slots`` is a ``livesum`` gauge: the sum over live processes
-  (``proxy.workers`` marks dead workers' files so, see there).
+  (``cachetally serve --workers`` drops a dead worker's files: :mod:`proxy.workers`).
 
 Counts that happen outside a request (ledger evictions and unmatched events, usage records
 written or dropped by a sink thread) are counters incremented where the event happens, via
@@ -21,12 +21,21 @@ the hooks the ledger and the recorder offer (``UsageLedger.observer``, ``DropCou
 process only: in multiprocess mode another process answers the scrape, and an eviction in
 an idle process would stay invisible until that process's next request.
 
-Cost per request (the seven updates of a hit with one tier, ``python -m proxy.bench.metrics``,
-medians of 7 rounds of 20,000 records, 2 shared noisy cores): the dicts-and-collector design
-took 1.6 us; native metrics with label children cached in dicts take 6.0 us in one process
-and 17.7 us in multiprocess mode (each update is an mmap write under prometheus_client's
-lock). Against a proxied request's few hundred microseconds this is the price of being
-right with several processes; docs/PERFORMANCE.md has the figures.
+Cost per request, measured side by side with the collector design this replaced
+(``python -m proxy.bench.metrics_cost --baseline fe6c923 --rounds 9``: open and close a
+ledger slot, then record a streamed hit with one tier, the seven series updates; medians
+of 9 alternating rounds of 20,000 requests; 2 shared cores at load average 5):
+
+- one process: 8.0 us with the collector, 20.2 us native;
+- multiprocess: 9.2 us with the collector, 51.0 us native.
+
+Over six such runs the native series added 11-20 us in one process and 26-42 us in
+multiprocess mode, where each of the eleven value updates (two of them the open-slot
+gauge, four the histograms' sum and bucket) is an mmap write under prometheus_client's
+lock. Label children are looked up once and kept (``_Children``). Against the 380 us of
+proxy CPU a proxied request takes on this machine (docs/PERFORMANCE.md), and the
+milliseconds of an engine request, this is the price of counts that are right with
+several processes; the old design's figures were right in one process only.
 
 The token and request counters carry a ``tenant`` label, bounded by :mod:`proxy.tenants`;
 the per-request histograms do not (a histogram per tenant and model is too many series).
