@@ -4,7 +4,9 @@ uvicorn's own supervisor runs the workers (``workers=N``): it binds the socket, 
 fresh interpreters that accept on it, and restarts one that dies. A spawned worker gets
 no Python object from the parent, so the parent puts its final :class:`Settings` in the
 environment (:data:`SETTINGS_ENV`, JSON) and each worker builds its app from that with
-:func:`app_from_env`, the factory uvicorn imports. The upstream and sim engines only:
+:func:`app_from_env`, the factory uvicorn imports. The API key, if any, is then in the
+workers' environment, as ``CACHETALLY_API_KEY`` would put it: readable by the same user
+only (``/proc/PID/environ``), never in the process list. The upstream and sim engines only:
 vLLM runs its own API server processes (``--api-server-count``).
 
 Metrics are summed across workers by prometheus_client's multiprocess mode, in a directory
