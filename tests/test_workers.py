@@ -170,3 +170,34 @@ def test_workers_are_refused_with_vllm() -> None:
     )
     assert result.returncode == 2
     assert "--api-server-count" in result.stderr
+
+
+def test_a_killed_workers_open_slot_leaves_the_gauge_when_uvicorn_replaces_it(tmp_path: Path) -> None:
+    import signal
+
+    import psutil
+
+    log = tmp_path / "serve.log"
+    with (
+        running_server([*SIM, "--token-delay-s", "1.0"], timeout_s=20) as (slow, _),
+        serve_workers(slow, log) as (url, proc),
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        body = {"model": "sim-model", "prompt": "a slow stream", "max_tokens": 30, "stream": True}
+        with httpx.Client(timeout=10) as client, client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            chunks = response.iter_raw()  # kept: a dropped generator would close the stream
+            next(chunks)  # the stream has started: its slot is open
+            assert metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "cachetally_ledger_open_slots") == 1
+            holders = [
+                child for child in psutil.Process(proc.pid).children()
+                if any(c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
+                       for c in child.net_connections("tcp"))
+            ]
+            assert len(holders) == 1
+            dead = holders[0].pid
+            os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "cachetally_ledger_open_slots") != 0:
+            assert time.monotonic() < deadline, "the dead worker's open slot never left the gauge"
+            time.sleep(0.2)
+        assert f"dead worker(s) [{dead}]" in log.read_text()
