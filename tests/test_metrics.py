@@ -20,7 +20,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from engine_adapter.events import Scheduled
 from proxy.ledger import UsageLedger
 from proxy.metrics import _RATIO_BUCKETS, _TOKEN_BUCKETS, Metrics, RequestRecord
-from proxy.records.queue import DropCounts
+from proxy.records.recorder import Recorder
 from proxy.stats import CacheStats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,22 +134,38 @@ def test_ledger_and_recorder_counts_are_counted_as_they_happen() -> None:
     assert samples(text, "cachetally_ledger_open_slots") == {"cachetally_ledger_open_slots": 1.0}
 
 
-def test_usage_record_drops_reach_the_counter() -> None:
-    drops = DropCounts()
+class _Sink:
+    """A sink that takes every record, or (``lossy``) loses the odd ones, however they are batched."""
+
+    failure = "write_failed"
+
+    def __init__(self, name: str, lossy: bool = False) -> None:
+        self.name, self.lossy = name, lossy
+
+    def write(self, batch: list[int]) -> int:
+        return sum(record % 2 for record in batch) if self.lossy else 0
+
+    def close(self) -> None:
+        pass
+
+
+def test_usage_records_written_and_dropped_reach_the_counters() -> None:
     metrics = Metrics(UsageLedger())
-
-    class _Recorder:
-        workers: list[object] = []
-
-    recorder = _Recorder()
-    recorder.drops = drops  # type: ignore[attr-defined]
-    metrics.watch_recorder(recorder)  # type: ignore[arg-type]
-    drops.add("jsonl", "queue_full", 3)
-    drops.add("otlp", "export_failed", 2)
-    drops.add("jsonl", "queue_full", 1)
+    recorder = Recorder([_Sink("whole"), _Sink("lossy", lossy=True)], max_queued=100, interval_s=0.01)  # type: ignore[list-item]
+    metrics.watch_recorder(recorder)
+    recorder.start()
+    for i in range(40):
+        recorder.submit(i)  # type: ignore[arg-type]  # the sinks never look inside
+    recorder.stop(timeout_s=10)
+    recorder.submit(40)  # type: ignore[arg-type]  # after the stop: dropped, counted
+    assert samples(metrics.exposition(), "cachetally_usage_records_written") == {
+        'cachetally_usage_records_written_total{sink="whole"}': 40.0,
+        'cachetally_usage_records_written_total{sink="lossy"}': 20.0,
+    }
     assert samples(metrics.exposition(), "cachetally_usage_records_dropped") == {
-        'cachetally_usage_records_dropped_total{reason="queue_full",sink="jsonl"}': 4.0,
-        'cachetally_usage_records_dropped_total{reason="export_failed",sink="otlp"}': 2.0,
+        'cachetally_usage_records_dropped_total{reason="write_failed",sink="lossy"}': 20.0,
+        'cachetally_usage_records_dropped_total{reason="stopped",sink="lossy"}': 1.0,
+        'cachetally_usage_records_dropped_total{reason="stopped",sink="whole"}': 1.0,
     }
 
 
