@@ -136,7 +136,7 @@ class CachetallyApp:
         await _send_bytes(send, 200, body, CONTENT_TYPE_LATEST.encode())
 
     async def _stats(self, send: Send) -> None:
-        await _send_bytes(send, 200, orjson.dumps(self.metrics.stats.as_dict()), b"application/json")
+        await _send_bytes(send, 200, orjson.dumps(self.metrics.stats_dict()), b"application/json")
 
 
 async def _send_bytes(send: Send, status: int, body: bytes, content_type: bytes) -> None:

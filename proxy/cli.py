@@ -18,6 +18,7 @@ from proxy.bench.cli import add_bench_parser
 from proxy.logs import configure_logging
 from proxy.records.report_cli import add_report_parser
 from proxy.settings import Settings, SettingsError, load_settings, settings_environment
+from proxy.workers import multiprocess_dir_for
 
 _SERVE_EPILOG = """\
 examples:
@@ -28,6 +29,8 @@ examples:
   cachetally serve --upstream http://127.0.0.1:8001 in front of a running OpenAI-compatible server
   cachetally serve --upstream https://llm.internal:8443 --upstream-ca ca.pem
                                                     an https upstream whose certificate a private CA signed
+  cachetally serve --upstream http://127.0.0.1:8001 --workers 4
+                                                    4 proxy processes on one port, metrics summed
 
 Settings come from the TOML file (--config; default config/default.toml), then
 CACHETALLY_* environment variables (e.g. CACHETALLY_PORT=9000), then these flags.
@@ -65,6 +68,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="local Hugging Face folder or hub name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: 8000)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="serve with N processes sharing the port (upstream and sim engines; default: 1). "
+        "/metrics and /stats sum every worker through prometheus_client's multiprocess mode, in "
+        "a temporary directory of this instance's own (or $PROMETHEUS_MULTIPROC_DIR, whose *.db "
+        "files are wiped at start). With vLLM use its --api-server-count N after \"--\"",
+    )
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
     p.add_argument(
         "--log-level",
@@ -195,6 +207,7 @@ def serve_settings(args: argparse.Namespace) -> Settings:
             "model": args.model,
             "host": args.host,
             "port": args.port,
+            "workers": args.workers,
             "log_level": args.log_level,
             "missing": args.missing,
             "api_key": args.api_key,
@@ -226,19 +239,26 @@ def _serve(args: argparse.Namespace) -> int:
 
     from proxy.app import CachetallyApp
 
-    try:
-        app = CachetallyApp(settings, on_started=settle_heap)
-    except ValueError as exc:  # SettingsError included: the API keys file, the otlp extra
-        print(f"cachetally: {exc}", file=sys.stderr)
-        return 2
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=10,
-    )
+    serving = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "lifespan": "on",
+        "timeout_graceful_shutdown": 10,
+    }
+    # The multiprocess directory is ready (stale files wiped) before any metric exists.
+    with multiprocess_dir_for(settings.workers):
+        try:
+            # With --workers N this app only checks, once, what each worker will build.
+            app = CachetallyApp(settings, on_started=settle_heap)
+        except ValueError as exc:  # SettingsError included: the API keys file, the otlp extra
+            print(f"cachetally: {exc}", file=sys.stderr)
+            return 2
+        if settings.workers == 1:
+            uvicorn.run(app, **serving)
+        else:  # each worker loads these settings back (proxy.workers.app_from_env)
+            os.environ.update(settings_environment(settings))
+            uvicorn.run("proxy.workers:app_from_env", factory=True, workers=settings.workers, **serving)
     return 0
 
 

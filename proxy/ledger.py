@@ -11,6 +11,10 @@ request with ``n > 1``) the way the engine counts ``prompt_tokens``: each prompt
 Events for keys that are not open are counted and dropped, never stored. A TTL sweep and
 a size cap are a second line of defence against a slot that outlives its request; each
 eviction is counted. Neither should ever fire: a leak is a bug, not steady state.
+
+The ledger knows nothing of metrics: it keeps its own counters and tells an optional
+:class:`LedgerObserver` (``proxy.metrics`` installs one) of each change as it happens, so
+metrics are exact whichever process is scraped.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine_adapter.events import Scheduled
 
@@ -83,6 +88,27 @@ class LedgerCounters:
     unmatched_events: int = 0
 
 
+class LedgerObserver(Protocol):
+    """Told of every change to what the ledger counts, in the thread that changed it."""
+
+    def open_slots(self, n: int) -> None: ...
+
+    def evicted(self, reason: str, n: int) -> None: ...
+
+    def unmatched(self) -> None: ...
+
+
+class _Unobserved:
+    def open_slots(self, n: int) -> None:
+        pass
+
+    def evicted(self, reason: str, n: int) -> None:
+        pass
+
+    def unmatched(self) -> None:
+        pass
+
+
 class UsageLedger:
     """Open slots keyed by the proxy's request key. Single event loop; not thread-safe."""
 
@@ -100,6 +126,7 @@ class UsageLedger:
         self._max_slots = max_slots
         self._clock = clock
         self.counters = LedgerCounters()
+        self.observer: LedgerObserver = _Unobserved()
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -114,11 +141,14 @@ class UsageLedger:
             # dicts keep insertion order: the first slot is the oldest.
             del self._slots[next(iter(self._slots))]
             self.counters.evicted_cap += 1
+            self.observer.evicted("cap", 1)
         self._slots[key] = _Slot(opened_at=self._clock())
+        self.observer.open_slots(len(self._slots))
 
     def close(self, key: str) -> SlotUsage | None:
         """Drop the slot; return its usage if any event arrived. No await: safe in ``finally``."""
         slot = self._slots.pop(key, None)
+        self.observer.open_slots(len(self._slots))
         return None if slot is None or slot.usage.events == 0 else slot.usage
 
     @contextmanager
@@ -142,6 +172,7 @@ class UsageLedger:
         slot = self._slots.get(event.request_id)
         if slot is None:
             self.counters.unmatched_events += 1
+            self.observer.unmatched()
             return
         slot.usage.add(event)
 
@@ -151,5 +182,8 @@ class UsageLedger:
         stale = [key for key, slot in self._slots.items() if slot.opened_at < deadline]
         for key in stale:
             del self._slots[key]
-        self.counters.evicted_ttl += len(stale)
+        if stale:
+            self.counters.evicted_ttl += len(stale)
+            self.observer.evicted("ttl", len(stale))
+            self.observer.open_slots(len(self._slots))
         return len(stale)

@@ -1,38 +1,69 @@
 """Prometheus metrics (prefix ``cachetally_``) and the per-request record they count.
 
-Each app owns its registry, so several apps (tests, benchmarks) never share counters.
+Every series is a native prometheus_client ``Counter``, ``Histogram`` or ``Gauge``, so it
+is right in both of prometheus_client's modes:
+
+- **One process**: the metrics live in the registry they are registered in. ``registry=None``
+  gives each :class:`Metrics` a private ``CollectorRegistry``, so several apps in one process
+  (tests, benchmarks) never share counters; vLLM's middleware passes ``prometheus_client.REGISTRY``.
+- **Several processes** (``PROMETHEUS_MULTIPROC_DIR`` set: ``vllm serve --api-server-count N``,
+  ``cachetally serve --workers N``): every value lives in per-pid mmap files in that
+  directory, whatever registry holds the object, and ``MultiProcessCollector`` sums them.
+  Custom collectors and ``Gauge.set_function`` are invisible there, which is why the
+  per-request dicts behind a collector that this module used to have are gone.
+  ``cachetally_ledger_open_slots`` is a ``livesum`` gauge: the sum over live processes
+  (``cachetally serve --workers`` drops a dead worker's files: :mod:`proxy.workers`).
+
+Counts that happen outside a request (ledger evictions and unmatched events, usage records
+written or dropped by a sink thread) are counters incremented where the event happens, via
+the hooks the ledger and the recorder offer (``UsageLedger.observer``, ``DropCounts.listener``,
+``SinkWorker.on_written``). Syncing a source's own counters on scrape would be exact in one
+process only: in multiprocess mode another process answers the scrape, and an eviction in
+an idle process would stay invisible until that process's next request.
+
+Cost per request, measured side by side with the collector design this replaced
+(``python -m proxy.bench.metrics_cost --baseline fe6c923 --rounds 9``: open and close a
+ledger slot, then record a streamed hit with one tier, the seven series updates; medians
+of 9 alternating rounds of 20,000 requests; 2 shared cores at load average 5):
+
+- one process: 8.0 us with the collector, 20.2 us native;
+- multiprocess: 9.2 us with the collector, 51.0 us native.
+
+Over six such runs the native series added 11-20 us in one process and 26-42 us in
+multiprocess mode, where each of the eleven value updates (two of them the open-slot
+gauge, four the histograms' sum and bucket) is an mmap write under prometheus_client's
+lock. Label children are looked up once and kept (``_Children``). Against the 380 us of
+proxy CPU a proxied request takes on this machine (docs/PERFORMANCE.md), and the
+milliseconds of an engine request, this is the price of counts that are right with
+several processes; the old design's figures were right in one process only.
+
 The token and request counters carry a ``tenant`` label, bounded by :mod:`proxy.tenants`;
 the per-request histograms do not (a histogram per tenant and model is too many series).
-The ledger's own counters are read at scrape time, so the ledger stays free of metrics.
-
-The per-request series are plain dicts of numbers that a collector turns into metric
-families at scrape time (prometheus_client's custom-collector API), not ``Counter`` and
-``Histogram`` children: those take a lock and do label bookkeeping on every call, about
-6 us for the seven updates of one request against about 1.4 us here. Everything runs in
-the event loop's thread, scrapes included, so no lock is needed.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from proxy.ledger import UsageLedger
-from proxy.stats import CacheStats
+from proxy.stats import CacheStats, collected_stats
 
 if TYPE_CHECKING:
     from proxy.records.recorder import Recorder
 
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+def multiprocess_dir() -> str | None:
+    """prometheus_client's multiprocess directory, when that mode is on."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 @dataclass(slots=True)
@@ -58,182 +89,145 @@ class RequestRecord:
         return "hit" if self.cached_tokens > 0 else "miss"
 
 
-class _LedgerCollector(Collector):
-    def __init__(self, ledger: UsageLedger) -> None:
-        self._ledger = ledger
+class _Children(dict[tuple[str, ...], Callable[[float], None]]):
+    """A labelled metric's ``inc`` or ``observe`` per label values, each looked up once.
 
-    def collect(self) -> Iterator[Metric]:
-        counters = self._ledger.counters
-        evicted = CounterMetricFamily(
-            "cachetally_ledger_evicted", "Slots evicted by the second line of defence", labels=["reason"]
+    A dict, so that a lookup after the first is a plain C-level ``dict[...]``.
+    """
+
+    def __init__(self, metric: Counter | Histogram, method: str) -> None:
+        super().__init__()
+        self._metric, self._method = metric, method
+
+    def __missing__(self, labels: tuple[str, ...]) -> Callable[[float], None]:
+        bound = self[labels] = getattr(self._metric.labels(*labels), self._method)
+        return bound
+
+
+class _LedgerMetrics:
+    """The ledger's observer (:class:`proxy.ledger.LedgerObserver`): gauge and counters."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.open_slots = Gauge(
+            "cachetally_ledger_open_slots", "Open ledger slots", registry=registry, multiprocess_mode="livesum"
+        ).set
+        evicted = Counter(
+            "cachetally_ledger_evicted", "Slots evicted by the second line of defence", ["reason"], registry=registry
         )
-        evicted.add_metric(["ttl"], counters.evicted_ttl)
-        evicted.add_metric(["cap"], counters.evicted_cap)
-        yield evicted
-        yield CounterMetricFamily(
-            "cachetally_events_unmatched",
-            "Engine events for keys with no open slot (dropped)",
-            value=counters.unmatched_events,
-        )
+        self._evicted = {reason: evicted.labels(reason).inc for reason in ("ttl", "cap")}
+        self.unmatched = Counter(
+            "cachetally_events_unmatched", "Engine events for keys with no open slot (dropped)", registry=registry
+        ).inc
 
-
-class _RecordsCollector(Collector):
-    """Usage records written and dropped per sink, read from the recorder at scrape time."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        recorder = self._metrics._recorder
-        written = CounterMetricFamily(
-            "cachetally_usage_records_written", "Usage records a sink wrote or exported", labels=["sink"]
-        )
-        dropped = CounterMetricFamily(
-            "cachetally_usage_records_dropped",
-            "Usage records a sink could not take or write (queue full, write or export failed)",
-            labels=["sink", "reason"],
-        )
-        if recorder is not None:
-            for worker in recorder.workers:
-                written.add_metric([worker.sink.name], worker.written)
-            for (sink, reason), value in recorder.drops.snapshot().items():
-                dropped.add_metric([sink, reason], value)
-        yield written
-        yield dropped
-
-
-@dataclass(slots=True)
-class _Histogram:
-    """One histogram series: observations per bucket (not cumulative; the last is +Inf)."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(init=False)
-    total: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
-        self.total += value
-
-    def buckets(self) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts, strict=True):
-            running += count
-            out.append((bound, running))
-        return out
-
-
-class _RequestSeries(Collector):
-    """The per-request counters and histograms, by label values."""
-
-    def __init__(self) -> None:
-        self.requests: defaultdict[tuple[str, str, str, str, str], int] = defaultdict(int)
-        self.prompt_tokens: defaultdict[tuple[str, str], int] = defaultdict(int)
-        self.cached_tokens: defaultdict[tuple[str, str, str, str], int] = defaultdict(int)
-        self.completion_tokens: defaultdict[tuple[str, str], int] = defaultdict(int)
-        self.mismatches = 0
-        self.request_cached: dict[str, _Histogram] = {}
-        self.request_ratio: dict[str, _Histogram] = {}
-
-    def collect(self) -> Iterator[Metric]:
-        def counter(name: str, doc: str, labels: list[str], series: dict[tuple[str, ...], int]) -> Metric:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            for values, value in series.items():
-                family.add_metric(list(values), value)
-            return family
-
-        def histogram(name: str, doc: str, series: dict[str, _Histogram]) -> Metric:
-            family = HistogramMetricFamily(name, doc, labels=["model"])
-            for model, h in series.items():
-                family.add_metric([model], h.buckets(), h.total)
-            return family
-
-        yield counter(
-            "cachetally_prompt_tokens", "Prompt tokens of counted requests", ["model", "tenant"], self.prompt_tokens
-        )
-        yield counter(
-            "cachetally_cached_tokens",
-            "Prompt tokens served from the prefix cache",
-            ["model", "source", "tier", "tenant"],
-            self.cached_tokens,
-        )
-        yield counter(
-            "cachetally_completion_tokens",
-            "Completion tokens, counted up to the disconnect when a client left early",
-            ["model", "tenant"],
-            self.completion_tokens,
-        )
-        yield counter(
-            "cachetally_requests",
-            "Chat and completions requests by cache outcome",
-            ["model", "route", "stream", "cache", "tenant"],
-            self.requests,
-        )
-        yield histogram("cachetally_request_cached_tokens", "Cached prompt tokens per request", self.request_cached)
-        yield histogram(
-            "cachetally_request_cache_hit_ratio", "cached_tokens / prompt_tokens per request", self.request_ratio
-        )
-        yield CounterMetricFamily(
-            "cachetally_cached_tokens_mismatch",
-            "Responses whose own cached_tokens differed from the engine's",
-            value=self.mismatches,
-        )
+    def evicted(self, reason: str, n: int) -> None:
+        self._evicted[reason](n)
 
 
 class Metrics:
     def __init__(self, ledger: UsageLedger, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self.stats = CacheStats()
-        self._series = _RequestSeries()
-        registry.register(self._series)
+        self.registry = registry = CollectorRegistry() if registry is None else registry
+        mp_dir = multiprocess_dir()
+        if mp_dir is None:
+            #: What ``/metrics`` and ``/stats`` read: this registry, or every process's files.
+            self.scrape_registry = registry
+        else:
+            self.scrape_registry = CollectorRegistry()
+            MultiProcessCollector(self.scrape_registry, mp_dir)
+        #: Per process; feeds the debug stats line (which then names its pid).
+        self.stats = CacheStats(pid=os.getpid() if mp_dir else None)
         self.patch_skipped = Counter(
-            "cachetally_patch_skipped",
-            "Responses or events passed through unpatched",
-            ["reason"],
-            registry=registry,
+            "cachetally_patch_skipped", "Responses or events passed through unpatched", ["reason"], registry=registry
         )
-        open_slots = Gauge("cachetally_ledger_open_slots", "Open ledger slots", registry=registry)
-        open_slots.set_function(lambda: len(ledger))
-        registry.register(_LedgerCollector(ledger))
-        self._recorder: Recorder | None = None
-        registry.register(_RecordsCollector(self))
+        ledger.observer = _LedgerMetrics(registry)
+        ledger.observer.open_slots(len(ledger))
+
+        def counter(name: str, doc: str, labels: list[str]) -> _Children:
+            return _Children(Counter(name, doc, labels, registry=registry), "inc")
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Children:
+            return _Children(Histogram(name, doc, ["model"], buckets=buckets, registry=registry), "observe")
+
+        self._prompt = counter("cachetally_prompt_tokens", "Prompt tokens of counted requests", ["model", "tenant"])
+        self._cached = counter(
+            "cachetally_cached_tokens", "Prompt tokens served from the prefix cache",
+            ["model", "source", "tier", "tenant"],
+        )
+        self._completion = counter(
+            "cachetally_completion_tokens",
+            "Completion tokens, counted up to the disconnect when a client left early",
+            ["model", "tenant"],
+        )
+        self._requests = counter(
+            "cachetally_requests", "Chat and completions requests by cache outcome",
+            ["model", "route", "stream", "cache", "tenant"],
+        )
+        self._request_cached = histogram(
+            "cachetally_request_cached_tokens", "Cached prompt tokens per request", _TOKEN_BUCKETS
+        )
+        self._request_ratio = histogram(
+            "cachetally_request_cache_hit_ratio", "cached_tokens / prompt_tokens per request", _RATIO_BUCKETS
+        )
+        self._mismatch = Counter(
+            "cachetally_cached_tokens_mismatch",
+            "Responses whose own cached_tokens differed from the engine's",
+            registry=registry,
+        ).inc
+        self._records_written = Counter(
+            "cachetally_usage_records_written", "Usage records a sink wrote or exported", ["sink"], registry=registry
+        )
+        self._records_dropped = _Children(
+            Counter(
+                "cachetally_usage_records_dropped",
+                "Usage records a sink could not take or write (queue full, write or export failed)",
+                ["sink", "reason"],
+                registry=registry,
+            ),
+            "inc",
+        )
 
     def count_completion(self, rec: RequestRecord) -> None:
         """Only the completion tokens of a request that is not counted otherwise."""
         if rec.completion_tokens:
-            self._series.completion_tokens[rec.model, rec.tenant] += rec.completion_tokens
+            self._completion[rec.model, rec.tenant](rec.completion_tokens)
 
     def record(self, rec: RequestRecord) -> None:
-        series, model, tenant = self._series, rec.model, rec.tenant
-        series.requests[model, rec.route, "true" if rec.stream else "false", rec.cache, tenant] += 1
-        series.mismatches += rec.mismatches
+        model, tenant = rec.model, rec.tenant
+        self._requests[model, rec.route, "true" if rec.stream else "false", rec.cache, tenant](1)
+        if rec.mismatches:
+            self._mismatch(rec.mismatches)
         self.count_completion(rec)
         prompt, cached = rec.prompt_tokens, rec.cached_tokens
         self.stats.add(prompt, cached)
         if prompt is None or cached is None:
             return  # cache=unknown: not in the token counters, so the hit rate is not diluted
         source = rec.source or "upstream"
-        series.prompt_tokens[model, tenant] += prompt
-        series.cached_tokens[model, source, "all", tenant] += cached
+        self._prompt[model, tenant](prompt)
+        self._cached[model, source, "all", tenant](cached)
         if rec.local_cached_tokens is not None:
-            series.cached_tokens[model, source, "local", tenant] += rec.local_cached_tokens
+            self._cached[model, source, "local", tenant](rec.local_cached_tokens)
         if rec.external_cached_tokens is not None:
-            series.cached_tokens[model, source, "external", tenant] += rec.external_cached_tokens
-        per_request = series.request_cached.get(model)
-        if per_request is None:
-            per_request = series.request_cached[model] = _Histogram(_TOKEN_BUCKETS)
-        per_request.observe(cached)
+            self._cached[model, source, "external", tenant](rec.external_cached_tokens)
+        self._request_cached[(model,)](cached)
         if prompt:
-            ratio = series.request_ratio.get(model)
-            if ratio is None:
-                ratio = series.request_ratio[model] = _Histogram(_RATIO_BUCKETS)
-            ratio.observe(cached / prompt)
+            self._request_ratio[(model,)](cached / prompt)
 
     def watch_recorder(self, recorder: Recorder) -> None:
-        """Export ``cachetally_usage_records_{written,dropped}_total`` from ``recorder``."""
-        self._recorder = recorder
+        """Count ``cachetally_usage_records_{written,dropped}_total`` for ``recorder``.
+
+        Call it before ``recorder.start()``: the hooks count from then on.
+        """
+        for worker in recorder.workers:
+            worker.on_written = self._records_written.labels(worker.sink.name).inc
+        dropped = self._records_dropped
+        recorder.drops.listener = lambda sink, reason, n: dropped[sink, reason](n)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The ``/metrics`` text: every process's series in multiprocess mode."""
+        return generate_latest(self.scrape_registry)
+
+    def stats_dict(self, registry: CollectorRegistry | None = None) -> dict[str, int | float]:
+        """``/stats``, from the collected counters of ``registry`` (default: what ``/metrics`` reads).
+
+        vLLM's middleware passes ``vllm.v1.metrics.prometheus.get_prometheus_registry()``.
+        """
+        return collected_stats(self.scrape_registry if registry is None else registry).as_dict()

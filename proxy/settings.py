@@ -31,6 +31,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    workers: int = 1  # processes on the listening socket (upstream and sim engines; proxy.workers)
     # which engine: the embedded vLLM, the simulator, or a running server (upstream)
     engine: str = "vllm"
     upstream: str | None = None
@@ -90,6 +91,13 @@ class Settings:
         for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be a positive number of seconds")
+        if self.workers < 1:
+            raise SettingsError(f"workers must be >= 1, not {self.workers}")
+        if self.workers > 1 and self.engine == "vllm":
+            raise SettingsError(
+                "workers > 1 applies to the upstream and sim engines; with vLLM, pass vLLM's own "
+                "--api-server-count N after \"--\""
+            )
         if self.missing not in ("zero", "omit"):
             raise SettingsError(f"missing must be 'zero' or 'omit', not {self.missing!r}")
         self._validate_accounting()

@@ -1,5 +1,11 @@
 """Cumulative prefix-cache figures for operators: one debug line per request, and ``/stats``.
 
+``/stats`` is derived from the collected ``cachetally_requests_total``,
+``cachetally_prompt_tokens_total`` and ``cachetally_cached_tokens_total{tier="all"}``
+families (:func:`collected_stats`), so it agrees with ``/metrics`` whichever process
+answers. The debug line is per process, kept in :class:`CacheStats` so the hot path never
+reads the multiprocess files; when several processes share the instance it names its pid.
+
 No prompt text, token ids or request bodies ever reach this module: only counts.
 """
 
@@ -7,6 +13,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
 
 logger = logging.getLogger("cachetally.stats")
 
@@ -19,6 +29,8 @@ class CacheStats:
     unknown_requests: int = 0
     total_prompt_tokens: int = 0
     total_cached_tokens: int = 0
+    #: Set when several processes serve the instance: the debug line then ends in ``pid=``.
+    pid: int | None = None
 
     def add(self, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         self.total_requests += 1
@@ -51,7 +63,7 @@ class CacheStats:
             f"total_prompt_tokens={self.total_prompt_tokens} "
             f"total_cached_tokens={self.total_cached_tokens} "
             f"token_hit_rate={self.token_hit_rate:.4f}"
-        )
+        ) + ("" if self.pid is None else f" pid={self.pid}")
 
     def as_dict(self) -> dict[str, int | float]:
         return {
@@ -64,3 +76,23 @@ class CacheStats:
             "total_cached_tokens": self.total_cached_tokens,
             "token_hit_rate": round(self.token_hit_rate, 4),
         }
+
+
+_OUTCOMES = {"hit": "hit_requests", "miss": "miss_requests", "unknown": "unknown_requests"}
+
+
+def collected_stats(registry: CollectorRegistry) -> CacheStats:
+    """The figures of every ``cachetally_*`` request counter ``registry`` collects."""
+    stats = CacheStats()
+    for family in registry.collect():
+        for sample in family.samples:
+            name, value = sample.name, round(sample.value)
+            if name == "cachetally_requests_total":
+                stats.total_requests += value
+                outcome = _OUTCOMES[sample.labels["cache"]]
+                setattr(stats, outcome, getattr(stats, outcome) + value)
+            elif name == "cachetally_prompt_tokens_total":
+                stats.total_prompt_tokens += value
+            elif name == "cachetally_cached_tokens_total" and sample.labels.get("tier") == "all":
+                stats.total_cached_tokens += value
+    return stats

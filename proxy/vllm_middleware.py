@@ -24,7 +24,9 @@ process. vLLM's ``--enable-prompt-tokens-details`` stays off: the numbers come f
 Routes: ``/stats`` is served here; ``/metrics`` and ``/health`` are vLLM's own. The
 ``cachetally_*`` series are registered in prometheus_client's default registry, which
 vLLM's ``/metrics`` exposes with one API server; with several, vLLM sets
-``PROMETHEUS_MULTIPROC_DIR`` and its ``/metrics`` sums every process's files, ours included.
+``PROMETHEUS_MULTIPROC_DIR`` and its ``/metrics`` sums every process's files, ours included
+(they are native prometheus_client series: :mod:`proxy.metrics`). ``/stats`` is computed
+from those same collected counters, so it agrees with ``/metrics`` whichever process answers.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class CachetallyMiddleware:
         stack.callback(setattr, self, "_client", None)
 
     async def _stats(self, send: Send) -> None:
-        body = orjson.dumps(self.accounting.metrics.stats.as_dict())
+        body = orjson.dumps(self.accounting.metrics.stats_dict())  # every process's, as /metrics
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

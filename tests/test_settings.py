@@ -113,6 +113,8 @@ def test_an_upstream_that_is_not_an_http_url_is_an_error(tmp_path: Path, url: st
         ("usage_queue_size", "0", "usage_queue_size must be >= 1"),
         ("otlp_timeout_s", "-1", "otlp_timeout_s must be > 0"),
         ("tenants", '["ok", "not ok"]', "tenant name"),
+        ("workers", "0", "workers must be >= 1"),
+        ("workers", "2", "--api-server-count"),  # with the default engine, vLLM
     ],
 )
 def test_invalid_values_are_errors(tmp_path: Path, key: str, value: str, message: str) -> None:

@@ -123,5 +123,5 @@ def test_mixed_run_three_sums_equal_and_stats_agree_with_metrics(client, server:
         assert stats["total_cached_tokens"] == metric_value(after, OURS, tier="all")
         assert stats["total_cached_tokens"] - stats_before["total_cached_tokens"] == reported
         assert stats["total_prompt_tokens"] - stats_before["total_prompt_tokens"] == sum(u.prompt_tokens for u in usages)
-    pids = set(re.findall(r"prefix cache stats: pid=(\d+)", server.log.read_text(errors="replace")))
+    pids = set(re.findall(r"prefix cache stats: .* pid=(\d+)$", server.log.read_text(errors="replace"), re.M))
     assert len(pids) == 2, f"one process served every request: {pids}"

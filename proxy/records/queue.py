@@ -16,7 +16,9 @@ A sink that fails:
   within its timeout): those are dropped.
 
 Drops are counted per sink and reason (``cachetally_usage_records_dropped_total``) and
-logged at most once a minute, with the count since the last line.
+logged at most once a minute, with the count since the last line. ``DropCounts.listener``
+and ``SinkWorker.on_written`` tell metrics of each drop and write as it happens, from
+whichever thread it happens in (prometheus_client's metrics are thread-safe).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class DropCounts:
         self._last_log: float | None = None
         self._every = log_every_s
         self._clock = clock
+        #: Called with (sink, reason, n) on every drop, outside the lock.
+        self.listener: Callable[[str, str, int], None] | None = None
 
     def add(self, sink: str, reason: str, n: int, detail: str = "") -> None:
         if n <= 0:
@@ -74,6 +78,8 @@ class DropCounts:
             if due:
                 self._last_log = now
                 line, self._unlogged = self._unlogged, {}
+        if self.listener is not None:
+            self.listener(sink, reason, n)
         if due:
             self._log(line, detail)
 
@@ -102,7 +108,8 @@ class SinkWorker:
         self._drops = drops
         self._max = max_queued
         self._interval = interval_s
-        self.written = 0  # records the sink took (its thread writes, scrapes read)
+        #: Called with the number of records the sink took, in the sink's thread.
+        self.on_written: Callable[[int], None] | None = None
         self._queue: deque[UsageRecord] = deque()
         self._retry: list[UsageRecord] = []
         self._wake = threading.Event()
@@ -158,5 +165,7 @@ class SinkWorker:
         except Exception as exc:  # a sink bug must not end the thread: count, go on
             self._drops.add(self.sink.name, self.sink.failure, len(batch), type(exc).__name__)
             return
-        self.written += len(batch) - lost
+        taken = len(batch) - lost
+        if taken and self.on_written is not None:
+            self.on_written(taken)
         self._drops.add(self.sink.name, self.sink.failure, lost)

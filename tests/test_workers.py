@@ -1,0 +1,203 @@
+"""``cachetally serve --upstream URL --workers N``: /metrics and /stats sum every worker.
+
+Loopback: the standalone sim (reporting cached_tokens) as the upstream, and cachetally with
+two uvicorn workers, both subprocesses that are always stopped. Requests go out on fresh
+connections until both workers have answered some (each worker's debug stats line names
+its pid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from proxy.workers import forget_dead_workers
+from tests.servers import ROOT, metric_value, running_server
+
+pytestmark = pytest.mark.loopback
+SIM = ["-m", "engine_adapter.sim", "--log-level", "warning", "--report-cached-tokens"]
+MAX_REQUESTS = 240  # bounded: two workers each answer some long before this
+_PID = re.compile(r"prefix cache stats: .* pid=(\d+)$", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    with running_server(SIM, timeout_s=20) as (url, _):
+        yield url
+
+
+def serve_workers(
+    upstream: str, log: Path, env: dict[str, str] | None = None
+) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen[bytes]]]:
+    args = ["-m", "proxy.cli", "serve", "--upstream", upstream, "--workers", "2", "--log-level", "debug"]
+    return running_server(args, env=env, timeout_s=60, log_path=log)
+
+
+def _pids(log: Path) -> set[int]:
+    return {int(pid) for pid in _PID.findall(log.read_text(errors="replace"))}
+
+
+def _one(url: str, i: int) -> dict[str, int]:
+    """One request on a fresh connection; the usage it reported."""
+    prompt = f"shared preamble {'alpha beta gamma ' * 8} question {i % 5}"  # hits after the first of each
+    stream = i % 3 == 0
+    path, body = (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})
+        if i % 2 else ("/v1/completions", {"prompt": prompt})
+    )
+    body |= {"model": "sim-model", "max_tokens": 4, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    with httpx.Client(timeout=10) as client:  # a new connection each time: the kernel picks the worker
+        if not stream:
+            response = client.post(url + path, json=body)
+            response.raise_for_status()
+            usage = response.json()["usage"]
+        else:
+            usage = None
+            with client.stream("POST", url + path, json=body) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = orjson.loads(line[6:])
+                        usage = chunk.get("usage") or usage
+            assert usage is not None
+    return {"prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+
+
+def test_two_workers_sum_into_metrics_and_stats(upstream: str, tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with serve_workers(upstream, log) as (url, _):
+        seen: list[dict[str, int]] = []
+        deadline = time.monotonic() + 120
+        while len(seen) < 40 or (len(_pids(log)) < 2 and len(seen) < MAX_REQUESTS):
+            assert time.monotonic() < deadline, "out of time"
+            seen.append(_one(url, len(seen)))
+        assert len(_pids(log)) == 2, f"one worker answered all {len(seen)} requests"
+
+        prompt = sum(u["prompt"] for u in seen)
+        cached = sum(u["cached"] for u in seen)
+        hits = sum(1 for u in seen if u["cached"] > 0)
+        assert 0 < hits < len(seen)
+        for _ in range(10):  # fresh connections: either worker answers
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            assert metric_value(text, "cachetally_requests_total") == len(seen)
+            assert metric_value(text, "cachetally_prompt_tokens_total") == prompt
+            assert metric_value(text, "cachetally_cached_tokens_total", tier="all") == cached
+            assert metric_value(text, "cachetally_requests_total", cache="hit") == hits
+            assert metric_value(text, "cachetally_ledger_open_slots") == 0
+            stats = httpx.get(f"{url}/stats", timeout=10).json()
+            assert stats == {
+                "total_requests": len(seen),
+                "hit_requests": hits,
+                "miss_requests": len(seen) - hits,
+                "unknown_requests": 0,
+                "hit_rate": round(hits / len(seen), 4),
+                "total_prompt_tokens": prompt,
+                "total_cached_tokens": cached,
+                "token_hit_rate": round(cached / prompt, 4),
+            }
+        own_dir = re.search(r"summed through (\S+) \(removed at exit\)", log.read_text())
+        assert own_dir is not None and Path(own_dir[1]).is_dir()
+    assert not Path(own_dir[1]).exists()  # the instance's own directory goes with it
+
+
+_STALE = """
+from proxy.ledger import UsageLedger
+from proxy.metrics import Metrics, RequestRecord
+metrics = Metrics(UsageLedger())
+for _ in range(1000):
+    metrics.record(RequestRecord("sim-model", "chat", False, prompt_tokens=100, cached_tokens=50))
+"""
+
+
+def test_a_preset_multiprocess_dir_is_wiped_at_start(upstream: str, tmp_path: Path) -> None:
+    mp_dir = tmp_path / "prometheus"
+    mp_dir.mkdir()
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(mp_dir)}
+    # A previous run's files: 1,000 requests counted by a process that is gone.
+    subprocess.run([sys.executable, "-c", _STALE], env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, check=True)
+    assert list(mp_dir.glob("*.db"))
+    log = tmp_path / "serve.log"
+    with serve_workers(upstream, log, env) as (url, _):
+        usage = _one(url, 1)
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        assert metric_value(text, "cachetally_requests_total") == 1
+        assert metric_value(text, "cachetally_prompt_tokens_total") == usage["prompt"]
+        assert httpx.get(f"{url}/stats", timeout=10).json()["total_requests"] == 1
+    assert re.search(r"PROMETHEUS_MULTIPROC_DIR=\S+; removed \d+ \*\.db file", log.read_text())
+    assert mp_dir.is_dir()  # the operator's directory is theirs: kept
+
+
+_OPEN_SLOTS = """
+from proxy.ledger import UsageLedger
+from proxy.metrics import Metrics
+ledger = UsageLedger()
+metrics = Metrics(ledger)
+for i in range(3):
+    ledger.open(f"k{i}")
+"""
+
+
+def test_a_dead_workers_open_slots_leave_the_gauge(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    dead = subprocess.run([sys.executable, "-c", _OPEN_SLOTS], env=env, check=True)
+    assert dead.returncode == 0
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, str(tmp_path))
+    assert registry.get_sample_value("cachetally_ledger_open_slots") == 3
+    assert len(forget_dead_workers(str(tmp_path))) == 1
+    assert registry.get_sample_value("cachetally_ledger_open_slots") in (None, 0)
+
+
+def test_workers_are_refused_with_vllm() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--workers", "2"], cwd=ROOT, capture_output=True, text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--api-server-count" in result.stderr
+
+
+def test_a_killed_workers_open_slot_leaves_the_gauge_when_uvicorn_replaces_it(tmp_path: Path) -> None:
+    import signal
+
+    import psutil
+
+    log = tmp_path / "serve.log"
+    with (
+        running_server([*SIM, "--token-delay-s", "1.0"], timeout_s=20) as (slow, _),
+        serve_workers(slow, log) as (url, proc),
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        body = {"model": "sim-model", "prompt": "a slow stream", "max_tokens": 30, "stream": True}
+        with httpx.Client(timeout=10) as client, client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            chunks = response.iter_raw()  # kept: a dropped generator would close the stream
+            next(chunks)  # the stream has started: its slot is open
+            assert metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "cachetally_ledger_open_slots") == 1
+            holders = [
+                child for child in psutil.Process(proc.pid).children()
+                if any(c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
+                       for c in child.net_connections("tcp"))
+            ]
+            assert len(holders) == 1
+            dead = holders[0].pid
+            os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "cachetally_ledger_open_slots") != 0:
+            assert time.monotonic() < deadline, "the dead worker's open slot never left the gauge"
+            time.sleep(0.2)
+        assert f"dead worker(s) [{dead}]" in log.read_text()
