@@ -76,6 +76,12 @@ def test_kubernetes_objects_are_complete_and_consistent() -> None:
             args = [str(a) for a in container["args"]]
             assert flag(args, "--port") == [str(named["http"])], name
 
+    for deployment in deployments.values():
+        pod = deployment["spec"]["template"]["spec"]
+        declared = {v["name"] for v in pod.get("volumes", [])}
+        for container in pod["containers"]:
+            assert {m["name"] for m in container.get("volumeMounts", [])} <= declared
+
     vllm = deployments["vllm"]["spec"]
     assert vllm["replicas"] >= 2
     vllm_args = vllm["template"]["spec"]["containers"][0]["args"]
