@@ -24,7 +24,6 @@ import time
 import uuid
 from collections.abc import Iterator
 
-import httpx
 import openai
 import psutil
 import pytest
