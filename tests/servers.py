@@ -31,8 +31,31 @@ def running_server(
 
     Output goes to ``log_path`` when given (tests read it), else to this process's stderr.
     """
+    with running_servers([(args, env, log_path)], timeout_s=timeout_s) as (server,):
+        yield server
+
+
+@contextlib.contextmanager
+def running_servers(
+    specs: list[tuple[list[str], dict[str, str] | None, Path | None]],
+    *,
+    timeout_s: float = 30.0,
+) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+    """Start every ``(args, env, log_path)`` at once, as :func:`running_server` does one, and
+    wait until all are healthy; yield their (base URL, process); always stop every one."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(_started(args, env, log_path)) for args, env, log_path in specs]
+        deadline = time.monotonic() + timeout_s
+        for url, proc in servers:
+            wait_healthy(url, proc, max(0.0, deadline - time.monotonic()))
+        yield servers
+
+
+@contextlib.contextmanager
+def _started(
+    args: list[str], env: dict[str, str] | None, log_path: Path | None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = open(log_path, "wb") if log_path else None  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
         [sys.executable, *args, "--port", str(port)],
@@ -42,8 +65,7 @@ def running_server(
         stderr=subprocess.STDOUT if log else None,
     )
     try:
-        wait_healthy(url, proc, timeout_s)
-        yield url, proc
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -71,6 +71,27 @@ def test_dashboard_parses_and_has_the_issue_panels() -> None:
     assert heatmaps and all(t.get("format") == "heatmap" for p in heatmaps for t in p["targets"])
 
 
+_SELECTOR = re.compile(r"(cachetally_\w+)(\{[^}]*\})?")
+
+
+def test_every_query_follows_the_instance_variable_and_a_row_splits_by_instance() -> None:
+    """A fleet (replicas behind a router) is one dashboard: Prometheus labels each scraped
+    server ``instance``; every series follows the ``$instance`` picker, and one row shows
+    each server on its own."""
+    dashboard = load()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert _LABEL_VALUES.search(variables["instance"]["definition"])
+    assert variables["instance"]["definition"].rstrip(") ").endswith("instance")
+    for expr in expressions(dashboard):
+        for name, matchers in _SELECTOR.findall(expr):
+            assert 'instance=~"$instance"' in (matchers or ""), (name, expr)
+    by_instance = [p for p in panels(dashboard["panels"]) if any(
+        re.search(r"\bby \((?:[^)]*, *)?instance\b", t["expr"]) for t in p.get("targets", []))]
+    titles = " | ".join(p["title"].lower() for p in by_instance)
+    for wanted in ("token hit rate", "cached tokens/s", "requests/s"):
+        assert wanted in titles, titles
+
+
 @pytest.fixture(scope="module")
 def live_names() -> set[str]:
     """Every series name a live sim server exports, with each family's suffixed forms."""
