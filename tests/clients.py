@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
@@ -15,6 +16,24 @@ VLLM_CPU_BLOCK = 128
 def fresh_prompt(words: int = 500) -> str:
     """Unique from its first token, so no block of it is cached yet; ~600 tokens."""
     return " ".join([uuid.uuid4().hex, *(f"topic{i % 37} item{i}" for i in range(words // 2))])
+
+
+def expected_stats(usages: Iterable[tuple[int, int]]) -> dict[str, int | float]:
+    """What ``/stats`` must say after requests that reported these (prompt, cached) tokens."""
+    pairs = list(usages)
+    hits = sum(cached > 0 for _, cached in pairs)
+    prompt = sum(p for p, _ in pairs)
+    cached = sum(c for _, c in pairs)
+    return {
+        "total_requests": len(pairs),
+        "hit_requests": hits,
+        "miss_requests": len(pairs) - hits,
+        "unknown_requests": 0,
+        "hit_rate": round(hits / len(pairs), 4),
+        "total_prompt_tokens": prompt,
+        "total_cached_tokens": cached,
+        "token_hit_rate": round(cached / prompt, 4),
+    }
 
 
 def scrape(base_url: str) -> str:

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.clients import ask, scrape
+from tests.clients import ask, expected_stats, scrape
 from tests.servers import metric_value, running_server
 
 pytestmark = pytest.mark.loopback
@@ -182,24 +182,12 @@ def test_no_anomalies_and_no_open_slots(sequence: Sequence) -> None:
         assert metric_value(text, name) == 0, name
 
 
-def expected_stats(seen: list[Seen]) -> dict[str, Any]:
-    hits = sum(s.cache == "hit" for s in seen)
-    prompt_total = sum(s.prompt_tokens for s in seen)
-    cached_total = sum(s.cached_tokens for s in seen)
-    return {
-        "total_requests": len(seen),
-        "hit_requests": hits,
-        "miss_requests": len(seen) - hits,
-        "unknown_requests": 0,
-        "hit_rate": round(hits / len(seen), 4),
-        "total_prompt_tokens": prompt_total,
-        "total_cached_tokens": cached_total,
-        "token_hit_rate": round(cached_total / prompt_total, 4),
-    }
+def seen_stats(seen: list[Seen]) -> dict[str, Any]:
+    return expected_stats((s.prompt_tokens, s.cached_tokens) for s in seen)
 
 
 def test_stats_agree_with_the_responses(sequence: Sequence) -> None:
-    assert sequence.stats == expected_stats(sequence.seen)
+    assert sequence.stats == seen_stats(sequence.seen)
 
 
 _STATS_LINE = re.compile(r"prefix cache stats: (.*)$", re.MULTILINE)
@@ -217,7 +205,7 @@ def test_debug_log_has_one_stats_line_per_request_and_no_prompt_text(sequence: S
         added[step] += 1
         previous = {k: int(line[k]) for k in previous}
     assert added == Counter((s.prompt_tokens, s.cached_tokens) for s in sequence.seen)
-    final = expected_stats(sequence.seen)
+    final = seen_stats(sequence.seen)
     assert lines[-1] == {
         k: f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in final.items() if k != "unknown_requests"
     }

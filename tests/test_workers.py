@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from proxy.workers import forget_dead_workers
+from tests.clients import expected_stats
 from tests.servers import ROOT, metric_value, running_server
 
 pytestmark = pytest.mark.loopback
@@ -97,16 +98,7 @@ def test_two_workers_sum_into_metrics_and_stats(upstream: str, tmp_path: Path) -
             assert metric_value(text, "cachetally_requests_total", cache="hit") == hits
             assert metric_value(text, "cachetally_ledger_open_slots") == 0
             stats = httpx.get(f"{url}/stats", timeout=10).json()
-            assert stats == {
-                "total_requests": len(seen),
-                "hit_requests": hits,
-                "miss_requests": len(seen) - hits,
-                "unknown_requests": 0,
-                "hit_rate": round(hits / len(seen), 4),
-                "total_prompt_tokens": prompt,
-                "total_cached_tokens": cached,
-                "token_hit_rate": round(cached / prompt, 4),
-            }
+            assert stats == expected_stats((u["prompt"], u["cached"]) for u in seen)
         own_dir = re.search(r"summed through (\S+) \(removed at exit\)", log.read_text())
         assert own_dir is not None and Path(own_dir[1]).is_dir()
     assert not Path(own_dir[1]).exists()  # the instance's own directory goes with it
@@ -201,3 +193,4 @@ def test_a_killed_workers_open_slot_leaves_the_gauge_when_uvicorn_replaces_it(tm
             assert time.monotonic() < deadline, "the dead worker's open slot never left the gauge"
             time.sleep(0.2)
         assert f"dead worker(s) [{dead}]" in log.read_text()
+
