@@ -6,7 +6,8 @@ request, whose ``send`` is a state machine on ``message["type"]``.
 
 Per request on a patched route:
 
-1. The request id is read (or minted), made unique as a ledger key, put in
+1. The request id is read (or minted), made unique as a ledger key (across the
+   instance's processes too, with ``claims``: :class:`~proxy.request_id.IdClaims`), put in
    :data:`~engine_adapter.events.current_request_key` for engine code, forwarded to the
    inner app as ``X-Request-Id``, and the client's id is echoed in the response.
 2. A ledger slot is opened before the inner app runs and closed in ``finally``; the
@@ -33,7 +34,7 @@ from engine_adapter.events import current_request_key
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
 from proxy.records.recorder import Recorder
-from proxy.request_id import RequestIds
+from proxy.request_id import IdClaims, RequestIds
 from proxy.responder import Responder, without
 from proxy.tenants import Tenancy
 from proxy.usage import Missing
@@ -71,6 +72,7 @@ class UsagePatchMiddleware:
         config: PatchConfig = PatchConfig(),
         request_ids: RequestIds = RequestIds(),
         recorder: Recorder | None = None,
+        claims: IdClaims | None = None,
     ) -> None:
         self.app = app
         self.ledger = ledger
@@ -78,6 +80,7 @@ class UsagePatchMiddleware:
         self.config = config
         self.request_ids = request_ids
         self.recorder = recorder
+        self.claims = claims
         self.echo_header = request_ids.header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -90,17 +93,27 @@ class UsagePatchMiddleware:
             echo = client_id or self.request_ids.generate()
             await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
             return
-        key = self.request_ids.unique_key(client_id, self.ledger)
-        tenant = self.config.tenancy.resolve(scope["headers"])
-        responder = Responder(self, route, key, client_id or key, send, tenant)
-        self.ledger.open(key)
-        token = current_request_key.set(key)
+        # A minted id needs no claim (128 random bits); a client's may be in flight elsewhere.
+        claims = self.claims if client_id is not None else None
+        ledger = self.ledger
+        if claims is None:
+            key = self.request_ids.unique_key(client_id, lambda k: k not in ledger)
+        else:
+            key = self.request_ids.unique_key(client_id, lambda k: k not in ledger and claims.claim(k))
         try:
-            await responder.run(scope, receive)
+            tenant = self.config.tenancy.resolve(scope["headers"])
+            responder = Responder(self, route, key, client_id or key, send, tenant)
+            ledger.open(key)
+            token = current_request_key.set(key)
+            try:
+                await responder.run(scope, receive)
+            finally:
+                engine_usage = ledger.close(key)
+                current_request_key.reset(token)
+                responder.finish(engine_usage)
         finally:
-            engine_usage = self.ledger.close(key)
-            current_request_key.reset(token)
-            responder.finish(engine_usage)
+            if claims is not None:
+                claims.release(key)
 
 
 class _EchoId:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -20,7 +21,7 @@ from engine_adapter.events import Scheduled, current_request_key
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
 from proxy.middleware import PatchConfig, UsagePatchMiddleware
-from proxy.request_id import is_valid_request_id
+from proxy.request_id import IdClaims, is_valid_request_id
 
 CHAT = "/v1/chat/completions"
 InnerApp = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -408,6 +409,46 @@ async def test_concurrent_requests_with_the_same_id_each_get_their_own_cached_to
     assert len(set(h.inner_keys)) == 2 and "same" in h.inner_keys
     h.assert_clean()
     assert h.requests() == {"hit": 2}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fails", [False, True], ids=["answered", "inner-app-raised"])
+async def test_the_same_id_in_flight_in_two_processes_gets_two_keys_and_leaves_no_claim(
+    tmp_path: Path, fails: bool
+) -> None:
+    """Two workers of one instance: two ledgers, one claims directory (``--workers 2``)."""
+    harnesses = [Harness(), Harness()]
+    both_in_flight = asyncio.Event()
+    keys: list[str] = []
+
+    def worker(h: Harness) -> UsagePatchMiddleware:
+        async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+            key = current_request_key.get()
+            assert key is not None
+            keys.append(key)
+            h.ledger.publish(Scheduled(key, 64, 16))
+            if len(keys) == 2:
+                both_in_flight.set()
+            await both_in_flight.wait()
+            if fails:
+                raise RuntimeError("engine died")
+            await json_response(chat_completion())(scope, receive, send)
+
+        return UsagePatchMiddleware(inner, ledger=h.ledger, metrics=h.metrics, claims=IdClaims(tmp_path))
+
+    clients = [Client(chat_request()), Client(chat_request())]
+    scope = http_scope(headers=[(b"x-request-id", b"same")])
+    calls = (worker(h)(dict(scope), c.receive, c.send) for h, c in zip(harnesses, clients, strict=True))
+    results = await asyncio.gather(*calls, return_exceptions=True)
+
+    assert len(set(keys)) == 2 and "same" in keys
+    assert list(tmp_path.iterdir()) == []  # every claim released
+    for h in harnesses:
+        h.assert_clean()
+    if fails:
+        assert all(isinstance(r, RuntimeError) for r in results)
+    else:
+        assert [c.header("x-request-id") for c in clients] == ["same", "same"]
 
 
 # -- the request side -------------------------------------------------------------------------

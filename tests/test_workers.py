@@ -194,3 +194,53 @@ def test_a_killed_workers_open_slot_leaves_the_gauge_when_uvicorn_replaces_it(tm
             time.sleep(0.2)
         assert f"dead worker(s) [{dead}]" in log.read_text()
 
+
+def test_one_request_id_in_flight_on_both_workers_leaves_distinct_records(tmp_path: Path) -> None:
+    """Clients reusing one ``X-Request-Id`` at once: each worker has its own ledger, yet the
+    usage records (what billing deduplicates on) must never share a ``request_id``."""
+    import asyncio
+
+    usage = tmp_path / "usage"
+    log = tmp_path / "serve.log"
+    n = 16
+    with (
+        running_server([*SIM, "--token-delay-s", "0.05"], timeout_s=20) as (slow, _),
+        running_server(["-m", "proxy.cli", "serve", "--upstream", slow, "--workers", "2", "--log-level", "info",
+                        "--usage-dir", str(usage), "--usage-flush-interval", "0.2"],
+                       timeout_s=60, log_path=log) as (url, _),
+    ):
+        async def burst(client_id: str) -> list[httpx.Response]:
+            body = {"model": "sim-model", "prompt": "one id for all", "max_tokens": 10}  # 0.5 s each
+            async with httpx.AsyncClient(base_url=url, timeout=30, limits=httpx.Limits(max_connections=n)) as client:
+                return await asyncio.gather(*(
+                    client.post("/v1/completions", json=body, headers={"x-request-id": client_id}) for _ in range(n)
+                ))
+
+        for attempt in range(5):  # until the kernel has given both workers some of the burst
+            client_id = f"shared-{attempt}"
+            responses = asyncio.run(burst(client_id))
+            assert [(r.status_code, r.headers["x-request-id"]) for r in responses] == [(200, client_id)] * n
+            records = _records(usage, client_id, n)
+            assert len({record_id for record_id, _ in records}) == n, records
+            if len({pid for _, pid in records}) == 2:
+                break
+        else:
+            pytest.fail("one worker took every request of five bursts")
+        mp_dir = re.search(r"summed through (\S+) \(removed at exit\)", log.read_text())
+        assert mp_dir is not None
+        assert list((Path(mp_dir[1]) / "request-ids").iterdir()) == []  # every claim released
+
+
+def _records(usage: Path, client_id: str, n: int) -> list[tuple[str, int]]:
+    """(request_id, writing worker's pid) of the records for ``client_id``, once all ``n`` are written."""
+    deadline = time.monotonic() + 20
+    while True:
+        found = [
+            (record["request_id"], int(path.name.split("-")[-2]))  # usage-<stamp>-<pid>-<n>.jsonl
+            for path in usage.glob("*.jsonl")
+            for record in map(orjson.loads, path.read_bytes().splitlines())
+            if record["request_id"].split(".")[0] == client_id
+        ]
+        if len(found) >= n or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
