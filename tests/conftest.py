@@ -1,4 +1,4 @@
-"""Shared fixtures. The embedded-vLLM server is session-scoped: one engine start (~40 s on
+"""Shared fixtures. The vLLM server is session-scoped: one engine start (~50 s on
 CPU) serves every real-engine test module, and it is always stopped at the end.
 
 Order: tests without vLLM first, then the modules that start an engine of their own, then
@@ -37,12 +37,25 @@ def vllm_usage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory, vllm_usage_dir: Path) -> Iterator[str]:
-    """`cachetally serve` with no engine flags (usage records on): embedded vLLM and the default model."""
-    log = tmp_path_factory.mktemp("vllm") / "serve.log"
+def vllm_server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared vLLM server's output (tests/test_vllm_api_servers.py reads it)."""
+    return tmp_path_factory.mktemp("vllm") / "serve.log"
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path) -> Iterator[str]:
+    """`cachetally serve` on the default model with two API server processes (usage records on).
+
+    ``--api-server-count 2``, so every real-engine test on it also runs where vLLM goes
+    multi-process: each request is answered by either process, each with its own tap, and
+    the metrics are summed through prometheus_client's multiprocess mode. The one-process
+    default is what tests/test_engine_death.py and tests/test_fleet.py's replicas run.
+    Debug level: one stats line per request, naming its process.
+    """
+    log = vllm_server_log
     # Usage records on, as billing runs it.
-    args = ["-m", "proxy.cli", "serve", "--log-level", "warning", "--usage-dir", str(vllm_usage_dir),
-            "--usage-flush-interval", "0.2"]
+    args = ["-m", "proxy.cli", "serve", "--log-level", "debug", "--usage-dir", str(vllm_usage_dir),
+            "--usage-flush-interval", "0.2", "--", "--api-server-count", "2"]
     with running_server(args, timeout_s=600, log_path=log) as (url, proc):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "the engine core runs in a child process"

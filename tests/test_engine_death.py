@@ -20,11 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
+from tests import clients
+from tests.clients import VLLM_CPU_BLOCK, fresh_prompt
 from tests.load import report
-from tests.servers import Pace, measure_pace, running_server
+from tests.servers import Pace, measure_pace, metric_value, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -100,6 +103,26 @@ def test_debug_logs_hold_no_prompt_completion_authorization_or_key(server: Serve
     leaked = [s for s in (KEY, "KEYMARKER", PROMPT_MARKER, *completions) if s in text]
     assert not leaked, leaked
     assert "Traceback" not in text
+
+
+def test_one_api_server_reports_what_vllm_counted_on_metrics_and_stats(server: Server) -> None:
+    """The default, one API server process: cachetally's series in prometheus_client's default
+    registry, beside vLLM's, with no multiprocess mode (the shared server runs two)."""
+    model = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+    prompt = fresh_prompt()
+    before = clients.scrape(server.url)
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=server.pace.timeout(2)) as client:
+        cold, warm = (clients.ask(client, "chat", False, prompt, model=model, max_tokens=2) for _ in range(2))
+    after = clients.scrape(server.url)
+    assert cold.prompt_tokens_details.cached_tokens == 0
+    cached = warm.prompt_tokens_details.cached_tokens
+    assert cached == ((warm.prompt_tokens - 1) // VLLM_CPU_BLOCK) * VLLM_CPU_BLOCK
+    for name, labels in (("vllm:prompt_tokens_cached_total", {}), ("cachetally_cached_tokens_total", {"tier": "all"})):
+        assert metric_value(after, name, **labels) - metric_value(before, name, **labels) == cached, name
+    stats = httpx.get(f"{server.url}/stats", headers=AUTH).json()
+    assert stats["total_cached_tokens"] == metric_value(after, "cachetally_cached_tokens_total", tier="all")
+    lines = stats_lines(server.log)
+    assert lines and not any("pid=" in line for line in lines)  # one process: no line names one
 
 
 def test_engine_death_fails_requests_at_once_and_the_server_exits_clean(server: Server) -> None:
