@@ -12,9 +12,10 @@ client-supplied key as a file in a directory the instance's processes share (cre
 ``O_EXCL``: the kernel decides who took it first). Minted keys need no claim: 128 random
 bits. A process killed while holding claims leaves their files behind, which only makes
 those ids suffixed later, never shared. The cost, a file created and removed per request
-that brings its own id, and only with several processes: 34 us in vLLM's default ``/tmp``
-directory on this machine, 13 us on tmpfs (claim + release, best of 3 x 20,000), beside
-the 26-42 us that multiprocess metrics add (:mod:`proxy.metrics`).
+that brings its own id, and only with several processes: 24.5 us in vLLM's default ``/tmp``
+directory on this machine, 12.4 us on tmpfs (claim + release, median of 5 x 20,000; the
+command is in docs/PERFORMANCE.md), beside the 26-42 us that multiprocess metrics add
+(:mod:`proxy.metrics`).
 """
 
 from __future__ import annotations
