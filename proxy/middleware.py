@@ -94,26 +94,26 @@ class UsagePatchMiddleware:
             await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
             return
         # A minted id needs no claim (128 random bits); a client's may be in flight elsewhere.
-        claims = self.claims if client_id is not None else None
-        ledger = self.ledger
-        if claims is None:
-            key = self.request_ids.unique_key(client_id, lambda k: k not in ledger)
-        else:
-            key = self.request_ids.unique_key(client_id, lambda k: k not in ledger and claims.claim(k))
+        shared = client_id is not None and self.claims is not None
+        key = self.request_ids.unique_key(client_id, self._take_shared if shared else self._take_local)
+        tenant = self.config.tenancy.resolve(scope["headers"])
+        responder = Responder(self, route, key, client_id or key, send, tenant)
+        self.ledger.open(key)
+        token = current_request_key.set(key)
         try:
-            tenant = self.config.tenancy.resolve(scope["headers"])
-            responder = Responder(self, route, key, client_id or key, send, tenant)
-            ledger.open(key)
-            token = current_request_key.set(key)
-            try:
-                await responder.run(scope, receive)
-            finally:
-                engine_usage = ledger.close(key)
-                current_request_key.reset(token)
-                responder.finish(engine_usage)
+            await responder.run(scope, receive)
         finally:
-            if claims is not None:
-                claims.release(key)
+            engine_usage = self.ledger.close(key)
+            current_request_key.reset(token)
+            if shared:
+                self.claims.release(key)  # type: ignore[union-attr]
+            responder.finish(engine_usage)
+
+    def _take_local(self, key: str) -> bool:
+        return key not in self.ledger
+
+    def _take_shared(self, key: str) -> bool:
+        return key not in self.ledger and self.claims.claim(key)  # type: ignore[union-attr]
 
 
 class _EchoId:
