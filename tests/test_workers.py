@@ -21,6 +21,7 @@ import httpx
 import orjson
 import pytest
 
+from proxy.request_id import CLAIMS_SUBDIR
 from proxy.workers import forget_dead_workers
 from tests.clients import expected_stats
 from tests.servers import ROOT, metric_value, running_server
@@ -99,9 +100,9 @@ def test_two_workers_sum_into_metrics_and_stats(upstream: str, tmp_path: Path) -
             assert metric_value(text, "cachetally_ledger_open_slots") == 0
             stats = httpx.get(f"{url}/stats", timeout=10).json()
             assert stats == expected_stats((u["prompt"], u["cached"]) for u in seen)
-        own_dir = re.search(r"summed through (\S+) \(removed at exit\)", log.read_text())
-        assert own_dir is not None and Path(own_dir[1]).is_dir()
-    assert not Path(own_dir[1]).exists()  # the instance's own directory goes with it
+        own_dir = _own_dir(log)
+        assert own_dir.is_dir()
+    assert not own_dir.exists()  # the instance's own directory goes with it
 
 
 _STALE = """
@@ -226,9 +227,14 @@ def test_one_request_id_in_flight_on_both_workers_leaves_distinct_records(tmp_pa
                 break
         else:
             pytest.fail("one worker took every request of five bursts")
-        mp_dir = re.search(r"summed through (\S+) \(removed at exit\)", log.read_text())
-        assert mp_dir is not None
-        assert list((Path(mp_dir[1]) / "request-ids").iterdir()) == []  # every claim released
+        assert list((_own_dir(log) / CLAIMS_SUBDIR).iterdir()) == []  # every claim released
+
+
+def _own_dir(log: Path) -> Path:
+    """The instance's own multiprocess directory, as its log names it."""
+    found = re.search(r"summed through (\S+) \(removed at exit\)", log.read_text())
+    assert found is not None
+    return Path(found[1])
 
 
 def _records(usage: Path, client_id: str, n: int) -> list[tuple[str, int]]:
