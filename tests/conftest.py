@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.load import report
-from tests.servers import Pace, measure_pace, running_server
+from tests.servers import Pace, measure_pace, running_server, tracebacks_in_vllm_log
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -64,7 +64,7 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path) -> Iterator[str]:
     assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes left behind: {alive}"
-    assert "Traceback" not in log.read_text(errors="replace"), f"a traceback in {log}"
+    assert not tracebacks_in_vllm_log(log.read_text(errors="replace")), f"a traceback in {log}"
 
 
 @pytest.fixture(scope="session")

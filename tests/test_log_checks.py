@@ -1,0 +1,38 @@
+"""The traceback check the vLLM server fixtures end with (tests/servers.py): it excuses
+vLLM's known shutdown race and nothing else. The lines are from a CI run's log."""
+
+from __future__ import annotations
+
+from tests.servers import tracebacks_in_vllm_log
+
+_A, _B = "(ApiServer_0 pid=11534)", "(ApiServer_1 pid=11535)"
+_RACE = [
+    "ERROR 11-23 16:37:19 [async_llm.py:906] AsyncLLM output_handler failed.",
+    "ERROR 11-23 16:37:19 [async_llm.py:906] Traceback (most recent call last):",
+    'ERROR 11-23 16:37:19 [async_llm.py:906]   File "vllm/v1/engine/async_llm.py", line 849, in output_handler',
+    "ERROR 11-23 16:37:19 [async_llm.py:906]     outputs = await engine_core.get_output_async()",
+    "ERROR 11-23 16:37:19 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+]
+_CLIENT_DOWN = "INFO 11-23 16:37:19 [core_client.py:777] [shutdown] MPClient: complete"
+
+
+def log(*lines: str) -> str:
+    return "\n".join(lines) + "\n"
+
+
+def test_the_output_handler_race_after_the_client_shut_down_is_excused() -> None:
+    text = log(f"{_A} {_CLIENT_DOWN}", f"{_B} {_CLIENT_DOWN}", *(f"{_A} {x}" for x in _RACE),
+               *(f"{_B} {x}" for x in _RACE))
+    assert tracebacks_in_vllm_log(text) == []
+
+
+def test_the_same_lines_before_that_process_shut_down_are_not() -> None:
+    text = log(f"{_B} {_CLIENT_DOWN}", *(f"{_A} {x}" for x in _RACE))
+    assert tracebacks_in_vllm_log(text) == [f"{_A} {_RACE[1]}"]
+
+
+def test_any_other_traceback_is_reported() -> None:
+    other = [line.replace("EngineDeadError", "ValueError") for line in _RACE]
+    text = log(f"{_A} {_CLIENT_DOWN}", *(f"{_A} {x}" for x in other),
+               "Traceback (most recent call last):", '  File "proxy/responder.py", line 1', "KeyError: 'x'")
+    assert tracebacks_in_vllm_log(text) == [f"{_A} {other[1]}", "Traceback (most recent call last):"]
