@@ -69,17 +69,27 @@ class LegMetrics:
         )
         self._cached = Counter(
             "cachetally_pd_cached_tokens",
-            "Prompt tokens the legs served here found in a cache (decode: local hits of its own)",
+            "Prompt tokens the legs served here found in this instance's caches, by tier",
             ["leg", "tier"], registry=registry,
         )
+        self._transferred = Counter(
+            "cachetally_pd_transferred_tokens",
+            "Prompt tokens whose KV a decode leg pulled from its prefill instance (not cache hits)",
+            registry=registry,
+        ).inc
 
     def count(self, leg: Leg, outcome: str, engine: SlotUsage | None) -> None:
         self._legs.labels(leg, outcome).inc()
         if engine is None or not engine.events:
             return
         self._prompt.labels(leg).inc(engine.prompt_tokens)
-        if leg is PREFILL:
-            self._cached.labels(leg, "all").inc(engine.cached_tokens)
+        if leg is DECODE:  # its cached_tokens are the prefill's hits, counted on the prefill leg
+            if engine.decode_local_tokens is not None:
+                self._cached.labels(leg, "local").inc(engine.decode_local_tokens)
+            if engine.transferred_tokens is not None:
+                self._transferred(engine.transferred_tokens)
+            return
+        self._cached.labels(leg, "all").inc(engine.cached_tokens)
         for tier, value in (("local", engine.local_cached_tokens), ("external", engine.external_cached_tokens)):
             if value is not None:
                 self._cached.labels(leg, tier).inc(value)
