@@ -83,7 +83,7 @@ class LegMetrics:
         if engine is None or not engine.events:
             return
         self._prompt.labels(leg).inc(engine.prompt_tokens)
-        if leg is DECODE:  # its cached_tokens are the prefill's hits, counted on the prefill leg
+        if leg == DECODE:  # its cached_tokens are the prefill's hits, counted on the prefill leg
             if engine.decode_local_tokens is not None:
                 self._cached.labels(leg, "local").inc(engine.decode_local_tokens)
             if engine.transferred_tokens is not None:

@@ -294,7 +294,7 @@ class Responder:
     def finish(self, engine: SlotUsage | None) -> None:
         """Count this request once and submit its usage record. Synchronous: runs in the
         middleware's ``finally``. A prefill leg is counted as a leg only (:mod:`proxy.pd_leg`)."""
-        if self.leg is PREFILL:
+        if self.leg == PREFILL:
             self.mw.metrics.legs.count(PREFILL, self.notes.outcome(self.status), engine)
             return
         seen = self.seen
@@ -331,7 +331,7 @@ class Responder:
             self.mw.metrics.count_completion(record)
         else:
             self.mw.metrics.record(record)
-        if self.leg is DECODE:
+        if self.leg == DECODE:
             self.mw.metrics.legs.count(DECODE, self.notes.outcome(self.status), engine)
         recorder = self.mw.recorder
         if recorder is not None:
