@@ -159,3 +159,21 @@ def test_the_leg_is_read_from_kv_transfer_params_only(params: Any, leg: str | No
 
     assert leg_of({"max_tokens": 1, "kv_transfer_params": params}) == leg
     assert leg_of({"max_tokens": 1}) is None
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("1", True), ("False", False), ("", False)])
+def test_pd_legs_from_the_environment(value: str, expected: bool) -> None:
+    from proxy.settings import Settings, load_settings, settings_environment
+
+    settings = load_settings(env={"CACHETALLY_PD_LEGS": value})
+    assert settings.pd_legs is expected
+    # What `cachetally serve` hands vLLM's API server processes reads back the same.
+    assert load_settings(env=settings_environment(settings)) == settings
+    assert Settings().pd_legs is False
+
+
+def test_a_pd_legs_value_that_is_no_boolean_is_refused() -> None:
+    from proxy.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="pd_legs"):
+        load_settings(env={"CACHETALLY_PD_LEGS": "prefill"})
