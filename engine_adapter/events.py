@@ -26,7 +26,9 @@ class Scheduled:
 
     ``cached_tokens`` counts prompt tokens served from any cache tier. The optional tiers
     split it (``local_cached_tokens + external_cached_tokens == cached_tokens`` when both
-    are known) and report the tokens newly written to the cache.
+    are known) and report the tokens newly written to the cache. On a disaggregated decode
+    the tiers are unknown (they are the prefill instance's), and the decode's own figures
+    are in ``transferred_tokens`` and ``decode_local_tokens``.
     """
 
     request_id: str
@@ -36,6 +38,11 @@ class Scheduled:
     external_cached_tokens: int | None = None
     cache_creation_tokens: int | None = None
     source: Source = "engine"
+    #: A disaggregated decode only (``cached_tokens`` is then the prefill instance's hits):
+    #: prompt tokens whose KV arrived from the prefill instance, a transfer and never a
+    #: cache hit, and those this instance found in its own prefix cache instead.
+    transferred_tokens: int | None = None
+    decode_local_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.cached_tokens < 0:

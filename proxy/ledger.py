@@ -37,6 +37,8 @@ class SlotUsage:
     local_cached_tokens: int | None = None
     external_cached_tokens: int | None = None
     cache_creation_tokens: int | None = None
+    transferred_tokens: int | None = None  # disaggregated decode only (Scheduled)
+    decode_local_tokens: int | None = None
     events: int = 0
     #: (prompt_tokens, cached_tokens) of each engine request, in publication order.
     per_request: list[tuple[int, int]] = field(default_factory=list)
@@ -51,6 +53,8 @@ class SlotUsage:
         self.cache_creation_tokens = _add_optional(
             self.cache_creation_tokens, event.cache_creation_tokens
         )
+        self.transferred_tokens = _add_optional(self.transferred_tokens, event.transferred_tokens)
+        self.decode_local_tokens = _add_optional(self.decode_local_tokens, event.decode_local_tokens)
         self.events += 1
         self.per_request.append((event.prompt_tokens, event.cached_tokens))
 

@@ -52,6 +52,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from proxy.ledger import UsageLedger
+from proxy.pd_leg import LegMetrics
 from proxy.stats import CacheStats, collected_stats
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ class Metrics:
         self.patch_skipped = Counter(
             "cachetally_patch_skipped", "Responses or events passed through unpatched", ["reason"], registry=registry
         )
+        self.legs = LegMetrics(registry)
         ledger.observer = _LedgerMetrics(registry)
         ledger.observer.open_slots(len(ledger))
 

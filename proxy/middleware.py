@@ -60,6 +60,9 @@ class PatchConfig:
     strip_details_flag: bool = True
     default_model: str = "unknown"
     tenancy: Tenancy = field(default_factory=Tenancy)
+    #: Recognize disaggregated prefill/decode legs by their ``kv_transfer_params``: the
+    #: prefill leg is counted as a leg only, the decode leg bills (:mod:`proxy.pd_leg`).
+    pd_legs: bool = False
 
 
 class UsagePatchMiddleware:

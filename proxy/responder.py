@@ -21,6 +21,7 @@ from proxy.errors import send_error
 from proxy.ghost import GhostHold
 from proxy.ledger import SlotUsage
 from proxy.metrics import RequestRecord
+from proxy.pd_leg import DECODE, PREFILL, Leg, leg_of
 from proxy.records.notes import RequestNotes
 from proxy.request_body import (
     DETAILS_FLAG,
@@ -75,6 +76,7 @@ class Responder:
         self._headers: Headers = []
         self._send = send
         self.options: RequestOptions | None = None
+        self.leg: Leg | None = None  # a disaggregated prefill/decode leg (proxy.pd_leg)
         self.seen = Observation()
         self.mode = _Mode.PASS
         self.stream = False
@@ -104,6 +106,8 @@ class Responder:
         except ValueError as exc:
             await send_error(self.send, 400, str(exc))
             return
+        if config.pd_legs:
+            self.leg = leg_of(payload)
         body = self._rewrite(payload, body)
         # This route's headers are ours to rewrite: the request key, the length of the body
         # as replayed, and an unencoded response, because it is parsed and patched.
@@ -289,7 +293,10 @@ class Responder:
 
     def finish(self, engine: SlotUsage | None) -> None:
         """Count this request once and submit its usage record. Synchronous: runs in the
-        middleware's ``finally``."""
+        middleware's ``finally``. A prefill leg is counted as a leg only (:mod:`proxy.pd_leg`)."""
+        if self.leg == PREFILL:
+            self.mw.metrics.legs.count(PREFILL, self.notes.outcome(self.status), engine)
+            return
         seen = self.seen
         # The engine's own model name, never the client's: labels must stay bounded.
         model = seen.model or self.mw.config.default_model
@@ -324,6 +331,8 @@ class Responder:
             self.mw.metrics.count_completion(record)
         else:
             self.mw.metrics.record(record)
+        if self.leg == DECODE:
+            self.mw.metrics.legs.count(DECODE, self.notes.outcome(self.status), engine)
         recorder = self.mw.recorder
         if recorder is not None:
             recorder.submit(self._usage_record(record, engine, completion_source))

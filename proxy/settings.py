@@ -53,6 +53,8 @@ class Settings:
     otlp_timeout_s: float = 10.0
     # usage policy
     missing: str = "zero"
+    # disaggregated prefill/decode: recognize the legs (proxy.pd_leg); on every P/D instance
+    pd_legs: bool = False
     # limits
     max_request_bytes: int = 32 << 20
     max_response_bytes: int = 64 << 20
@@ -142,12 +144,23 @@ def _coerce(name: str, value: Any) -> Any:
             return int(value)
         if hint is float:
             return float(value)
+        if hint is bool:
+            return _boolean(value)
         if hint == list[str]:
             # "a,b c" and "a b" alike: --tenants a,b,c and CACHETALLY_TENANTS="a b c"
             return [item for item in _LIST_SEPARATORS.split(value) if item] if name == "tenants" else value.split()
         if hint == str | None and value == "":
             return None
     return value
+
+
+def _boolean(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, not {value!r}")
 
 
 def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> None:

@@ -26,13 +26,19 @@ def yaml_blocks() -> list[list[Any]]:
     return [list(yaml.safe_load_all(b)) for b in re.findall(r"^```yaml\n(.*?)^```", text, re.S | re.M)]
 
 
-def kubernetes() -> list[dict[str, Any]]:
-    (docs,) = [b for b in yaml_blocks() if all(isinstance(d, dict) and "kind" in d for d in b)]
+def kubernetes(deployment: str = "vllm") -> list[dict[str, Any]]:
+    """The Kubernetes example that deploys ``deployment`` (the fleet's, or P/D's ``vllm-prefill``)."""
+    (docs,) = [
+        b for b in yaml_blocks()
+        if all(isinstance(d, dict) and "kind" in d for d in b)
+        and any(d["kind"] == "Deployment" and d["metadata"]["name"] == deployment for d in b)
+    ]
     return docs
 
 
-def compose() -> dict[str, Any]:
-    (doc,) = [d for b in yaml_blocks() for d in b if isinstance(d, dict) and "services" in d]
+def compose(service: str = "vllm-1") -> dict[str, Any]:
+    """The compose example with ``service`` (the fleet's, or P/D's ``prefill``)."""
+    (doc,) = [d for b in yaml_blocks() for d in b if isinstance(d, dict) and service in d.get("services", {})]
     return doc
 
 
@@ -142,6 +148,50 @@ def test_compose_services_ports_and_scrape_targets_agree() -> None:
         assert volume in doc.get("volumes", {}), volume
 
 
-@pytest.mark.parametrize("section", ["## The one flag", "## Data parallel", "## Grafana", "### Kubernetes"])
+def test_the_pd_examples_pair_a_prefill_and_a_decode_instance_with_pd_legs_on_both() -> None:
+    """Both examples: the middleware and CACHETALLY_PD_LEGS on each instance, NIXL's producer
+    on prefill and consumer on decode, each advertising its own address for the transfer,
+    and the router in P/D mode pointing at exactly those."""
+    import json
+
+    def check(args: list[str], env: dict[str, Any], role: str) -> None:
+        assert flag(args, "--middleware") == [MIDDLEWARE]
+        config = json.loads(flag(args, "--kv-transfer-config")[0])
+        assert config == {"kv_connector": "NixlConnector", "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer"}[role]}
+        assert env["CACHETALLY_PD_LEGS"] == "true"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]
+
+    services = compose("prefill")["services"]
+    for role in ("prefill", "decode"):
+        check(services[role]["command"], services[role]["environment"], role)
+        assert services[role]["environment"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == role  # its compose name
+    router = services["router"]["command"]
+    assert "--vllm-pd-disaggregation" in router
+    for role in ("prefill", "decode"):
+        assert flag(router, f"--{role}") == [f"http://{role}:{flag(services[role]['command'], '--port')[0]}"]
+    config = yaml.safe_load(compose("prefill")["configs"]["prometheus"]["content"])
+    (vllm_job,) = [job for job in config["scrape_configs"] if job["job_name"] == "vllm"]
+    assert sorted(vllm_job["static_configs"][0]["targets"]) == ["decode:8000", "prefill:8000"]
+
+    objects = kubernetes("vllm-prefill")
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    router_args = [str(a) for a in deployments["vllm-pd-router"]["spec"]["template"]["spec"]["containers"][0]["args"]]
+    assert "--vllm-pd-disaggregation" in router_args
+    for role in ("prefill", "decode"):
+        spec = deployments[f"vllm-{role}"]["spec"]
+        (container,) = spec["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+        check([str(a) for a in container["args"]], env, role)
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["nixl"] == int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        assert flag(router_args, f"--{role}-selector") == [f"app={spec['selector']['matchLabels']['app']}"]
+        assert flag(router_args, "--service-discovery-port") == [str(ports["http"])]
+    (binding,) = [o for o in objects if o["kind"] == "RoleBinding"]
+    assert binding["subjects"][0]["name"] == deployments["vllm-pd-router"]["spec"]["template"]["spec"]["serviceAccountName"]
+
+
+@pytest.mark.parametrize("section", ["## The one flag", "## Data parallel", "## Grafana", "### Kubernetes",
+                                     "## Disaggregated prefill and decode"])
 def test_sections_exist(section: str) -> None:
     assert section in DEPLOY.read_text()

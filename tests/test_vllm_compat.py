@@ -248,6 +248,22 @@ def test_prefill_tap_hooks_a_matching_method_and_records_the_first_prefill(fake_
     assert "_update_stats_from_output" not in vars(processor)
 
 
+def test_prefill_tap_on_a_disaggregated_decode_reports_the_prefills_hits_and_the_transfer_apart(fake_vllm) -> None:
+    """The decode's scheduler counts the KV it pulled as external hits; the client is told the
+    prefill's (``remote_prefill_cached_tokens``), and the transfer is never a hit."""
+    from types import SimpleNamespace as NS
+
+    from engine_adapter.vllm.prefill import Prefill, PrefillTap
+
+    processor = _Processor()
+    tap = PrefillTap(_Client(processor))
+    state = NS(is_prefilling=True, parent_req=None, external_req_id="d1", remote_prefill_cached_tokens=256)
+    stats = NS(num_cached_tokens=639, num_local_cached_tokens=128, num_external_cached_tokens=511,
+               num_cache_creation_tokens=1)
+    processor._update_stats_from_output(state, NS(prefill_stats=stats), 0.0, None)
+    assert tap.pop("d1") == Prefill(256, None, None, None, transferred_tokens=511, decode_local_tokens=128)
+
+
 def test_prefill_tap_without_the_method_logs_one_line(fake_vllm, caplog) -> None:
     from engine_adapter.vllm.prefill import PrefillTap
 

@@ -58,6 +58,8 @@ class Prefill:
     local_cached_tokens: int | None
     external_cached_tokens: int | None
     cache_creation_tokens: int | None
+    transferred_tokens: int | None = None  # a disaggregated decode: KV pulled from the prefill
+    decode_local_tokens: int | None = None  # a disaggregated decode: its own prefix-cache hits
 
 
 class PrefillTap:
@@ -87,21 +89,28 @@ class PrefillTap:
         if key is None or key in self._first:
             return  # a later copy: the first one's figures stand
         cached = getattr(stats, "num_cached_tokens", None)
-        remote = getattr(req_state, "remote_prefill_cached_tokens", None)
-        if remote is not None:
-            cached = remote  # vLLM's own override for disaggregated prefill
-        if not isinstance(cached, int):
-            return
         local = getattr(stats, "num_local_cached_tokens", None)
         external = getattr(stats, "num_external_cached_tokens", None)
-        split = isinstance(local, int) and isinstance(external, int) and local + external == cached
-        creation = getattr(stats, "num_cache_creation_tokens", None)
-        self._first[key] = Prefill(
-            cached,
-            local if split else None,
-            external if split else None,
-            creation if isinstance(creation, int) else None,
-        )
+        remote = getattr(req_state, "remote_prefill_cached_tokens", None)
+        if isinstance(remote, int):
+            # A disaggregated decode: the client is told what the prefill instance found
+            # (vLLM's own override); the tokens the connector brought are a transfer.
+            self._first[key] = Prefill(
+                remote, None, None, None,
+                transferred_tokens=external if isinstance(external, int) else None,
+                decode_local_tokens=local if isinstance(local, int) else None,
+            )
+        elif isinstance(cached, int):
+            split = isinstance(local, int) and isinstance(external, int) and local + external == cached
+            creation = getattr(stats, "num_cache_creation_tokens", None)
+            self._first[key] = Prefill(
+                cached,
+                local if split else None,
+                external if split else None,
+                creation if isinstance(creation, int) else None,
+            )
+        else:
+            return
         while len(self._first) > _MAX_ENTRIES:
             self._first.popitem(last=False)
 

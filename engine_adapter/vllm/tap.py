@@ -77,4 +77,6 @@ class EngineTap:
             external_cached_tokens=first.external_cached_tokens,
             cache_creation_tokens=first.cache_creation_tokens,
             source="engine",
+            transferred_tokens=first.transferred_tokens,
+            decode_local_tokens=first.decode_local_tokens,
         ))

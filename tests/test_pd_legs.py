@@ -1,0 +1,179 @@
+"""Disaggregated prefill/decode, counted once across the fleet (proxy.pd_leg).
+
+Two real ``cachetally serve --engine sim`` instances on loopback, a prefill one and a decode
+one, each with usage records, and in the test the two legs a P/D router sends for each
+client request, as vllm-router does: the prefill leg (``max_tokens`` 1, not streamed,
+``kv_transfer_params.do_remote_decode``) to the prefill instance, then the client's own
+request with ``kv_transfer_params.do_remote_prefill`` to the decode instance, both under
+the client's request id. What the fleet must show is what one server would have shown:
+one count and one record per client request, the tenant's cached tokens equal to what
+the responses reported. tests/test_pd_vllm.py runs the same through vllm-router and two
+vLLM instances with NixlConnector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.servers import metric_value, running_servers
+
+pytestmark = pytest.mark.loopback
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@contextlib.contextmanager
+def pd_fleet(tmp_path: Path, *, pd_legs: bool = True) -> Iterator[tuple[str, str]]:
+    """(prefill URL, decode URL); both stopped, their records drained, on exit."""
+    specs = []
+    for name in ("prefill", "decode"):
+        args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning",
+                "--usage-dir", str(tmp_path / name), "--usage-flush-interval", "0.2"]
+        env = {"CACHETALLY_PD_LEGS": "true" if pd_legs else "false", "CACHETALLY_SIM_TOKEN_DELAY_S": "0.005"}
+        specs.append((args, env, None))
+    with running_servers(specs) as ((prefill, _), (decode, _)):
+        yield prefill, decode
+
+
+def records(tmp_path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for path in sorted(tmp_path.glob("*/*.jsonl")) for line in path.read_bytes().splitlines()]
+
+
+def body_for(route: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    key = {"chat": "messages", "completions": "prompt"}[route]
+    value = [{"role": "user", "content": prompt}] if route == "chat" else prompt
+    return {key: value, "max_tokens": 4, **extra}
+
+
+def routed(http: httpx.Client, fleet: tuple[str, str], route: str, body: dict[str, Any], request_id: str) -> httpx.Response:
+    """One client request as a P/D router sends it: the prefill leg, then the decode leg."""
+    prefill, decode = fleet
+    headers = {"x-request-id": request_id}
+    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    leg |= {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    http.post(f"{prefill}{PATHS[route]}", json=leg, headers=headers).raise_for_status()
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2]}
+    return http.post(f"{decode}{PATHS[route]}", json=body | {"kv_transfer_params": params}, headers=headers)
+
+
+def reported_cached(response: httpx.Response) -> int:
+    if response.headers["content-type"].startswith("text/event-stream"):
+        usages = [orjson.loads(line[6:])["usage"] for line in response.text.splitlines()
+                  if line.startswith("data: {") and '"usage":{' in line.replace(" ", "")]
+        usage = usages[-1]
+    else:
+        usage = response.json()["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def fleet_value(urls: tuple[str, str], name: str, **labels: str) -> float:
+    return sum(metric_value(httpx.get(f"{url}/metrics").text, name, **labels) for url in urls)
+
+
+def test_six_client_requests_through_both_legs_are_six_counts_and_six_records(tmp_path: Path) -> None:
+    prompts = [f"{uuid.uuid4().hex} " + " ".join(f"word{i}" for i in range(40 + 10 * d)) for d in range(3)]
+    plan = [  # (route, prompt, streamed): each prompt cold, then warm
+        ("chat", 0, False), ("completions", 1, True), ("chat", 2, True),
+        ("chat", 0, True), ("completions", 1, False), ("chat", 2, False),
+    ]
+    reported = []
+    with pd_fleet(tmp_path) as fleet, httpx.Client(timeout=30) as http:
+        for i, (route, d, streamed) in enumerate(plan):
+            extra = {"stream": True, "stream_options": {"include_usage": True}} if streamed else {}
+            response = routed(http, fleet, route, body_for(route, prompts[d], **extra), f"client-{i}")
+            response.raise_for_status()
+            reported.append(reported_cached(response))
+        requests = fleet_value(fleet, "cachetally_requests_total", tenant="default")
+        cached = fleet_value(fleet, "cachetally_cached_tokens_total", tier="all", tenant="default")
+        legs = [fleet_value(fleet, "cachetally_pd_legs_total", leg=leg, outcome="completed")
+                for leg in ("prefill", "decode")]
+    assert reported[:3] == [0, 0, 0] and all(reported[3:]), reported  # the decode instance's own cache
+    assert requests == 6
+    assert cached == sum(reported)
+    assert legs == [6, 6]
+    found = records(tmp_path)
+    assert sorted(r["request_id"] for r in found) == [f"client-{i}" for i in range(6)]
+    assert all(r["outcome"] == "completed" and r["completion_tokens"] == 4 for r in found)
+    assert [r["cached_tokens"] for r in sorted(found, key=lambda r: r["request_id"])] == reported
+    assert not any(path.read_bytes() for path in (tmp_path / "prefill").glob("*.jsonl"))
+
+
+def test_a_decode_leg_that_fails_after_its_prefill_leaves_one_record_with_its_outcome(tmp_path: Path) -> None:
+    with pd_fleet(tmp_path) as fleet, httpx.Client(timeout=30) as http:
+        # max_tokens 0: the router's prefill leg (max_tokens 1) succeeds, the decode refuses it.
+        refused = routed(http, fleet, "chat", body_for("chat", "one prompt here", max_tokens=0), "refused")
+        assert refused.status_code == 400
+        # The client hangs up during the decode leg's stream.
+        prefill, decode = fleet
+        headers = {"x-request-id": "left"}
+        leg = body_for("completions", "another prompt", max_tokens=1)
+        leg["kv_transfer_params"] = {"do_remote_decode": True}
+        http.post(f"{prefill}/v1/completions", json=leg, headers=headers).raise_for_status()
+        stream = body_for("completions", "another prompt", max_tokens=2000, stream=True,
+                          kv_transfer_params={"do_remote_prefill": True})
+        with http.stream("POST", f"{decode}/v1/completions", json=stream, headers=headers) as response:
+            next(response.iter_lines())
+        requests = fleet_value(fleet, "cachetally_requests_total")
+        decode_legs = {o: fleet_value(fleet, "cachetally_pd_legs_total", leg="decode", outcome=o)
+                       for o in ("error", "disconnected")}
+    by_id = {r["request_id"]: r for r in records(tmp_path)}
+    assert sorted(by_id) == ["left", "refused"]
+    assert (by_id["refused"]["outcome"], by_id["refused"]["status"]) == ("error", 400)
+    assert by_id["left"]["outcome"] == "disconnected" and by_id["left"]["completion_tokens"] > 0
+    assert requests == 1  # the stream the engine served; the refused one never reached it
+    assert decode_legs == {"error": 1, "disconnected": 1}
+
+
+def test_without_pd_legs_a_body_claiming_to_be_a_prefill_leg_is_billed(tmp_path: Path) -> None:
+    """A client cannot go unbilled by marking its own request as a prefill leg."""
+    with pd_fleet(tmp_path, pd_legs=False) as (server, _), httpx.Client(timeout=30) as http:
+        body = body_for("chat", "free tokens please", max_tokens=8, kv_transfer_params={"do_remote_decode": True})
+        http.post(f"{server}/v1/chat/completions", json=body, headers={"x-request-id": "sly"}).raise_for_status()
+        requests = metric_value(httpx.get(f"{server}/metrics").text, "cachetally_requests_total", tenant="default")
+    assert requests == 1
+    [record] = records(tmp_path)
+    assert (record["request_id"], record["completion_tokens"]) == ("sly", 8)
+
+
+@pytest.mark.parametrize(
+    ("params", "leg"),
+    [
+        ({"do_remote_decode": True}, "prefill"),
+        ({"do_remote_prefill": True, "remote_block_ids": []}, "decode"),
+        ({"do_remote_decode": True, "do_remote_prefill": True}, None),
+        ({"do_remote_decode": "true"}, None),
+        ({}, None),
+        ([], None),
+    ],
+)
+def test_the_leg_is_read_from_kv_transfer_params_only(params: Any, leg: str | None) -> None:
+    from proxy.pd_leg import leg_of
+
+    assert leg_of({"max_tokens": 1, "kv_transfer_params": params}) == leg
+    assert leg_of({"max_tokens": 1}) is None
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("1", True), ("False", False), ("", False)])
+def test_pd_legs_from_the_environment(value: str, expected: bool) -> None:
+    from proxy.settings import Settings, load_settings, settings_environment
+
+    settings = load_settings(env={"CACHETALLY_PD_LEGS": value})
+    assert settings.pd_legs is expected
+    # What `cachetally serve` hands vLLM's API server processes reads back the same.
+    assert load_settings(env=settings_environment(settings)) == settings
+    assert Settings().pd_legs is False
+
+
+def test_a_pd_legs_value_that_is_no_boolean_is_refused() -> None:
+    from proxy.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="pd_legs"):
+        load_settings(env={"CACHETALLY_PD_LEGS": "prefill"})
