@@ -45,7 +45,7 @@ class Accounting:
         self.metrics = Metrics(self.ledger, registry=registry)
         self.tenancy = tenancy_from_settings(settings)
         keys = self.tenancy.keys
-        self.auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths, keys) if settings.api_key or keys else None
+        self.auth = ApiKeyGuard(keys, settings.auth_exempt_paths) if keys else None
         self.recorder: Recorder | None = recorder_from_settings(settings)
         if self.recorder is not None:
             self.metrics.watch_recorder(self.recorder)
