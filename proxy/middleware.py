@@ -36,6 +36,7 @@ from proxy.metrics import Metrics
 from proxy.records.recorder import Recorder
 from proxy.request_id import IdClaims, RequestIds
 from proxy.responder import Responder, without
+from proxy.served_models import ServedModels
 from proxy.tenants import Tenancy
 from proxy.usage import Missing
 
@@ -60,6 +61,8 @@ class PatchConfig:
     strip_details_flag: bool = True
     default_model: str = "unknown"
     tenancy: Tenancy = field(default_factory=Tenancy)
+    #: Which response model names are labels (others are ``other``).
+    models: ServedModels = field(default_factory=ServedModels)
 
 
 class UsagePatchMiddleware:
