@@ -298,3 +298,13 @@ def test_an_upstream_listing_endless_models_mints_a_bounded_set() -> None:
     with pytest.raises(ValueError):
         models.update({"object": "list"})
     assert models.label("m0") == "m0"  # a bad listing keeps the last good one
+
+
+def test_no_record_field_grows_with_what_a_peer_sends() -> None:
+    from proxy.records.record import UsageRecord, dumps
+
+    huge = "x" * (1 << 20)
+    record = UsageRecord(request_id="r", tenant="t", route="chat", stream=False, start_unix=0.0,
+                         request_model=huge, response_id=huge)
+    assert (len(record.request_model or ""), len(record.response_id or "")) == (256, 256)
+    assert len(dumps(record)) < 2048

@@ -8,9 +8,10 @@ Identity: ``record_id`` is minted here, a UUIDv7 (:mod:`proxy.records.record_id`
 across processes, replicas and restarts: the key to deduplicate on. ``request_id`` is the
 client's ``X-Request-Id``, which a client may reuse, kept as a field of its own.
 
-Bounds: ``request_model`` is the client's string; a record keeps at most
-:data:`MAX_REQUEST_MODEL_CHARS` characters of it, so no client can make a record (or an
-OTLP batch) arbitrarily large. ``model`` is a label the responder has already bounded to
+Bounds: ``request_model`` is the client's string, ``response_id`` the engine's; a record
+keeps at most :data:`MAX_TEXT_CHARS` characters of each, so no client (nor an upstream)
+can make a record, or the OTLP batch that carries it, arbitrarily large. The other
+strings are bounded where they are made (request ids, ``traceparent``, tenant names). ``model`` is a label the responder has already bounded to
 the models the engine serves (:mod:`proxy.served_models`).
 
 ``outcome``:
@@ -39,8 +40,8 @@ import orjson
 from proxy.records.record_id import new_record_id
 
 SCHEMA_VERSION = 2
-#: The longest ``request_model`` a record keeps; longer names are cut to this length.
-MAX_REQUEST_MODEL_CHARS = 256
+#: The longest ``request_model`` or ``response_id`` a record keeps; longer ones are cut to this.
+MAX_TEXT_CHARS = 256
 
 
 @dataclass(slots=True)
@@ -69,8 +70,10 @@ class UsageRecord:
     record_id: str = field(default_factory=new_record_id)  # ours, unique: deduplicate on this
 
     def __post_init__(self) -> None:
-        if self.request_model is not None and len(self.request_model) > MAX_REQUEST_MODEL_CHARS:
-            self.request_model = self.request_model[:MAX_REQUEST_MODEL_CHARS]
+        if self.request_model is not None and len(self.request_model) > MAX_TEXT_CHARS:
+            self.request_model = self.request_model[:MAX_TEXT_CHARS]
+        if self.response_id is not None and len(self.response_id) > MAX_TEXT_CHARS:
+            self.response_id = self.response_id[:MAX_TEXT_CHARS]
 
     def as_json(self) -> dict[str, Any]:
         """The JSONL line's object, keys in a fixed order; times as datetimes (:func:`dumps`)."""
