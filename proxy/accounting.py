@@ -93,10 +93,10 @@ class Accounting:
             self.recorder.start()
         try:
             tasks = [asyncio.create_task(self._sweep_forever())]
-            if self.upstream_models is not None:
-                await self.upstream_models.refresh()
-                tasks.append(asyncio.create_task(self.upstream_models.refresh_forever()))
             try:
+                if self.upstream_models is not None:
+                    await self.upstream_models.refresh()
+                    tasks.append(asyncio.create_task(self.upstream_models.refresh_forever()))
                 yield
             finally:
                 for task in tasks:
