@@ -30,10 +30,14 @@ from proxy.metrics import Metrics, multiprocess_dir
 from proxy.middleware import PatchConfig, UsagePatchMiddleware
 from proxy.records.recorder import Recorder, recorder_from_settings
 from proxy.request_id import CLAIMS_SUBDIR, IdClaims
+from proxy.served_models import ServedModels, UpstreamModels
 from proxy.settings import Settings
 from proxy.tenants import tenancy_from_settings
 
 logger = logging.getLogger("cachetally.app")
+
+#: How long one fetch of the upstream's /v1/models may take.
+MODELS_TIMEOUT_S = 10.0
 
 
 class Accounting:
@@ -45,7 +49,13 @@ class Accounting:
         self.metrics = Metrics(self.ledger, registry=registry)
         self.tenancy = tenancy_from_settings(settings)
         keys = self.tenancy.keys
-        self.auth = ApiKeyGuard(settings.api_key, settings.auth_exempt_paths, keys) if settings.api_key or keys else None
+        self.auth = ApiKeyGuard(keys, settings.auth_exempt_paths) if keys else None
+        # Upstreams may echo the client's model name: only the models they list are labels.
+        upstream = settings.engine == "upstream" and settings.upstream
+        self.models = ServedModels([settings.model] if settings.model else (), checked=bool(upstream))
+        self.upstream_models = (
+            UpstreamModels(self.models, settings.upstream, settings.upstream_ca, MODELS_TIMEOUT_S) if upstream else None
+        )
         self.recorder: Recorder | None = recorder_from_settings(settings)
         if self.recorder is not None:
             self.metrics.watch_recorder(self.recorder)
@@ -71,6 +81,7 @@ class Accounting:
             default_model=s.model or "unknown",
             tenancy=self.tenancy,
             pd_legs=s.pd_legs,
+            models=self.models,
         )
         guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)
         return UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config,
@@ -78,17 +89,21 @@ class Accounting:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        """The recorder and the TTL sweep, for as long as the server runs."""
+        """The recorder, the TTL sweep and the upstream's model list, for as long as the server runs."""
         if self.recorder is not None:
             self.recorder.start()
         try:
-            sweeper = asyncio.create_task(self._sweep_forever())
+            tasks = [asyncio.create_task(self._sweep_forever())]
             try:
+                if self.upstream_models is not None:
+                    await self.upstream_models.refresh()
+                    tasks.append(asyncio.create_task(self.upstream_models.refresh_forever()))
                 yield
             finally:
-                sweeper.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sweeper
+                for task in tasks:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
         finally:
             if self.recorder is not None:
                 await asyncio.to_thread(self.recorder.stop, self.settings.otlp_timeout_s + 5)

@@ -34,9 +34,9 @@ examples:
 
 Settings come from the TOML file (--config; default config/default.toml), then
 CACHETALLY_* environment variables (e.g. CACHETALLY_PORT=9000), then these flags.
-Accounting: every chat and completions request belongs to a tenant (the API key's name
-from --api-keys, else the --tenant-header value if configured, else "default") and, with
---usage-dir or --otlp-endpoint, leaves one usage record; `cachetally report` totals them.
+Accounting: every request belongs to a tenant: its API key's (--api-keys; "default" for
+--api-key), else, without keys, the --tenant-header value, else "default". With
+--usage-dir or --otlp-endpoint, each leaves one usage record; `cachetally report` totals them.
 
 Engine vllm: this runs vLLM's own `vllm serve` with --middleware
 proxy.vllm_middleware.CachetallyMiddleware (the same flag works on stock `vllm serve`);
@@ -92,14 +92,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every request (prefer CACHETALLY_API_KEY: "
-        "flags show in the process list)",
+        help="require 'Authorization: Bearer KEY' under /v1 (as vLLM's --api-key: /health, /metrics, /stats "
+        "stay open); tenant 'default'. Prefer CACHETALLY_API_KEY: flags show in the process list",
     )
     p.add_argument(
         "--auth-exempt-path",
         action="append",
         metavar="PATH",
-        help="a path open without the API key, e.g. /health or /metrics (repeatable; default: none)",
+        help="a path under /v1 (or /v2, ...) open without the API key, exact match (repeatable; default: none)",
     )
     _accounting_flags(p)
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help='`vllm serve` flags, after "--"')
@@ -111,13 +111,13 @@ def _accounting_flags(p: argparse.ArgumentParser) -> None:
         "--api-keys",
         metavar="FILE",
         help='TOML file of "key" = "tenant" lines: each key is accepted (with --api-key, if set) '
-        "and its requests belong to that tenant. Keys are compared in constant time, never logged",
+        "and its requests belong to that tenant. Keys are held as SHA-256 digests, never logged",
     )
     g.add_argument(
         "--tenant-header",
         metavar="NAME",
-        help="take the tenant from this request header when no API key names one. Clients can "
-        "send any value: use it only behind a trusted gateway that sets the header itself",
+        help="take the tenant from this request header; refused beside --api-key/--api-keys. Clients "
+        "can send any value: use it only behind a trusted gateway that sets the header itself",
     )
     g.add_argument(
         "--tenants",

@@ -36,6 +36,7 @@ from proxy.metrics import Metrics
 from proxy.records.recorder import Recorder
 from proxy.request_id import IdClaims, RequestIds
 from proxy.responder import Responder, without
+from proxy.served_models import ServedModels
 from proxy.tenants import Tenancy
 from proxy.usage import Missing
 
@@ -63,6 +64,8 @@ class PatchConfig:
     #: Recognize disaggregated prefill/decode legs by their ``kv_transfer_params``: the
     #: prefill leg is counted as a leg only, the decode leg bills (:mod:`proxy.pd_leg`).
     pd_legs: bool = False
+    #: Which response model names are labels (others are ``other``).
+    models: ServedModels = field(default_factory=ServedModels)
 
 
 class UsagePatchMiddleware:

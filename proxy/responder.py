@@ -298,8 +298,8 @@ class Responder:
             self.mw.metrics.legs.count(PREFILL, self.notes.outcome(self.status), engine)
             return
         seen = self.seen
-        # The engine's own model name, never the client's: labels must stay bounded.
-        model = seen.model or self.mw.config.default_model
+        # A model the engine serves, never a name a client made up: labels must stay bounded.
+        model = self.mw.config.models.label(seen.model) if seen.model else self.mw.config.default_model
         completion, completion_source = self.notes.completion(self.stream)
         record = RequestRecord(
             model=model,

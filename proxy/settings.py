@@ -118,6 +118,13 @@ class Settings:
             raise SettingsError(str(exc)) from None
         if self.tenant_header is not None and not _HEADER_NAME.fullmatch(self.tenant_header):
             raise SettingsError(f"tenant_header must be an HTTP header name, not {self.tenant_header!r}")
+        if self.tenant_header is not None and (self.api_key is not None or self.api_keys_file):
+            # A key's holder could otherwise name any tenant in the header (proxy.tenants).
+            raise SettingsError(
+                "tenant_header cannot be combined with api_key or api_keys_file: with keys, a request's "
+                "tenant is its key's (name tenants in the API keys file); the header is for a trusted "
+                "gateway in front of a cachetally that checks no key"
+            )
         if self.otlp_endpoint:
             parts = urlsplit(self.otlp_endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname:

@@ -1,15 +1,24 @@
-"""Who a request belongs to: API keys, then a trusted header, then ``default``.
+"""Who a request belongs to: its credential's tenant, else a trusted header, else ``default``.
 
-1. **API keys** (``--api-keys FILE``): a TOML file of ``"key" = "tenant"`` lines. A request
-   whose ``Authorization: Bearer`` key is in the file belongs to that key's tenant. Keys
-   are looked up by their SHA-256 digest: the dict lookup's timing depends on the digest,
-   never on how much of a guessed key was right, and the match is confirmed with
-   :func:`hmac.compare_digest`. Keys are never logged, printed or put in an error.
-2. **A trusted header** (``--tenant-header NAME``), only when configured. A value named in
-   ``--tenants`` is its own tenant; any other value is ``other``. The header is whatever
-   the client sends: configure it only behind a gateway that sets it and strips clients'
-   own copies.
+A client can never choose a tenant its credential does not give it:
+
+1. **Credentials** (``--api-key``, ``--api-keys FILE``): the file holds ``"key" = "tenant"``
+   lines; the single ``--api-key`` is a key whose tenant is ``default``. When any key is
+   configured, a request that presents one belongs to that key's tenant and nothing the
+   client sends changes it; a request that presents none (only possible on a path exempt
+   from the key check) is ``default``.
+2. **A trusted header** (``--tenant-header NAME``), only when no key is configured (the
+   settings refuse both together): a value named in ``--tenants`` is its own tenant; any
+   other value is ``other``. The header is whatever the client sends: configure it only
+   behind a gateway that authenticates clients, sets it and strips clients' own copies.
 3. Otherwise ``default``.
+
+Keys are held only as SHA-256 digests, in a dict keyed by digest. The lookup compares the
+digest of the presented key with stored digests; how long that takes can depend on how
+many leading bytes of the two digests agree, but a client cannot choose a key whose
+digest shares a prefix with an unknown key's digest without knowing that key (SHA-256 is
+preimage resistant), so the time tells nothing about how much of a guess was right, nor
+the key's length. Keys are never logged, printed or put in an error.
 
 Every value this returns is a configured name, ``other`` or ``default``: it is used as a
 Prometheus label and in usage records, and clients cannot mint new series.
@@ -18,7 +27,6 @@ Prometheus label and in usage records, and clients cannot mint new series.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import re
 import tomllib
@@ -48,46 +56,53 @@ def _digest(key: bytes) -> bytes:
 
 
 class KeyTable:
-    """API key -> tenant, held as SHA-256 digests only."""
+    """API key -> tenant, held as SHA-256 digests only (module docstring)."""
 
     __slots__ = ("_by_digest",)
 
     def __init__(self, keys: Mapping[str, str]) -> None:
-        self._by_digest: dict[bytes, tuple[bytes, str]] = {}
+        self._by_digest: dict[bytes, str] = {}
         for number, (key, tenant) in enumerate(keys.items(), 1):
             if not key:
                 raise ValueError(f"API key #{number} is empty")
-            digest = _digest(key.encode())
-            self._by_digest[digest] = (digest, check_tenant_name(tenant, f"API key #{number}"))
+            self._by_digest[_digest(key.encode())] = check_tenant_name(tenant, f"API key #{number}")
 
     @classmethod
-    def load(cls, path: Path) -> KeyTable:
-        """Read ``"key" = "tenant"`` pairs. Errors name the file and position, never a key."""
-        try:
-            with path.open("rb") as fh:
-                data = tomllib.load(fh)
-        except OSError as exc:
-            raise ValueError(f"cannot read API keys file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError:
-            # The parser's message may quote the line, and the line holds a key.
-            raise ValueError(f"API keys file {path} is not valid TOML") from None
-        if not all(isinstance(v, str) for v in data.values()):
-            raise ValueError(f"API keys file {path}: every entry must be \"key\" = \"tenant\"")
-        if not data:
-            raise ValueError(f"API keys file {path} holds no keys")
-        if path.stat().st_mode & 0o077:
-            logger.warning("API keys file %s can be read by other users: chmod 600 it", path)
-        return cls(data)
+    def load(cls, path: Path | None, shared: str | None = None) -> KeyTable:
+        """The keys of ``path`` (``"key" = "tenant"`` pairs) and the ``shared`` key
+        (``--api-key``, tenant ``default``). Errors name the file and position, never a key."""
+        if shared is not None and not shared:
+            raise ValueError("the API key must not be empty")
+        keys = _read_keys(path) if path is not None else {}
+        if shared is not None:
+            if shared in keys:
+                raise ValueError(f"--api-key is also in API keys file {path}: give each key one tenant")
+            keys[shared] = DEFAULT_TENANT
+        return cls(keys)
 
     def __len__(self) -> int:
         return len(self._by_digest)
 
     def tenant_for(self, key: bytes) -> str | None:
-        digest = _digest(key)
-        found = self._by_digest.get(digest)
-        if found is None or not hmac.compare_digest(found[0], digest):
-            return None
-        return found[1]
+        return self._by_digest.get(_digest(key))
+
+
+def _read_keys(path: Path) -> dict[str, str]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ValueError(f"cannot read API keys file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError:
+        # The parser's message may quote the line, and the line holds a key.
+        raise ValueError(f"API keys file {path} is not valid TOML") from None
+    if not all(isinstance(v, str) for v in data.values()):
+        raise ValueError(f"API keys file {path}: every entry must be \"key\" = \"tenant\"")
+    if not data:
+        raise ValueError(f"API keys file {path} holds no keys")
+    if path.stat().st_mode & 0o077:
+        logger.warning("API keys file %s can be read by other users: chmod 600 it", path)
+    return data
 
 
 def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
@@ -112,10 +127,10 @@ class Tenancy:
         self.named = frozenset(check_tenant_name(n, "--tenants") for n in named)
 
     def resolve(self, headers: Iterable[tuple[bytes, bytes]]) -> str:
-        if self.keys is not None:
+        if self.keys is not None:  # credentials decide; the header is never consulted
             token = bearer_token(headers)
-            if token is not None and (tenant := self.keys.tenant_for(token)) is not None:
-                return tenant
+            tenant = self.keys.tenant_for(token) if token is not None else None
+            return tenant or DEFAULT_TENANT
         if self.header is not None:
             values = [value for name, value in headers if name.lower() == self.header]
             if values:
@@ -126,11 +141,13 @@ class Tenancy:
 
 def tenancy_from_settings(settings: Settings) -> Tenancy:
     """The tenancy ``settings`` configure; reads the API keys file (``ValueError`` if bad)."""
-    keys = KeyTable.load(Path(settings.api_keys_file)) if settings.api_keys_file else None
+    keys = None
+    if settings.api_key is not None or settings.api_keys_file:
+        path = Path(settings.api_keys_file) if settings.api_keys_file else None
+        keys = KeyTable.load(path, settings.api_key)
     tenancy = Tenancy(keys, settings.tenant_header, settings.tenants)
-    sources = [f"{len(keys)} API keys"] if keys else []
-    if settings.tenant_header:
-        sources.append(f"header {settings.tenant_header} ({len(tenancy.named)} named, other values 'other')")
-    if sources:
-        logger.info("tenants from %s", "; ".join(sources))
+    if keys:
+        logger.info("tenants from %d API key(s)", len(keys))
+    elif settings.tenant_header:
+        logger.info("tenants from header %s (%d named, other values 'other')", settings.tenant_header, len(tenancy.named))
     return tenancy

@@ -85,6 +85,10 @@ class CachetallyMiddleware:
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         app = scope.get("app")  # the FastAPI app: Starlette puts itself in every scope
+        if refusal := self._spoofable_tenants(app):
+            await receive()  # lifespan.startup: fail it, so that uvicorn exits
+            await send({"type": "lifespan.startup.failed", "message": refusal})
+            return
         async with contextlib.AsyncExitStack() as stack:
 
             async def lifespan_receive() -> Message:
@@ -102,6 +106,17 @@ class CachetallyMiddleware:
                 await send(message)
 
             await self.app(scope, lifespan_receive, lifespan_send)
+
+    def _spoofable_tenants(self, app: Any) -> str | None:
+        """Why the server must not start, if a tenant header sits beside vLLM's own ``--api-key``
+        (or ``VLLM_API_KEY``): that key is a credential whose tenant is ``default``, and with
+        the header any holder of it could bill any tenant (:mod:`proxy.tenants`)."""
+        keys = getattr(getattr(getattr(app, "state", None), "args", None), "api_key", None)
+        keys = [keys] if isinstance(keys, str) else keys or [os.environ.get("VLLM_API_KEY")]
+        if any(keys) and self.accounting.tenancy.header is not None:
+            return ("CACHETALLY_TENANT_HEADER cannot be combined with vLLM's --api-key: give the keys "
+                    "to cachetally instead (CACHETALLY_API_KEYS names each key's tenant)")
+        return None
 
     def _tap_engine(self, app: Any, stack: contextlib.AsyncExitStack) -> None:
         client = getattr(getattr(app, "state", None), "engine_client", None)

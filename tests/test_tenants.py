@@ -8,7 +8,6 @@ the configured names plus ``other`` and ``default``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,8 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.app import CachetallyApp
+from proxy.auth import ApiKeyGuard
 from proxy.cli import build_parser, serve_settings
 from proxy.settings import Settings, SettingsError, load_settings
 from proxy.tenants import KeyTable, Tenancy
@@ -64,22 +66,20 @@ def test_a_keys_file_others_can_read_is_warned_about(tmp_path: Path, caplog: pyt
 
 
 @pytest.mark.asyncio
-async def test_api_keys_name_the_tenant_and_unknown_keys_are_refused(tmp_path: Path, caplog) -> None:
+async def test_api_keys_name_the_tenant_and_never_appear_in_logs(tmp_path: Path, caplog) -> None:
     path = keys_file(tmp_path, '"sk-alpha-1" = "alpha"\n"sk-beta-22" = "beta"\n')
     caplog.set_level(logging.DEBUG)
-    async with in_process(api_keys_file=str(path), api_key="sk-single", tenant_header="x-tenant") as client:
+    async with in_process(api_keys_file=str(path), api_key="sk-single") as client:
         for key, times in (("sk-alpha-1", 2), ("sk-beta-22", 1), ("sk-single", 1)):
             for _ in range(times):
-                # The header never overrides a key's tenant.
                 headers = {"authorization": f"Bearer {key}", "x-tenant": "beta"}
                 assert (await client.post("/v1/completions", json=BODY, headers=headers)).status_code == 200
         for bad in ("sk-alpha-", "sk-alpha-11", "alpha", ""):
             resp = await client.post("/v1/completions", json=BODY, headers={"authorization": f"Bearer {bad}"})
             assert resp.status_code == 401
-        metrics = (await client.get("/metrics", headers={"authorization": "Bearer sk-beta-22"})).text
-    # sk-single is the old single key: accepted, and the header decides (beta is not configured: other).
-    assert tenants_in(metrics) == {"alpha": 2, "beta": 1, "other": 1}
-    assert tenants_in(metrics, "cachetally_completion_tokens_total") == {"alpha": 6, "beta": 3, "other": 3}
+        metrics = (await client.get("/metrics")).text
+    assert tenants_in(metrics) == {"alpha": 2, "beta": 1, "default": 1}  # --api-key is default's
+    assert tenants_in(metrics, "cachetally_completion_tokens_total") == {"alpha": 6, "beta": 3, "default": 3}
     for key in ("sk-alpha-1", "sk-beta-22", "sk-single"):
         assert key not in caplog.text
 
@@ -107,17 +107,34 @@ async def test_without_configuration_every_request_is_default() -> None:
         assert tenants_in((await client.get("/metrics")).text) == {"default": 1}
 
 
-def test_keys_are_held_as_digests_and_confirmed_with_compare_digest(monkeypatch: pytest.MonkeyPatch) -> None:
-    import proxy.tenants
+_KEY_CHARS = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
+_KEYS = st.dictionaries(st.text(_KEY_CHARS, min_size=1, max_size=48), st.sampled_from(["a", "b", "c"]), min_size=1, max_size=8)
 
-    compared: list[tuple[bytes, bytes]] = []
-    real = proxy.tenants.hmac.compare_digest
-    monkeypatch.setattr(proxy.tenants.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
-    table = KeyTable({"sk-one": "one"})
-    assert table.tenant_for(b"sk-one") == "one"
-    assert table.tenant_for(b"sk-on") is None
-    assert compared == [(hashlib.sha256(b"sk-one").digest(),) * 2]
-    assert b"sk-one" not in repr(table._by_digest).encode()
+
+@settings(max_examples=200, deadline=None)
+@given(keys=_KEYS, guess=st.binary(max_size=64), cut=st.integers(0, 48), flip=st.integers(0, 47))
+def test_every_key_and_only_those_resolve(keys: dict[str, str], guess: bytes, cut: int, flip: int) -> None:
+    """Each key of the table resolves to its tenant and is accepted; every other string is
+    refused, whatever its length: a random guess, a prefix or extension of a key, a key with
+    one byte changed."""
+    table = KeyTable(keys)
+    guard = ApiKeyGuard(table)
+
+    def accepted(token: bytes) -> bool:
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"authorization", b"Bearer " + token)]}
+        return guard.allows(scope)
+
+    for key, tenant in keys.items():
+        assert table.tenant_for(key.encode()) == tenant and accepted(key.encode())
+    raw = {k.encode() for k in keys}
+    wrong = [guess]
+    for key in raw:
+        wrong += [key[:cut], key + key[:cut + 1], bytes(b ^ (i == flip % len(key)) for i, b in enumerate(key))]
+    for token in wrong:
+        if token.strip() not in raw:  # bearer_token strips, as every server does
+            assert table.tenant_for(token) is None
+            assert not accepted(token)
 
 
 @pytest.mark.parametrize(
@@ -137,11 +154,10 @@ def test_a_bad_keys_file_is_refused_without_quoting_a_key(tmp_path: Path, text: 
 
 
 def test_flags_env_and_file_set_the_tenancy(tmp_path: Path) -> None:
-    args = build_parser().parse_args(
-        ["serve", "--engine", "sim", "--tenant-header", "X-Team", "--tenants", "a,b,c", "--api-keys", "k.toml"]
-    )
+    args = build_parser().parse_args(["serve", "--engine", "sim", "--tenant-header", "X-Team", "--tenants", "a,b,c"])
     settings = serve_settings(args)
-    assert (settings.tenant_header, settings.tenants, settings.api_keys_file) == ("X-Team", ["a", "b", "c"], "k.toml")
+    assert (settings.tenant_header, settings.tenants) == ("X-Team", ["a", "b", "c"])
+    assert serve_settings(build_parser().parse_args(["serve", "--api-keys", "k.toml"])).api_keys_file == "k.toml"
     assert load_settings(env={"CACHETALLY_TENANTS": "x y,z"}).tenants == ["x", "y", "z"]
     with pytest.raises(SettingsError, match="tenant name"):
         load_settings(env={"CACHETALLY_TENANTS": "ok,not/ok"})
@@ -150,9 +166,61 @@ def test_flags_env_and_file_set_the_tenancy(tmp_path: Path) -> None:
 
 
 def test_tenancy_resolves_in_the_documented_order() -> None:
-    tenancy = Tenancy(KeyTable({"k1": "keyed"}), "x-t", ["a"])
+    tenancy = Tenancy(KeyTable({"k1": "keyed", "k0": "default"}), "x-t", ["a"])
     assert tenancy.resolve([(b"authorization", b"Bearer k1"), (b"x-t", b"a")]) == "keyed"
-    assert tenancy.resolve([(b"authorization", b"Bearer k2"), (b"X-T", b"a")]) == "a"
-    assert tenancy.resolve([(b"x-t", b"b")]) == "other"
-    assert tenancy.resolve([]) == "default"
+    # With keys, a credential decides and the header is never read, whatever the key.
+    assert tenancy.resolve([(b"authorization", b"Bearer k0"), (b"X-T", b"a")]) == "default"
+    assert tenancy.resolve([(b"authorization", b"Bearer k2"), (b"X-T", b"a")]) == "default"
+    assert tenancy.resolve([(b"x-t", b"a")]) == "default"
+    header = Tenancy(None, "x-t", ["a"])
+    assert header.resolve([(b"authorization", b"Bearer k1"), (b"x-t", b"a")]) == "a"
+    assert header.resolve([(b"x-t", b"b")]) == "other"
+    assert header.resolve([]) == "default"
     assert Tenancy().resolve([(b"x-t", b"a")]) == "default"
+
+
+def test_the_single_key_is_default_and_cannot_be_given_a_second_tenant(tmp_path: Path) -> None:
+    path = keys_file(tmp_path, '"sk-1" = "a"\n')
+    table = KeyTable.load(path, shared="sk-0")
+    assert (table.tenant_for(b"sk-0"), table.tenant_for(b"sk-1"), len(table)) == ("default", "a", 2)
+    with pytest.raises(ValueError, match="also in API keys file") as info:
+        KeyTable.load(path, shared="sk-1")
+    assert "sk-1" not in str(info.value)
+
+
+_VLLM_SHAPED = """
+import argparse, sys
+import uvicorn
+from starlette.applications import Starlette
+from proxy.bench.processes import free_port
+from proxy.vllm_middleware import CachetallyMiddleware
+
+app = Starlette()
+app.state.args = argparse.Namespace(api_key=sys.argv[1:] or None)  # vLLM's own --api-key
+app.add_middleware(CachetallyMiddleware)  # as vLLM adds it: outermost, the lifespan runs through it
+uvicorn.run(app, host="127.0.0.1", port=free_port(), log_level="error")
+"""
+
+
+@pytest.mark.parametrize(
+    ("vllm_key", "env"),
+    [(["sk-vllm"], {}), ([], {"VLLM_API_KEY": "sk-vllm"})],
+    ids=["--api-key", "VLLM_API_KEY"],
+)
+def test_inside_vllm_a_tenant_header_beside_vllms_own_key_refuses_to_start(vllm_key: list[str], env: dict[str, str]) -> None:
+    """vLLM's ``--api-key`` is a credential whose tenant is ``default``: with a tenant header
+    beside it, any holder of that key could bill any tenant, so the server does not start."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"} | {"CACHETALLY_TENANT_HEADER": "x-tenant"}
+    run = subprocess.run(
+        [sys.executable, "-c", _VLLM_SHAPED, *vllm_key], cwd=ROOT, env=base | env,
+        capture_output=True, text=True, timeout=30,
+    )
+    assert run.returncode != 0
+    assert "CACHETALLY_TENANT_HEADER cannot be combined with vLLM's --api-key" in run.stderr
+    assert "sk-vllm" not in run.stderr

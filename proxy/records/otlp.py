@@ -46,6 +46,7 @@ def span_attributes(record: UsageRecord) -> dict[str, Any]:
         "gen_ai.response.model": record.model,
         "gen_ai.usage.output_tokens": record.completion_tokens,
         "cachetally.tenant": record.tenant,
+        "cachetally.record_id": record.record_id,
         "cachetally.request_id": record.request_id,
         "cachetally.outcome": record.outcome,
         "cachetally.stream": record.stream,

@@ -4,6 +4,16 @@ Built by the responder in the middleware's ``finally`` from figures it already h
 (no parsing, no I/O), then handed to each sink's queue. Never holds prompt or completion
 text, nor any header but the request id and a W3C ``traceparent``.
 
+Identity: ``record_id`` is minted here, a UUIDv7 (:mod:`proxy.records.record_id`) unique
+across processes, replicas and restarts: the key to deduplicate on. ``request_id`` is the
+client's ``X-Request-Id``, which a client may reuse, kept as a field of its own.
+
+Bounds: ``request_model`` is the client's string, ``response_id`` the engine's; a record
+keeps at most :data:`MAX_TEXT_CHARS` characters of each, so no client (nor an upstream)
+can make a record, or the OTLP batch that carries it, arbitrarily large. The other
+strings are bounded where they are made (request ids, ``traceparent``, tenant names). ``model`` is a label the responder has already bounded to
+the models the engine serves (:mod:`proxy.served_models`).
+
 ``outcome``:
 
 - ``completed``: the whole response went out with a status below 400;
@@ -21,13 +31,17 @@ in the sim, and a lower bound when several tokens share an event. Otherwise 0
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 1
+from proxy.records.record_id import new_record_id
+
+SCHEMA_VERSION = 2
+#: The longest ``request_model`` or ``response_id`` a record keeps; longer ones are cut to this.
+MAX_TEXT_CHARS = 256
 
 
 @dataclass(slots=True)
@@ -53,11 +67,19 @@ class UsageRecord:
     completion_source: str = "none"  # usage | stream | none
     ttft_s: float | None = None  # first response body bytes after the request started
     traceparent: str | None = None  # the client's W3C trace context, if it sent one
+    record_id: str = field(default_factory=new_record_id)  # ours, unique: deduplicate on this
+
+    def __post_init__(self) -> None:
+        if self.request_model is not None and len(self.request_model) > MAX_TEXT_CHARS:
+            self.request_model = self.request_model[:MAX_TEXT_CHARS]
+        if self.response_id is not None and len(self.response_id) > MAX_TEXT_CHARS:
+            self.response_id = self.response_id[:MAX_TEXT_CHARS]
 
     def as_json(self) -> dict[str, Any]:
         """The JSONL line's object, keys in a fixed order; times as datetimes (:func:`dumps`)."""
         return {
             "v": SCHEMA_VERSION,
+            "record_id": self.record_id,
             "request_id": self.request_id,
             "tenant": self.tenant,
             "model": self.model,

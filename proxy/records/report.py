@@ -1,7 +1,10 @@
 """Totals of usage records per tenant x model, and what they cost (``cachetally report``).
 
 Reads the JSONL files the recorder writes. A line that is not a JSON object (a torn last
-line after a failed write) is skipped and counted, never guessed at. A record with no
+line after a failed write) is skipped and counted, never guessed at. A record whose
+``record_id`` was already read (the same file given twice, copies gathered from several
+places) is counted once; the client's ``request_id`` is never a key, since clients reuse
+it. Records written before ``record_id`` existed (schema 1) have none and each counts. A record with no
 ``prompt_tokens`` (refused or abandoned before the engine saw it) adds a request and its
 completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
 billed as uncached input.
@@ -140,8 +143,16 @@ class Report:
     files: int = 0
     records: int = 0
     skipped_lines: int = 0
+    duplicates: int = 0
+    _seen: set[str] = field(default_factory=set, repr=False)
 
     def add(self, record: dict[str, Any]) -> None:
+        record_id = record.get("record_id")
+        if isinstance(record_id, str):
+            if record_id in self._seen:
+                self.duplicates += 1
+                return
+            self._seen.add(record_id)
         key = (str(record.get("tenant", "default")), str(record.get("model", "unknown")))
         totals = self.rows.get(key)
         if totals is None:
@@ -174,6 +185,7 @@ class Report:
             "files": self.files,
             "records": self.records,
             "skipped_lines": self.skipped_lines,
+            "duplicates": self.duplicates,
         }
 
 

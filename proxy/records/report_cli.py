@@ -38,7 +38,8 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
         "report",
         help="total usage records per tenant and model (tokens, hit ratio, cost)",
         description="Total the usage records written with --usage-dir, per tenant x model: "
-        "requests, prompt, cached and completion tokens, hit ratio and, with --prices, cost.",
+        "requests, prompt, cached and completion tokens, hit ratio and, with --prices, cost. "
+        "A record read twice (same record_id, e.g. a file given twice) counts once.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -80,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         report.price(prices)
     if report.skipped_lines:
         print(f"cachetally report: skipped {report.skipped_lines} line(s) that are not records", file=sys.stderr)
+    if report.duplicates:
+        print(f"cachetally report: counted once {report.duplicates} record(s) read twice (same record_id)",
+              file=sys.stderr)
     if args.json:
         sys.stdout.write(orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:

@@ -1,0 +1,111 @@
+"""Which model names may label metrics and usage records: the models the engine serves.
+
+A response's ``"model"`` is the label of every counter and the ``model`` of every usage
+record. vLLM and the sim refuse a request for a model they do not serve, so what they
+answer with is one of their served names (vLLM's ``--served-model-name``, LoRA adapters
+included), and it is taken as is. An upstream may not: llama.cpp and Ollama echo the
+request's ``model`` back, so a client could mint a series (and a report row) per name it
+sends. In upstream mode the names are therefore checked against a list:
+
+- ``--model NAME``, when set;
+- the ids of the upstream's ``GET /v1/models``, fetched at startup and every
+  :data:`REFRESH_S` seconds (every :data:`RETRY_S` while it fails), so models the upstream
+  loads later get their own label within a minute. An upstream that guards
+  ``/v1/models`` with a key answers 401: then only ``--model`` is known.
+
+Any other name is labelled :data:`OTHER_MODEL`. At most :data:`MAX_MODELS` ids of at most
+:data:`MAX_NAME_CHARS` characters are taken from one listing, so the upstream cannot mint
+series without bound either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Iterable
+
+import httpx
+
+logger = logging.getLogger("cachetally.models")
+
+OTHER_MODEL = "other"
+MAX_MODELS = 256
+MAX_NAME_CHARS = 256
+REFRESH_S = 60.0
+RETRY_S = 5.0
+
+
+class ServedModels:
+    """The model labels one instance allows (module docstring)."""
+
+    __slots__ = ("_configured", "_listed", "_checked")
+
+    def __init__(self, configured: Iterable[str] = (), *, checked: bool = False) -> None:
+        """``checked``: names outside the list are ``other``; else the engine's names are taken as is."""
+        self._configured = frozenset(configured)
+        self._listed: frozenset[str] = frozenset()
+        self._checked = checked
+
+    @property
+    def names(self) -> frozenset[str]:
+        return self._configured | self._listed
+
+    def label(self, model: str) -> str:
+        if not self._checked or model in self._configured or model in self._listed:
+            return model
+        return OTHER_MODEL
+
+    def update(self, listing: object) -> None:
+        """Take the ids of a ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``)."""
+        data = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(data, list):
+            raise ValueError("not a model list")
+        ids = [card.get("id") for card in data if isinstance(card, dict)]
+        names = [i for i in ids if isinstance(i, str) and 0 < len(i) <= MAX_NAME_CHARS]
+        if len(names) > MAX_MODELS:
+            logger.warning("the upstream lists %d models: only the first %d get a label", len(names), MAX_MODELS)
+        self._listed = frozenset(names[:MAX_MODELS])
+
+
+class UpstreamModels:
+    """Keeps a :class:`ServedModels` up to date from the upstream's ``/v1/models``."""
+
+    def __init__(self, models: ServedModels, upstream: str, ca_file: str | None, timeout_s: float) -> None:
+        self.models = models
+        self._url = upstream.rstrip("/") + "/v1/models"
+        self._verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
+        self._timeout_s = timeout_s
+        self._failing = False
+
+    async def refresh(self) -> bool:
+        """Fetch the list once; ``False`` (and a warning when it starts failing) if it could not."""
+        try:
+            async with httpx.AsyncClient(verify=self._verify, timeout=self._timeout_s) as client:
+                response = await client.get(self._url, headers={"accept": "application/json"})
+            response.raise_for_status()
+            self.models.update(response.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            if not self._failing:
+                logger.warning(
+                    "cannot list the upstream's models (%s): responses naming a model other than "
+                    "--model are labelled %r until it can", _why(exc), OTHER_MODEL,
+                )
+            self._failing = True
+            return False
+        if self._failing:
+            logger.info("the upstream's models are listed again")
+        self._failing = False
+        return True
+
+    async def refresh_forever(self) -> None:
+        """Refresh every :data:`REFRESH_S` (:data:`RETRY_S` while failing), after a first :meth:`refresh`."""
+        while True:
+            await asyncio.sleep(RETRY_S if self._failing else REFRESH_S)
+            await self.refresh()
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"GET /v1/models answered {exc.response.status_code}"
+    return type(exc).__name__

@@ -1,0 +1,310 @@
+"""Hostile clients against billing, through real HTTP, in upstream mode.
+
+cachetally runs in a real uvicorn on 127.0.0.1 in front of a fake upstream (also a real
+uvicorn) that behaves as llama.cpp and Ollama do: it answers any model name, echoing the
+request's ``model`` back, and lists one model, ``m-real``, at ``/v1/models``. The clients
+are the official ``openai`` client and raw httpx. Each test asserts what billing sees once
+the instance has stopped (its records drained): the usage records, the counters and
+``cachetally report``.
+
+- a client cannot bill a tenant its credential does not give it, in any combination of
+  ``--api-key``, ``--api-keys`` and ``--tenant-header``;
+- a client that reuses one ``X-Request-Id``, in sequence and across two replicas, still
+  gets one record per request, each with its own ``record_id``, and the report counts
+  each once (and a file read twice still once);
+- a client sending made-up model names cannot mint series or report rows, and a huge
+  name does not make a huge record;
+- ``/health`` answers without a key, as vLLM's does; ``/v1`` routes need one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from proxy import served_models
+from proxy.app import CachetallyApp
+from proxy.bench.processes import free_port
+from proxy.records.report import read
+from proxy.settings import Settings, SettingsError
+from tests.servers import ROOT
+
+pytestmark = pytest.mark.loopback
+
+SERVED = "m-real"
+KEYS = {"sk-acme-0123456789": "acme", "sk-globex-42": "globex"}
+SHARED = "sk-shared-key"
+
+
+async def _completion(request: Request) -> JSONResponse:
+    body = await request.json()
+    return JSONResponse({
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": 0,
+        "model": body.get("model"),  # echoed, as llama.cpp and Ollama do
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                  "prompt_tokens_details": {"cached_tokens": 3}},
+    })
+
+
+def echo_upstream(listed: list[str] | None) -> Starlette:
+    """The echoing upstream; ``/v1/models`` lists ``listed`` as it is at each call (``None``:
+    it answers 401, as an upstream guarding its model list with a key)."""
+
+    async def models(request: Request) -> JSONResponse:
+        if listed is None:
+            return JSONResponse({"error": {"message": "no key", "code": 401}}, status_code=401)
+        return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"} for m in listed]})
+
+    return Starlette(routes=[
+        Route("/v1/completions", _completion, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+    ])
+
+
+@contextlib.contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """``app`` in a real uvicorn on 127.0.0.1, in a thread; always stopped."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "server did not stop"
+
+
+@dataclass
+class Billing:
+    """What billing sees once the instance has stopped."""
+
+    records: list[dict[str, Any]]
+    metrics: str
+    files: list[Path]
+
+    def tenants(self) -> list[str]:
+        return [r["tenant"] for r in self.records]
+
+    def counter_labels(self, label: str) -> set[str]:
+        return {
+            s.labels[label]
+            for family in text_string_to_metric_families(self.metrics)
+            for s in family.samples
+            if s.name.startswith("cachetally_") and label in s.labels
+        }
+
+
+@contextlib.contextmanager
+def proxy(usage: Path, listed: list[str] | None = None, **overrides: Any) -> Iterator[tuple[str, Billing]]:
+    """cachetally in upstream mode before the echoing upstream (listing ``listed``, by default
+    ``[SERVED]``); the Billing is filled on exit."""
+    billing = Billing([], "", [])
+    with serve(echo_upstream([SERVED] if listed is None else listed)) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage),
+                            usage_flush_interval_s=0.05, **overrides).validate()
+        with serve(CachetallyApp(settings)) as url:
+            yield url, billing
+            key = overrides.get("api_key") or next(iter(KEYS))  # /metrics needs none; a key is harmless
+            billing.metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {key}"}).text
+    billing.files = sorted(usage.glob("*.jsonl"))
+    billing.records = [orjson.loads(line) for f in billing.files for line in f.read_bytes().splitlines()]
+
+
+def keys_file(tmp_path: Path) -> Path:
+    path = tmp_path / "keys.toml"
+    path.write_text("".join(f'"{k}" = "{t}"\n' for k, t in KEYS.items()))
+    path.chmod(0o600)
+    return path
+
+
+def complete(url: str, key: str | None, tenant: str | None = None, **extra: Any) -> int:
+    headers = {"authorization": f"Bearer {key}"} if key is not None else {}
+    if tenant is not None:
+        headers["x-tenant"] = tenant
+    body = {"model": SERVED, "prompt": "hi", "max_tokens": 2, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=10).status_code
+
+
+# -- tenants: a client cannot choose a tenant its credential does not give it ------------------
+
+#: The rule of docs/ACCOUNTING.md, "Tenants": (credential sent, x-tenant sent) -> tenant, or
+#: 401, for each configuration. The hostile client sends x-tenant: globex every time.
+KEYED_RULE = {
+    # --api-key only
+    "shared": {SHARED: "default", "sk-acme-0123456789": 401, "wrong": 401, None: 401},
+    # --api-keys only
+    "file": {SHARED: 401, "sk-acme-0123456789": "acme", "sk-globex-42": "globex", "wrong": 401, None: 401},
+    # both
+    "both": {SHARED: "default", "sk-acme-0123456789": "acme", "sk-globex-42": "globex", "wrong": 401, None: 401},
+}
+
+
+@pytest.mark.parametrize("config", sorted(KEYED_RULE))
+def test_no_credential_bills_a_tenant_it_does_not_name(tmp_path: Path, config: str) -> None:
+    settings: dict[str, Any] = {}
+    if config in ("shared", "both"):
+        settings["api_key"] = SHARED
+    if config in ("file", "both"):
+        settings["api_keys_file"] = str(keys_file(tmp_path))
+    rule = KEYED_RULE[config]
+    with proxy(tmp_path / "usage", **settings) as (url, billing):
+        answered = {key: complete(url, key, tenant="globex") for key in rule}
+        if config != "file":  # the official client: the shared key asking for acme, in a header
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=SHARED, default_headers={"x-tenant": "acme"})
+            client.completions.create(model=SERVED, prompt="hi", max_tokens=2)
+    expected = {key: (200 if want != 401 else 401) for key, want in rule.items()}
+    assert answered == expected
+    billed = sorted(want for want in rule.values() if want != 401)
+    if config != "file":
+        billed = sorted([*billed, "default"])  # the openai client's request, on the shared key
+    assert sorted(billing.tenants()) == billed
+    assert billing.counter_labels("tenant") == set(billed)
+
+
+def test_without_keys_the_trusted_header_names_the_tenant(tmp_path: Path) -> None:
+    with proxy(tmp_path / "usage", tenant_header="x-tenant", tenants=["acme", "globex"]) as (url, billing):
+        for key, tenant in ((None, "globex"), ("anything", "acme"), (None, "initech"), (None, None)):
+            assert complete(url, key, tenant) == 200
+    assert sorted(billing.tenants()) == ["acme", "default", "globex", "other"]
+
+
+@pytest.mark.parametrize("keys", [{"api_key": SHARED}, {"api_keys_file": "keys.toml"}])
+def test_a_tenant_header_beside_keys_is_refused(keys: dict[str, str]) -> None:
+    with pytest.raises(SettingsError, match="tenant_header cannot be combined"):
+        Settings(engine="sim", tenant_header="x-tenant", **keys).validate()
+
+
+def test_the_spoofable_configuration_does_not_start(tmp_path: Path) -> None:
+    """The configuration in which a shared key plus ``x-tenant: globex`` billed globex."""
+    argv = ["-m", "proxy.cli", "serve", "--upstream", "http://127.0.0.1:9",
+            "--api-key", SHARED, "--api-keys", str(keys_file(tmp_path)), "--tenant-header", "x-tenant",
+            "--port", str(free_port())]
+    run = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2
+    assert "tenant_header cannot be combined with api_key or api_keys_file" in run.stderr
+    assert SHARED not in run.stderr
+
+
+def test_health_is_open_and_v1_needs_a_key(tmp_path: Path) -> None:
+    with proxy(tmp_path / "usage", api_key=SHARED) as (url, _):
+        assert httpx.get(f"{url}/health").status_code == 200  # a Kubernetes probe has no key
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {SHARED}"}).status_code == 200
+
+
+# -- record identity: a reused X-Request-Id collapses nothing -------------------------------------
+
+
+def test_a_reused_request_id_keeps_every_record_apart(tmp_path: Path) -> None:
+    reused = {"x-request-id": "same-id"}
+    usage = tmp_path / "usage"
+    replicas = [usage / "a", usage / "b"]
+    for replica in replicas:  # one after the other, each a fresh instance: two replicas, or a restart
+        with proxy(replica) as (url, _):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", default_headers=reused)
+            for _ in range(5):
+                client.completions.create(model=SERVED, prompt="hi", max_tokens=2)
+    records = [orjson.loads(line) for f in sorted(usage.glob("*/*.jsonl")) for line in f.read_bytes().splitlines()]
+    assert len(records) == 10
+    assert {r["request_id"] for r in records} == {"same-id"}  # the client's id, kept as given
+    assert len({r["record_id"] for r in records}) == 10
+    assert all(uuid.UUID(r["record_id"]).version == 7 for r in records)
+    files = sorted(usage.glob("*/*.jsonl"))
+    report = read(files)
+    assert (report.total().requests, report.total().prompt_tokens) == (10, 70)
+    twice = read([*files, *files])  # the same files gathered twice: still each record once
+    assert (twice.total().requests, twice.duplicates) == (10, 10)
+
+
+# -- bounds: made-up model names mint no series, no rows, no huge records -------------------------
+
+
+def test_made_up_model_names_mint_no_series_or_report_rows(tmp_path: Path) -> None:
+    with proxy(tmp_path / "usage") as (url, billing):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        for _ in range(30):
+            client.completions.create(model=f"mint-{uuid.uuid4().hex}", prompt="hi", max_tokens=2)
+        for _ in range(3):
+            client.completions.create(model=SERVED, prompt="hi", max_tokens=2)
+        huge = "m" * (1 << 20)
+        assert complete(url, None, model=huge) == 200
+    assert billing.counter_labels("model") == {SERVED, "other"}
+    report = read(billing.files)
+    assert {model: t.requests for (_, model), t in report.rows.items()} == {SERVED: 3, "other": 31}
+    assert max(len(r["request_model"]) for r in billing.records) == 256
+    assert max(len(orjson.dumps(r)) for r in billing.records) < 4096
+
+
+def test_an_upstream_that_hides_its_models_labels_only_the_configured_one(tmp_path: Path) -> None:
+    billing = Billing([], "", [])
+    with serve(echo_upstream(None)) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, model=SERVED).validate()
+        with serve(CachetallyApp(settings)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            for model in (SERVED, "mint-1", "mint-2"):
+                client.completions.create(model=model, prompt="hi", max_tokens=2)
+            billing.metrics = httpx.get(f"{url}/metrics").text
+    assert billing.counter_labels("model") == {SERVED, "other"}
+
+
+def test_a_model_the_upstream_lists_later_gets_its_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(served_models, "REFRESH_S", 0.05)
+    listed = [SERVED]
+    with proxy(tmp_path / "usage", listed=listed) as (url, billing):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        client.completions.create(model="m-new", prompt="hi", max_tokens=2)  # not served yet: other
+        listed.append("m-new")  # the upstream loads it
+        deadline = time.monotonic() + 10
+        while 'model="m-new"' not in httpx.get(f"{url}/metrics").text and time.monotonic() < deadline:
+            client.completions.create(model="m-new", prompt="hi", max_tokens=2)
+            time.sleep(0.05)
+    assert billing.counter_labels("model") == {"other", "m-new"}
+    assert [r["model"] for r in billing.records][0] == "other"
+
+
+def test_an_upstream_listing_endless_models_mints_a_bounded_set() -> None:
+    models = served_models.ServedModels(checked=True)
+    models.update({"data": [{"id": f"m{i}"} for i in range(10_000)] + [{"id": "x" * 300}, {"id": 3}, "junk"]})
+    assert len(models.names) == served_models.MAX_MODELS
+    assert (models.label("m0"), models.label("m9999"), models.label("x" * 300)) == ("m0", "other", "other")
+    with pytest.raises(ValueError):
+        models.update({"object": "list"})
+    assert models.label("m0") == "m0"  # a bad listing keeps the last good one
+
+
+def test_no_record_field_grows_with_what_a_peer_sends() -> None:
+    from proxy.records.record import UsageRecord, dumps
+
+    huge = "x" * (1 << 20)
+    record = UsageRecord(request_id="r", tenant="t", route="chat", stream=False, start_unix=0.0,
+                         request_model=huge, response_id=huge)
+    assert (len(record.request_model or ""), len(record.response_id or "")) == (256, 256)
+    assert len(dumps(record)) < 2048
