@@ -801,17 +801,50 @@ GHOST_USAGE = chunk(
 @pytest.mark.parametrize("together", [False, True], ids=["separate-sends", "one-send"])
 async def test_ghost_usage_puts_the_fingerprint_back_where_vllm_would_have(together: bool) -> None:
     # vLLM 0.32 stamps system_fingerprint on finishing chunks only without include_usage;
-    # with it, the (dropped) usage chunk carries it. n=2: two finishing chunks.
+    # with it, the (dropped) usage chunk carries it. n=2: two finishing chunks. Choice 1's
+    # token is not held behind choice 0's finishing chunk: each choice keeps its order.
     h = Harness(PatchConfig(ghost_usage=True))
     client = Client(chat_request(stream=True))
-    upstream = [ROLE, TOKEN, finishing(0), TOKEN, finishing(1), GHOST_USAGE, DONE]
+    upstream = [ROLE, TOKEN, finishing(0), choice_token(1), finishing(1), GHOST_USAGE, DONE]
     if together:
         upstream = [b"".join(upstream)]
     await h.call(h.middleware(sse_response(*upstream)), client)
-    direct = ROLE + TOKEN + finishing(0, system_fingerprint="fp-1") + TOKEN
+    direct = ROLE + TOKEN + choice_token(1) + finishing(0, system_fingerprint="fp-1")
     direct += finishing(1, system_fingerprint="fp-1") + DONE
     assert client.body == direct
     assert h.requests() == {"unknown": 1}
+
+
+def choice_token(index: int) -> bytes:
+    payload = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m",
+               "choices": [{"index": index, "delta": {"content": "more"}, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+@pytest.mark.asyncio
+async def test_ghost_hold_lets_a_choice_still_generating_stream_past_one_that_finished() -> None:
+    """n=2: choice 0 finishes first; choice 1's chunks reach the client as they come."""
+    h = Harness(PatchConfig(ghost_usage=True))
+    client = Client(chat_request(stream=True, n=2))
+    seen_by_client: list[bytes] = []
+    go_on = asyncio.Event()
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        await start(send, b"text/event-stream")
+        for event in (ROLE, finishing(0), choice_token(1), choice_token(1)):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        seen_by_client.append(client.body)  # before the stream goes on
+        go_on.set()
+        for event in (finishing(1), GHOST_USAGE, DONE):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    await h.call(h.middleware(respond), client)
+    assert seen_by_client == [ROLE + choice_token(1) + choice_token(1)]
+    assert client.body == (
+        ROLE + choice_token(1) * 2 + finishing(0, system_fingerprint="fp-1")
+        + finishing(1, system_fingerprint="fp-1") + DONE
+    )
 
 
 @pytest.mark.asyncio
