@@ -16,7 +16,9 @@ ERROR      abandoned, invalid, or write failed   unparsable, timed out, or cut o
 :meth:`Connection.reusable` is h11's rule, the one place that decides reuse: both sides
 DONE, reading not paused, still open. Anything else closes the connection. Bytes that
 arrive when no response is expected (on an idle connection, or after a response ended)
-are an error too: they could only be the start of a response to a request never sent.
+are an error too: they could only be the start of a response to a request never sent. So
+is a ``101 Switching Protocols``: no request asks for an upgrade (``Upgrade`` is a
+hop-by-hop header, never forwarded), and what follows it is not HTTP.
 
 Reading pauses while a slow client leaves too much of one response unread
 (:mod:`proxy.upstream.response`), and, as in uvicorn's ``httptools_impl``, always
@@ -124,7 +126,7 @@ class Connection(asyncio.Protocol):
         response.last_read = self.pool.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # not one family
             self.their_error(UpstreamFailure(UNREACHABLE, type(exc).__name__))
             self.abort(type(exc).__name__)
 
@@ -162,6 +164,10 @@ class Connection(asyncio.Protocol):
         if self.theirs is not IDLE or self.response is None:
             return
         status = self.parser.get_status_code()
+        if status == 101:  # a switch to another protocol: we never ask for one (Upgrade is hop-by-hop)
+            self.their_error(UpstreamFailure(UNREACHABLE, "UnexpectedUpgrade"))
+            self.abort("UnexpectedUpgrade")
+            return
         if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): skipped
             self._interim = True
             self.response.headers.clear()
