@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry
@@ -29,7 +28,7 @@ from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics, multiprocess_dir
 from proxy.middleware import PatchConfig, UsagePatchMiddleware
 from proxy.records.recorder import Recorder, recorder_from_settings
-from proxy.request_id import CLAIMS_SUBDIR, IdClaims
+from proxy.request_id import process_tag
 from proxy.served_models import ServedModels, UpstreamModels
 from proxy.settings import Settings
 from proxy.tenants import tenancy_from_settings
@@ -59,9 +58,8 @@ class Accounting:
         self.recorder: Recorder | None = recorder_from_settings(settings)
         if self.recorder is not None:
             self.metrics.watch_recorder(self.recorder)
-        mp_dir = multiprocess_dir()
-        #: Several processes share the port: a request id in flight is claimed across them.
-        self.claims = IdClaims(os.path.join(mp_dir, CLAIMS_SUBDIR)) if mp_dir else None
+        #: Several processes share the port: this one's keys for clients' ids end with its tag.
+        self.process_tag = process_tag() if multiprocess_dir() else ""
 
     def patch(self, inner: ASGIApp, *, upstream: bool = False) -> UsagePatchMiddleware:
         """``inner`` behind the error guard and the usage-patching middleware.
@@ -85,7 +83,7 @@ class Accounting:
         )
         guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)
         return UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config,
-                                    recorder=self.recorder, claims=self.claims)
+                                    recorder=self.recorder, process_tag=self.process_tag)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

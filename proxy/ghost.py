@@ -4,11 +4,16 @@ In upstream mode the proxy asks for ``include_usage`` the client did not ask for
 streamed request is counted, and drops the usage-only chunk. One more thing moves with
 that flag in vLLM 0.32: ``system_fingerprint`` is stamped on the chunks that carry a
 ``finish_reason`` only when ``include_usage`` is off; with it on, the usage chunk carries
-it instead. So from the first finishing chunk on, the output is held (those chunks and the
-usage chunk are produced in one engine step, so the hold costs no latency), and when the
-dropped usage chunk had a fingerprint, it is written back where vLLM would have put it:
-the last field of each finishing chunk, inserted as bytes, nothing re-serialized. A stream
-that ends without a usage chunk releases what was held unchanged.
+it instead. So a finishing chunk is held until the usage chunk comes, and when the dropped
+usage chunk had a fingerprint, it is written back where vLLM would have put it: the last
+field of each finishing chunk, inserted as bytes, nothing re-serialized.
+
+Only what must wait is held: a finishing chunk, and, while one is held, anything that is
+not a choice's chunk (``[DONE]``, which must stay after it). With ``n > 1`` the choices
+that are still generating stream on as they come, past a choice that finished first; each
+choice's own chunks keep their order. For ``n = 1`` (the finishing chunk, then the usage
+chunk, in one engine step) the stream is byte-identical and nothing waits. A stream that
+ends without a usage chunk releases what was held unchanged.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import orjson
 
 _FINISH = re.compile(rb'"finish_reason":\s*"')
 _LINE_END = re.compile(rb"[\r\n]")
+_TERMINATOR = re.compile(rb"\r\n|\r|\n")
+#: A chunk with at least one choice in it (not ``[DONE]``, an error, or a usage-only chunk).
+_CHOICE = re.compile(rb'"choices":\s*\[\s*\{')
 
 
 class GhostHold:
-    __slots__ = ("_held", "_holding", "_done", "_fingerprint", "_usage_dropped")
+    __slots__ = ("_held", "_all", "_done", "_fingerprint", "_usage_dropped")
 
     def __init__(self) -> None:
         self._held = bytearray()
-        self._holding = False
+        self._all = False  # part of an unfinished event is held: hold everything after it too
         self._done = False  # released after the usage chunk: nothing more to hold
         self._fingerprint: str | None = None
         self._usage_dropped = False
@@ -38,22 +46,45 @@ class GhostHold:
         self._usage_dropped = True
 
     def filter(self, out: bytes) -> bytes:
-        """Feed the patcher's output (whole events); returns what may go to the client now."""
-        if not self._holding and (self._done or not _FINISH.search(out)):
+        """Feed the patcher's output (whole events, but for an oversized or last one's
+        part); returns what may go to the client now."""
+        if self._done or (not self._held and not _FINISH.search(out)):
             return out
-        self._holding = True
-        self._held += out
-        return self.release() if self._usage_dropped else b""
+        passed: list[bytes] = []
+        for event, whole in _events(out):
+            if self._all or _FINISH.search(event) or (self._held and not _CHOICE.search(event)):
+                self._held += event
+                self._all = self._all or not whole
+            else:
+                passed.append(event)
+        if self._usage_dropped:
+            passed.append(self.release())
+        return b"".join(passed)
 
     def release(self) -> bytes:
         """Everything held, with the fingerprint restored if the usage chunk had one."""
         held = bytes(self._held)
         self._held.clear()
-        self._holding = False
+        self._all = False
         self._done = self._usage_dropped
         if self._fingerprint is None:
             return held
         return _stamp(held, b',"system_fingerprint":' + orjson.dumps(self._fingerprint))
+
+
+def _events(out: bytes) -> list[tuple[bytes, bool]]:
+    """``out`` cut into events (each with its blank line), and whether each is whole: only
+    a last part that no blank line ends is not."""
+    events: list[tuple[bytes, bool]] = []
+    event_start = line_start = 0
+    for match in _TERMINATOR.finditer(out):
+        if match.start() == line_start:
+            events.append((out[event_start : match.end()], True))
+            event_start = match.end()
+        line_start = match.end()
+    if event_start < len(out):
+        events.append((out[event_start:], False))
+    return events
 
 
 def _stamp(events: bytes, field: bytes) -> bytes:

@@ -12,6 +12,13 @@ Events for keys that are not open are counted and dropped, never stored. A TTL s
 a size cap are a second line of defence against a slot that outlives its request; each
 eviction is counted. Neither should ever fire: a leak is a bug, not steady state.
 
+The sweep is for slots whose request has ended without closing them (a missed drop
+guard), so it never takes the slot of a request still running, however long it runs (a
+stream may legitimately outlive any TTL: the read timeout is *between* bytes). A slot
+remembers the asyncio task that opened it, weakly; past the TTL it is swept only once
+that task is done or gone. A slot opened outside a task has no owner to ask and is swept
+by age alone (tests/test_ledger.py::test_the_sweep_never_takes_a_live_requests_slot).
+
 The ledger knows nothing of metrics: it keeps its own counters and tells an optional
 :class:`LedgerObserver` (``proxy.metrics`` installs one) of each change as it happens, so
 metrics are exact whichever process is scraped.
@@ -19,7 +26,9 @@ metrics are exact whichever process is scraped.
 
 from __future__ import annotations
 
+import asyncio
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -80,7 +89,22 @@ def _add_optional(total: int | None, value: int | None) -> int | None:
 @dataclass(slots=True)
 class _Slot:
     opened_at: float
+    #: The task serving the request, weakly: the slot is its request's as long as it runs.
+    owner: weakref.ref[asyncio.Task[object]] | None = None
     usage: SlotUsage = field(default_factory=SlotUsage)
+
+    def ended(self) -> bool:
+        """The request that opened it is over (or unknown): its ``finally`` cannot close it now."""
+        task = self.owner() if self.owner is not None else None
+        return task is None or task.done()
+
+
+def _current_task() -> weakref.ref[asyncio.Task[object]] | None:
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running event loop
+        return None
+    return weakref.ref(task) if task is not None else None
 
 
 @dataclass(slots=True)
@@ -146,7 +170,7 @@ class UsageLedger:
             del self._slots[next(iter(self._slots))]
             self.counters.evicted_cap += 1
             self.observer.evicted("cap", 1)
-        self._slots[key] = _Slot(opened_at=self._clock())
+        self._slots[key] = _Slot(opened_at=self._clock(), owner=_current_task())
         self.observer.open_slots(len(self._slots))
 
     def close(self, key: str) -> SlotUsage | None:
@@ -181,9 +205,10 @@ class UsageLedger:
         slot.usage.add(event)
 
     def sweep(self) -> int:
-        """Evict slots older than the TTL; returns how many. Call it periodically."""
+        """Evict slots older than the TTL whose request has ended; returns how many. Call it
+        periodically."""
         deadline = self._clock() - self._ttl_s
-        stale = [key for key, slot in self._slots.items() if slot.opened_at < deadline]
+        stale = [key for key, slot in self._slots.items() if slot.opened_at < deadline and slot.ended()]
         for key in stale:
             del self._slots[key]
         if stale:

@@ -7,7 +7,7 @@ request, whose ``send`` is a state machine on ``message["type"]``.
 Per request on a patched route:
 
 1. The request id is read (or minted), made unique as a ledger key (across the
-   instance's processes too, with ``claims``: :class:`~proxy.request_id.IdClaims`), put in
+   instance's processes too, with ``process_tag``: :func:`~proxy.request_id.process_tag`), put in
    :data:`~engine_adapter.events.current_request_key` for engine code, forwarded to the
    inner app as ``X-Request-Id``, and the client's id is echoed in the response.
 2. A ledger slot is opened before the inner app runs and closed in ``finally``; the
@@ -34,7 +34,7 @@ from engine_adapter.events import current_request_key
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
 from proxy.records.recorder import Recorder
-from proxy.request_id import IdClaims, RequestIds
+from proxy.request_id import RequestIds
 from proxy.responder import Responder, without
 from proxy.served_models import ServedModels
 from proxy.tenants import Tenancy
@@ -78,15 +78,17 @@ class UsagePatchMiddleware:
         config: PatchConfig = PatchConfig(),
         request_ids: RequestIds = RequestIds(),
         recorder: Recorder | None = None,
-        claims: IdClaims | None = None,
+        process_tag: str = "",
     ) -> None:
+        """``process_tag``: the last component of this process's keys for clients' ids, when
+        several processes serve the port (:func:`proxy.request_id.process_tag`)."""
         self.app = app
         self.ledger = ledger
         self.metrics = metrics
         self.config = config
         self.request_ids = request_ids
         self.recorder = recorder
-        self.claims = claims
+        self.process_tag = process_tag
         self.echo_header = request_ids.header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -99,9 +101,7 @@ class UsagePatchMiddleware:
             echo = client_id or self.request_ids.generate()
             await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
             return
-        # A minted id needs no claim (128 random bits); a client's may be in flight elsewhere.
-        shared = client_id is not None and self.claims is not None
-        key = self.request_ids.unique_key(client_id, self._take_shared if shared else self._take_local)
+        key = self.request_ids.unique_key(client_id, self._take, self.process_tag)
         tenant = self.config.tenancy.resolve(scope["headers"])
         responder = Responder(self, route, key, client_id or key, send, tenant)
         self.ledger.open(key)
@@ -111,15 +111,10 @@ class UsagePatchMiddleware:
         finally:
             engine_usage = self.ledger.close(key)
             current_request_key.reset(token)
-            if shared:
-                self.claims.release(key)  # type: ignore[union-attr]
             responder.finish(engine_usage)
 
-    def _take_local(self, key: str) -> bool:
+    def _take(self, key: str) -> bool:
         return key not in self.ledger
-
-    def _take_shared(self, key: str) -> bool:
-        return key not in self.ledger and self.claims.claim(key)  # type: ignore[union-attr]
 
 
 class _EchoId:

@@ -7,30 +7,25 @@ key (not the raw header) is what reaches engines and upstreams, so a response id
 ``request_id`` of the usage record, which billing pipelines join and deduplicate on.
 
 With several processes behind one port (``--workers N``, vLLM's ``--api-server-count N``)
-each has its own ledger, so "in flight" must span them all: :class:`IdClaims` holds each
-client-supplied key as a file in a directory the instance's processes share (created with
-``O_EXCL``: the kernel decides who took it first). Minted keys need no claim: 128 random
-bits. A process killed while holding claims leaves their files behind, which only makes
-those ids suffixed later, never shared. The cost, a file created and removed per request
-that brings its own id, and only with several processes: 24.5 us in vLLM's default ``/tmp``
-directory on this machine, 12.4 us on tmpfs (claim + release, median of 5 x 20,000; the
-command is in docs/PERFORMANCE.md), beside the 26-42 us that multiprocess metrics add
-(:mod:`proxy.metrics`).
+each has its own ledger, so "in flight" must span them all. Rather than ask the others
+(shared state that can fail: a full disk, no file descriptors left, a directory a tmp
+cleaner removed, and I/O that blocks the event loop), each process makes the keys it gives
+out its own: a client's id gets the process's tag (:func:`process_tag`, ``.p<pid>``) as
+its last component, and the pids of live processes differ, so two processes never hold
+the same key, and one process's ledger decides the rest. Nothing can fail and no I/O is
+done. Minted keys need no tag: 128 random bits. The echoed ``X-Request-Id`` stays the
+client's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
-#: Where an instance's processes claim request ids, inside its multiprocess directory.
-CLAIMS_SUBDIR = "request-ids"
-
+_MAX_KEY = 128
 _VALID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -62,33 +57,21 @@ class RequestIds:
             return None
         return value if self.validate(value) else None
 
-    def unique_key(self, client_id: str | None, take: Callable[[str], bool]) -> str:
-        """The ledger key: the client's id if ``take`` gets it, else a suffixed one it gets."""
-        base = self.generate() if client_id is None else client_id
-        key = base
+    def unique_key(self, client_id: str | None, take: Callable[[str], bool], tag: str = "") -> str:
+        """The ledger key: the client's id (then ``tag``, the process's own, with several
+        processes) if ``take`` gets it, else one with a random suffix before ``tag`` that
+        it gets. At most 128 characters."""
+        if client_id is None:
+            base, tag = self.generate(), ""
+        else:
+            base = client_id
+        key = base[: _MAX_KEY - len(tag)] + tag
         while not take(key):
-            key = f"{base[:119]}.{secrets.token_hex(4)}"
+            suffix = f".{secrets.token_hex(4)}{tag}"
+            key = base[: _MAX_KEY - len(suffix)] + suffix
         return key
 
 
-class IdClaims:
-    """Keys in flight in any process of one instance: one empty file per key in ``directory``."""
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self.directory, "id-" + key)  # a valid key is a safe file name; "id-" rules out ".."
-
-    def claim(self, key: str) -> bool:
-        """Take ``key`` for this request; ``False`` if a request of any process holds it."""
-        try:
-            os.close(os.open(self._path(key), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        except FileExistsError:
-            return False
-        return True
-
-    def release(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(key))
+def process_tag() -> str:
+    """This process's last key component: ``.p<pid>``, unique among the live processes of a host."""
+    return f".p{os.getpid()}"

@@ -12,9 +12,8 @@ vLLM runs its own API server processes (``--api-server-count``).
 
 Metrics are summed across workers by prometheus_client's multiprocess mode, in a directory
 of the instance's own (:func:`multiprocess_dir_for`): a fresh temporary one, removed at
-exit, or the operator's ``PROMETHEUS_MULTIPROC_DIR``, whose ``*.db`` files (and request
-id claims, :class:`proxy.request_id.IdClaims`) are wiped at start so a previous run's
-counts never leak in. A worker that dies leaves its
+exit, or the operator's ``PROMETHEUS_MULTIPROC_DIR``, whose ``*.db`` files are wiped at
+start so a previous run's counts never leak in. A worker that dies leaves its
 ``cachetally_ledger_open_slots`` (a ``livesum`` gauge) behind; the worker uvicorn starts
 in its place drops every dead pid's live-gauge files (:func:`forget_dead_workers`), so the
 gauge is right again once the replacement is up. Its counters stay, as they must.
@@ -37,7 +36,6 @@ from collections.abc import Iterator
 
 from prometheus_client.multiprocess import mark_process_dead
 
-from proxy.request_id import CLAIMS_SUBDIR
 from proxy.settings import load_settings
 
 logger = logging.getLogger("cachetally.workers")
@@ -58,7 +56,6 @@ def multiprocess_dir_for(workers: int) -> Iterator[str | None]:
         stale = glob.glob(os.path.join(preset, "*.db"))
         for path in stale:
             os.remove(path)
-        shutil.rmtree(os.path.join(preset, CLAIMS_SUBDIR), ignore_errors=True)  # ids held when it stopped
         logger.info("metrics: PROMETHEUS_MULTIPROC_DIR=%s; removed %d *.db file(s) of an earlier run",
                     preset, len(stale))
         yield preset

@@ -17,7 +17,9 @@ that were cut off with their connection. What it answers depends on the target:
 
 ``no_read=True`` makes it stop reading after the first request head (an upstream that
 does not take the body). ``close_idle()`` closes every connection that sits between
-requests, as a server's keep-alive timer does.
+requests, as a server's keep-alive timer does. ``reset_idle_on_next_request()`` makes
+every such connection end with a reset when its next request's bytes arrive, unread: the
+keep-alive timer firing just as a request comes in.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -64,7 +68,9 @@ class H11Upstream:
     errors: list[str] = field(default_factory=list)  # h11 could not parse the bytes
     connections: int = 0
     release_slow: asyncio.Event = field(default_factory=asyncio.Event)
+    resets: int = 0  # connections ended with a reset, their next request unread
     _idle: set[asyncio.StreamWriter] = field(default_factory=set)
+    _doomed: set[asyncio.StreamWriter] = field(default_factory=set)
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
     async def _respond(self, conn: h11.Connection, writer: asyncio.StreamWriter, req: Parsed) -> None:
@@ -110,6 +116,12 @@ class H11Upstream:
                     data = await reader.read(65536)
                     if not data:  # closed: between requests a clean end, inside one a cut
                         return
+                    if writer in self._doomed:
+                        sock = writer.get_extra_info("socket")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        writer.transport.abort()
+                        self.resets += 1
+                        return
                     conn.receive_data(data)
                     continue
                 if isinstance(event, h11.Request):
@@ -142,6 +154,7 @@ class H11Upstream:
             if responding is not None:
                 responding.cancel()
             self._idle.discard(writer)
+            self._doomed.discard(writer)
             self._writers.discard(writer)
             writer.close()
 
@@ -151,6 +164,11 @@ class H11Upstream:
         for writer in idle:
             writer.close()
         return len(idle)
+
+    def reset_idle_on_next_request(self) -> int:
+        """Every connection now between requests resets when its next request arrives; how many."""
+        self._doomed |= self._idle
+        return len(self._idle)
 
     @contextlib.asynccontextmanager
     async def serving(self, **tls: object) -> AsyncIterator[int]:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from engine_adapter.engine import Receive, Scope, Send
 from engine_adapter.events import EventSink, Scheduled
 from proxy.ledger import SlotUsage, UsageLedger
+from proxy.metrics import Metrics
+from tests.test_middleware import DONE, ROLE, TOKEN, USAGE, Client, Harness, chat_request, sse_payloads, start
 
 
 class FakeClock:
@@ -200,3 +205,68 @@ def test_cached_for_same_length_same_value_is_not_ambiguous() -> None:
     # n > 1 or identical prompts: equal lengths with equal hits give one answer.
     usage = _usage((40, 32), (40, 32), (24, 16))
     assert usage.cached_for(40) == 32
+
+
+@pytest.mark.asyncio
+async def test_the_sweep_never_takes_a_live_requests_slot() -> None:
+    """Past the TTL, a slot is swept only once the request that opened it has ended."""
+    clock = FakeClock()
+    ledger = UsageLedger(ttl_s=60.0, clock=clock)
+    release = asyncio.Event()
+
+    async def long_request() -> SlotUsage | None:
+        with ledger.slot("live"):
+            ledger.publish(Scheduled("live", 100, 64))
+            await release.wait()
+            return ledger.usage("live")
+
+    async def missed_drop_guard() -> None:
+        ledger.open("leaked")  # ends without closing its slot
+
+    live = asyncio.create_task(long_request())
+    await asyncio.create_task(missed_drop_guard())
+    await asyncio.sleep(0)
+    ledger.open("opened-here")  # by this test's own task, still running
+    clock.now += 3600.0  # an hour: far past the TTL
+
+    assert ledger.sweep() == 1  # the leaked slot only
+    assert "leaked" not in ledger and "live" in ledger and "opened-here" in ledger
+    assert ledger.counters.evicted_ttl == 1
+    release.set()
+    usage = await live
+    assert usage is not None and (usage.prompt_tokens, usage.cached_tokens) == (100, 64)
+    ledger.close("opened-here")
+    assert len(ledger) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_stream_that_outlives_the_ttl_still_reports_the_engines_figures() -> None:
+    """Through the middleware: the sweep runs (an hour on the fake clock) mid-stream."""
+    clock = FakeClock()
+    h = Harness()
+    h.ledger = UsageLedger(ttl_s=900.0, clock=clock)
+    h.metrics = Metrics(h.ledger)
+    first_sent = asyncio.Event()
+    swept = asyncio.Event()
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        await start(send, b"text/event-stream")
+        await send({"type": "http.response.body", "body": ROLE, "more_body": True})
+        first_sent.set()
+        await swept.wait()
+        for event in (TOKEN, USAGE, DONE):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    client = Client(chat_request(stream=True, stream_options={"include_usage": True}))
+    call = asyncio.create_task(h.call(h.middleware(respond, (64, 48)), client))
+    await first_sent.wait()
+    clock.now += 3600.0
+    assert h.ledger.sweep() == 0
+    swept.set()
+    await call
+
+    [usage] = [e["usage"] for e in sse_payloads(client.body)[:-1] if e.get("usage")]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 48
+    assert h.ledger.counters.evicted_ttl == 0
+    assert h.requests() == {"hit": 1}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -21,7 +20,7 @@ from engine_adapter.events import Scheduled, current_request_key
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
 from proxy.middleware import PatchConfig, UsagePatchMiddleware
-from proxy.request_id import IdClaims, is_valid_request_id
+from proxy.request_id import is_valid_request_id
 
 CHAT = "/v1/chat/completions"
 InnerApp = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -413,15 +412,13 @@ async def test_concurrent_requests_with_the_same_id_each_get_their_own_cached_to
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("fails", [False, True], ids=["answered", "inner-app-raised"])
-async def test_the_same_id_in_flight_in_two_processes_gets_two_keys_and_leaves_no_claim(
-    tmp_path: Path, fails: bool
-) -> None:
-    """Two workers of one instance: two ledgers, one claims directory (``--workers 2``)."""
+async def test_the_same_id_in_flight_in_two_processes_gets_two_keys(fails: bool) -> None:
+    """Two workers of one instance (``--workers 2``): two ledgers, each with its process tag."""
     harnesses = [Harness(), Harness()]
     both_in_flight = asyncio.Event()
     keys: list[str] = []
 
-    def worker(h: Harness) -> UsagePatchMiddleware:
+    def worker(h: Harness, tag: str) -> UsagePatchMiddleware:
         async def inner(scope: Scope, receive: Receive, send: Send) -> None:
             key = current_request_key.get()
             assert key is not None
@@ -434,15 +431,15 @@ async def test_the_same_id_in_flight_in_two_processes_gets_two_keys_and_leaves_n
                 raise RuntimeError("engine died")
             await json_response(chat_completion())(scope, receive, send)
 
-        return UsagePatchMiddleware(inner, ledger=h.ledger, metrics=h.metrics, claims=IdClaims(tmp_path))
+        return UsagePatchMiddleware(inner, ledger=h.ledger, metrics=h.metrics, process_tag=tag)
 
     clients = [Client(chat_request()), Client(chat_request())]
     scope = http_scope(headers=[(b"x-request-id", b"same")])
-    calls = (worker(h)(dict(scope), c.receive, c.send) for h, c in zip(harnesses, clients, strict=True))
+    workers = (worker(h, tag) for h, tag in zip(harnesses, (".p101", ".p102"), strict=True))
+    calls = (w(dict(scope), c.receive, c.send) for w, c in zip(workers, clients, strict=True))
     results = await asyncio.gather(*calls, return_exceptions=True)
 
-    assert len(set(keys)) == 2 and "same" in keys
-    assert list(tmp_path.iterdir()) == []  # every claim released
+    assert sorted(keys) == ["same.p101", "same.p102"]
     for h in harnesses:
         h.assert_clean()
     if fails:
@@ -804,17 +801,50 @@ GHOST_USAGE = chunk(
 @pytest.mark.parametrize("together", [False, True], ids=["separate-sends", "one-send"])
 async def test_ghost_usage_puts_the_fingerprint_back_where_vllm_would_have(together: bool) -> None:
     # vLLM 0.32 stamps system_fingerprint on finishing chunks only without include_usage;
-    # with it, the (dropped) usage chunk carries it. n=2: two finishing chunks.
+    # with it, the (dropped) usage chunk carries it. n=2: two finishing chunks. Choice 1's
+    # token is not held behind choice 0's finishing chunk: each choice keeps its order.
     h = Harness(PatchConfig(ghost_usage=True))
     client = Client(chat_request(stream=True))
-    upstream = [ROLE, TOKEN, finishing(0), TOKEN, finishing(1), GHOST_USAGE, DONE]
+    upstream = [ROLE, TOKEN, finishing(0), choice_token(1), finishing(1), GHOST_USAGE, DONE]
     if together:
         upstream = [b"".join(upstream)]
     await h.call(h.middleware(sse_response(*upstream)), client)
-    direct = ROLE + TOKEN + finishing(0, system_fingerprint="fp-1") + TOKEN
+    direct = ROLE + TOKEN + choice_token(1) + finishing(0, system_fingerprint="fp-1")
     direct += finishing(1, system_fingerprint="fp-1") + DONE
     assert client.body == direct
     assert h.requests() == {"unknown": 1}
+
+
+def choice_token(index: int) -> bytes:
+    payload = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m",
+               "choices": [{"index": index, "delta": {"content": "more"}, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+@pytest.mark.asyncio
+async def test_ghost_hold_lets_a_choice_still_generating_stream_past_one_that_finished() -> None:
+    """n=2: choice 0 finishes first; choice 1's chunks reach the client as they come."""
+    h = Harness(PatchConfig(ghost_usage=True))
+    client = Client(chat_request(stream=True, n=2))
+    seen_by_client: list[bytes] = []
+    go_on = asyncio.Event()
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        await start(send, b"text/event-stream")
+        for event in (ROLE, finishing(0), choice_token(1), choice_token(1)):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        seen_by_client.append(client.body)  # before the stream goes on
+        go_on.set()
+        for event in (finishing(1), GHOST_USAGE, DONE):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    await h.call(h.middleware(respond), client)
+    assert seen_by_client == [ROLE + choice_token(1) + choice_token(1)]
+    assert client.body == (
+        ROLE + choice_token(1) * 2 + finishing(0, system_fingerprint="fp-1")
+        + finishing(1, system_fingerprint="fp-1") + DONE
+    )
 
 
 @pytest.mark.asyncio

@@ -319,7 +319,7 @@ async def test_stream_without_include_usage_has_no_usage(
         ("/v1/completions", b'{"prompt": ""}', "prompt"),
         ("/v1/completions", b'{"prompt": "x", "n": 0}', "n"),
         ("/v1/completions", b'{"prompt": "x", "max_tokens": "3"}', "max_tokens"),
-        ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', "stream"),
+        ("/v1/completions", b'{"prompt": "x", "stream": "maybe"}', "stream"),
         (
             "/v1/completions",
             b'{"prompt": "x", "stream_options": {"include_usage": true}}',

@@ -308,3 +308,37 @@ async def test_a_body_ended_by_close_is_complete_only_when_the_upstream_closes()
         response.close()
         await pool.aclose()
     assert info.value.status == 502
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n\x81\x05hello",
+        b"HTTP/1.1 101 Switching Protocols\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    ],
+    ids=["upgrade", "101-then-200"],
+)
+async def test_a_101_from_the_upstream_is_a_502_and_nothing_escapes_to_the_loop(answer: bytes) -> None:
+    """No request asks for an upgrade; a 101 is a protocol error, never a traceback."""
+    loop = asyncio.get_running_loop()
+    escaped: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: escaped.append(context))
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        await reader.read()  # until the pool drops the connection
+
+    try:
+        async with serving(handle) as url:
+            pool = client(url)
+            with pytest.raises(UpstreamFailure) as info:
+                await pool.send("POST", b"/v1/completions", [], b"{}")
+            assert pool.pool_state() == (0, 0, 0, 0)  # the connection is gone, not pooled
+            await pool.aclose()
+    finally:
+        loop.set_exception_handler(None)
+    assert info.value.status == 502
+    assert escaped == []

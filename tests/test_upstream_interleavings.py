@@ -4,11 +4,14 @@ Rules run one operation, or two at once on the same pool: a complete request (bo
 hand, streamed with its length, or chunked), an early answer to a partial upload whose
 client then leaves, a partial upload abandoned with no answer, a response big enough to
 pause reading that the client leaves unread or half read, a slow upload; and, between
-them, keep-alive expiry and the upstream closing its idle connections.
+them, keep-alive expiry, the upstream closing its idle connections, and the upstream
+resetting its idle connections as their next request arrives (the idle-close race: a
+request written in full, in hand, is sent once more on a new connection; a streamed one
+cannot be and is a 502).
 
 The invariant, after every step: h11 parsed exactly the requests that were sent
-completely (each with its own body: no byte of one inside another), each client of a
-complete request got its own body back, and h11 never failed to parse a byte.
+completely (each with its own body: no byte of one inside another, none twice), each
+client of a complete request got its own body back, and h11 never failed to parse a byte.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import pytest
 
-from proxy.upstream.client import Origin
+from proxy.upstream.client import Origin, UpstreamFailure
 from proxy.upstream.response import HIGH_WATER
 from proxy.upstream.pool import Http1Pool
 from tests.h11_upstream import H11Upstream
@@ -90,6 +93,14 @@ class PoolInterleavings(RuleBasedStateMachine):
         return head + b"m" * max(0, size - len(head))
 
     async def operate(self, op: tuple[Any, ...]) -> None:
+        try:
+            await self._operate(op)
+        except UpstreamFailure as failure:
+            # Only a streamed body, on a connection reset under it, cannot be sent again.
+            in_hand = op[0] == "paused read, client leaves" or op[0] == "complete" and op[2] == "in hand"
+            assert self.upstream.resets and not in_hand and failure.status == 502, failure
+
+    async def _operate(self, op: tuple[Any, ...]) -> None:
         kind, *args = op
         pool = self.pool
         if kind == "complete":
@@ -156,6 +167,10 @@ class PoolInterleavings(RuleBasedStateMachine):
                 await asyncio.sleep(0.01)
 
         self.run(close_and_settle())
+
+    @rule()
+    def upstream_resets_idle_connections_on_their_next_request(self) -> None:
+        self.upstream.reset_idle_on_next_request()
 
     @invariant()
     def upstream_parsed_exactly_the_complete_requests(self) -> None:

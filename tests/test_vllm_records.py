@@ -29,8 +29,9 @@ def records_for(usage: Path, ids: set[str], timeout_s: float = 10.0) -> dict[str
         for path in sorted(usage.glob("*.jsonl")):
             for line in path.read_bytes().splitlines():
                 record = orjson.loads(line)
-                if record["request_id"] in ids:
-                    found.setdefault(record["request_id"], []).append(record)
+                client_id = record["request_id"].split(".")[0]  # then the API server's tag, .p<pid>
+                if client_id in ids:
+                    found.setdefault(client_id, []).append(record)
         if set(found) == ids or time.monotonic() > deadline:
             return found
         time.sleep(0.1)

@@ -8,6 +8,12 @@ Shapes follow vLLM 0.32's OpenAI server (``chat_completion/serving.py``,
 this is a benchmark hot path. Unlike vLLM, non-stream bodies leave out ``null`` fields
 that carry nothing for accounting, and ``usage`` carries no ``prompt_tokens_details``
 unless asked to (``cached`` given), like an engine that drops the number.
+
+``stream`` and the ``stream_options`` flags are read as vLLM's pydantic models read them
+in lax mode (``"true"``, ``1``, ``"on"`` are true; ``null`` is false; anything else is a
+400). :mod:`proxy.request_body` reads them the same way, repeated here on purpose (the
+engine adapter does not import the proxy); tests/test_request_body.py holds both against
+pydantic.
 """
 
 from __future__ import annotations
@@ -38,6 +44,24 @@ class RequestError(Exception):
     def body(self) -> bytes:
         info = {"message": self.message, "type": self.err_type, "param": self.param}
         return orjson.dumps({"error": {**info, "code": self.status}})
+
+
+_TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE = frozenset(("0", "off", "f", "false", "n", "no"))
+
+
+def lax_bool(value: Any, name: str) -> bool:
+    """An ``Optional[bool]`` field as pydantic's lax mode reads it; a 400 where it refuses."""
+    if value is None or value is False or value is True:
+        return value is True
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return value == 1
+    if isinstance(value, str) and value.isascii():
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+    raise RequestError(f"`{name}` must be a boolean", param=name)
 
 
 @dataclass(slots=True)
@@ -118,17 +142,17 @@ def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -
             raise RequestError("Field required: `prompt`", param="prompt")
         prompts = _completion_prompts(body["prompt"])
         max_tokens = _int_field(body, "max_tokens", default_max_tokens, 1)
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise RequestError("`stream` must be a boolean", param="stream")
     options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise RequestError("`stream_options` must be an object", param="stream_options")
-    if options and not stream:
+    if options and not body.get("stream"):  # vLLM checks the raw body first
         raise RequestError(
             "Stream options can only be defined when `stream=True`.", param="stream_options"
         )
-    include_usage = bool(options and options.get("include_usage"))
+    stream = lax_bool(body.get("stream"), "stream")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError("`stream_options` must be an object", param="stream_options")
+    options = options or {}
+    include_usage = lax_bool(options.get("include_usage"), "stream_options.include_usage")
+    continuous_usage = lax_bool(options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats")
     return SimRequest(
         kind=kind,
         model=model,
@@ -137,7 +161,7 @@ def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
-        continuous_usage=include_usage and bool(options and options.get("continuous_usage_stats")),
+        continuous_usage=include_usage and continuous_usage,
     )
 
 

@@ -41,6 +41,8 @@ class UpstreamFailure(Exception):
         super().__init__(f"{answer[1]} ({reason})")
         self.status, self.message = answer
         self.reason = reason
+        #: Set by the pool when the request may be sent once more (it cannot have been acted on).
+        self.resendable = False
 
 
 @dataclass(frozen=True, slots=True)

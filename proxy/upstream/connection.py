@@ -16,7 +16,9 @@ ERROR      abandoned, invalid, or write failed   unparsable, timed out, or cut o
 :meth:`Connection.reusable` is h11's rule, the one place that decides reuse: both sides
 DONE, reading not paused, still open. Anything else closes the connection. Bytes that
 arrive when no response is expected (on an idle connection, or after a response ended)
-are an error too: they could only be the start of a response to a request never sent.
+are an error too: they could only be the start of a response to a request never sent. So
+is a ``101 Switching Protocols``: no request asks for an upgrade (``Upgrade`` is a
+hop-by-hop header, never forwarded), and what follows it is not HTTP.
 
 Reading pauses while a slow client leaves too much of one response unread
 (:mod:`proxy.upstream.response`), and, as in uvicorn's ``httptools_impl``, always
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from proxy.upstream.client import TIMED_OUT, UNREACHABLE, UpstreamFailure
+from proxy.upstream.hop_headers import keep_alive_timeout
 
 if TYPE_CHECKING:
     from proxy.upstream.pool import Http1Pool
@@ -51,6 +54,9 @@ class State(enum.Enum):
 
 IDLE, SEND_BODY, DONE, MUST_CLOSE, ERROR = State
 _READING = (IDLE, SEND_BODY)  # their states in which response bytes are expected
+#: Of the idle time the upstream announces (``Keep-Alive: timeout=N``), the part we reuse a
+#: connection in: we, not the upstream, end an idle connection (5 s announced -> 4 s).
+KEEPALIVE_SHARE = 0.8
 
 
 class Connection(asyncio.Protocol):
@@ -65,6 +71,9 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.owns_slot = False  # counted in the pool's limit (set once the connect succeeded)
         self.idle_since = 0.0  # when the upstream last finished a response: its keep-alive clock
+        self.idle_limit: float | None = None  # the upstream's announced keep-alive timeout, our share
+        self.exchanges = 0  # begun on this connection: more than one, and it was reused
+        self.heard = False  # a byte of this exchange's response arrived
         self._head_only = False
         self._keep_alive = True
         self._interim = False
@@ -81,6 +90,14 @@ class Connection(asyncio.Protocol):
         """A new exchange: both sides start IDLE (a reused connection was reusable())."""
         self.ours = self.theirs = IDLE
         self.response, self._head_only = response, head_only
+        self.exchanges += 1
+        self.heard = False
+
+    def fresh(self, now: float, limit_s: float) -> bool:
+        """Open, and idle for less than ``limit_s`` or the upstream's own limit, if shorter."""
+        if self.idle_limit is not None:
+            limit_s = min(limit_s, self.idle_limit)
+        return not self.closed and now - self.idle_since < limit_s
 
     def wrote_all(self) -> None:
         """Our side is DONE: every byte of the request is in the transport."""
@@ -122,9 +139,10 @@ class Connection(asyncio.Protocol):
             self.abort("UnexpectedBytes")  # the start of a response to nothing we sent
             return
         response.last_read = self.pool.loop.time()
+        self.heard = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # not one family
             self.their_error(UpstreamFailure(UNREACHABLE, type(exc).__name__))
             self.abort(type(exc).__name__)
 
@@ -157,11 +175,17 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.theirs is IDLE and self.response is not None:
             self.response.headers.append((name, value))
+            if name.lower() == b"keep-alive" and (timeout := keep_alive_timeout(value)) is not None:
+                self.idle_limit = timeout * KEEPALIVE_SHARE
 
     def on_headers_complete(self) -> None:
         if self.theirs is not IDLE or self.response is None:
             return
         status = self.parser.get_status_code()
+        if status == 101:  # a switch to another protocol: we never ask for one (Upgrade is hop-by-hop)
+            self.their_error(UpstreamFailure(UNREACHABLE, "UnexpectedUpgrade"))
+            self.abort("UnexpectedUpgrade")
+            return
         if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): skipped
             self._interim = True
             self.response.headers.clear()

@@ -38,7 +38,9 @@ logger = logging.getLogger("cachetally.upstream")
 MAX_CONNECTIONS = 1024
 #: Idle connections older than this are closed rather than reused: below the 5 s keep-alive
 #: of uvicorn-based servers (vLLM, SGLang), so that we, not the upstream, end an idle
-#: connection, and a request is never sent on one the upstream is closing.
+#: connection. An upstream that announces a shorter one (``Keep-Alive: timeout=N``) gets
+#: 80% of it; a request caught by the upstream's close anyway is sent once more when it
+#: cannot have been acted on (:mod:`proxy.upstream.resend`).
 KEEPALIVE_EXPIRY_S = 4.0
 
 

@@ -59,3 +59,14 @@ def declared_length(headers: Headers) -> int | None:
 def response_headers(headers: Headers) -> Headers:
     """The upstream's response headers as sent to the client (``Content-Length`` kept)."""
     return _filter(headers, _RESPONSE_ONLY)
+
+
+def keep_alive_timeout(value: bytes) -> float | None:
+    """The ``timeout=`` of a ``Keep-Alive`` header (RFC 2068 §19.7.1.1: ``timeout=5, max=100``),
+    in seconds; ``None`` when it names none, or none that is a whole number of seconds."""
+    for param in value.split(b","):
+        name, _, number = param.partition(b"=")
+        if name.strip().lower() == b"timeout":
+            number = number.strip().strip(b'"')
+            return float(number) if number.isdigit() and len(number) <= 9 else None
+    return None

@@ -1,16 +1,11 @@
 """The upstream connection pool: HTTP/1.1 keep-alive connections to one origin, and a fair wait queue.
 
-Departure from DESIGN.md, which names httpx for upstream forwarding (the owner's choice):
-issue 6 measured the alternatives and chose by the numbers. In process, one
-non-streaming request to the sim took 148-179 µs of CPU through ``aiohttp.ClientSession``
-against 44 µs for a raw socket exchange and 39-77 µs for this client; httpx measured 3.5
-times aiohttp's cost (docs/PERFORMANCE.md). What is written here is only the client side
-of a keep-alive pool; parsing the response is httptools (llhttp), checked against h11 in
-the tests. Issue 12 found that the first version let one request's bytes reach the
-upstream as part of another's; it now keeps h11's two explicit states per exchange
-(:mod:`proxy.upstream.connection`), validates everything it writes
-(:mod:`proxy.upstream.wire`) and is tested against h11 as an independent parser, with a
-Hypothesis state machine over interleavings (tests/test_upstream_interleavings.py).
+Chosen over httpx and aiohttp by measurement (docs/PERFORMANCE.md). Only the client side
+of a keep-alive pool is written here; the response is parsed by httptools (llhttp). Each
+exchange keeps h11's two explicit states (:mod:`proxy.upstream.connection`), everything
+written is validated (:mod:`proxy.upstream.wire`), and the pool is tested against h11 as
+an independent parser, with a Hypothesis state machine over interleavings
+(tests/test_upstream_interleavings.py).
 
 What is sent: the request line with the target as the client sent it, ``Host`` from the
 configured origin, the client's end-to-end headers, then the pool's own framing; nothing
@@ -24,8 +19,12 @@ reused only if the upload still completes; if the client leaves or the body is i
 it is dropped.
 
 Connections: at most ``max_connections`` open or opening; idle ones reused last-in
-first-out while younger than ``keepalive_s`` since the upstream last finished a response
-(checked when pooled and when taken). A request that finds none free waits in a FIFO
+first-out while younger than ``keepalive_s`` since the upstream last finished a response,
+or than 80% of the idle time the upstream announced (``Keep-Alive: timeout=N``) if that is
+shorter (checked when pooled and when taken). A request the upstream cannot have acted on
+is sent once more, on a new connection: written in full on a connection reused from idle,
+which then closed before one byte of response; a non-idempotent one only when the
+connection was reset (:mod:`proxy.upstream.resend`). A request that finds none free waits in a FIFO
 queue: a freed connection, or a freed place to connect, is handed to exactly one waiter,
 and a waiter that leaves (timeout, cancel) as it is handed one passes it on. Waiting past
 ``connect_timeout_s`` is a 503. ``https://`` origins verify certificates (system CAs, or
@@ -41,6 +40,7 @@ from collections.abc import AsyncIterable
 
 from proxy.upstream.client import POOL_FULL, TIMED_OUT, UNREACHABLE, Headers, Origin, UpstreamFailure
 from proxy.upstream.connection import SEND_BODY, Connection
+from proxy.upstream.resend import may_resend
 from proxy.upstream.response import Http1Response
 from proxy.upstream.wire import LengthCheck, framing_for, request_head
 
@@ -77,9 +77,21 @@ class Http1Pool:
         self, method: str, target: bytes, headers: Headers, body: bytes | AsyncIterable[bytes],
         length: int | None = None,
     ) -> Http1Response:
-        in_hand = isinstance(body, bytes)
-        framing = framing_for(method, len(body) if in_hand else None, length)  # type: ignore[arg-type]
+        framing = framing_for(method, len(body) if isinstance(body, bytes) else None, length)
         head = request_head(method, self.origin.base_path + target, self.origin.host_header, headers, framing)
+        try:
+            return await self._exchange(method, head, body, length)
+        except UpstreamFailure as failure:
+            if not failure.resendable:
+                raise
+            # Once, on a new connection: the others idle as long are as likely to be closing.
+            self._close_idle()
+            return await self._exchange(method, head, body, length)
+
+    async def _exchange(
+        self, method: str, head: bytes, body: bytes | AsyncIterable[bytes], length: int | None
+    ) -> Http1Response:
+        in_hand = isinstance(body, bytes)
         conn = await self._acquire()
         response = Http1Response(conn, self.loop, self._read_timeout_s)
         conn.begin(response, method == "HEAD")
@@ -101,8 +113,10 @@ class Http1Pool:
                 if response.error is not None:
                     raise response.error
                 await response.wait()
-        except BaseException:
+        except BaseException as exc:
             response.close()  # pooled only if both sides are done (a cancel can land after the end)
+            if isinstance(exc, UpstreamFailure) and may_resend(method, in_hand, conn, exc):
+                exc.resendable = True
             raise
         return response
 
@@ -141,7 +155,7 @@ class Http1Pool:
             now = self.loop.time()
             while self._idle:
                 conn = self._idle.pop()
-                if not conn.closed and now - conn.idle_since < self._keepalive_s:
+                if conn.fresh(now, self._keepalive_s):
                     return conn
                 conn.close()
             if self._closed:
@@ -235,7 +249,7 @@ class Http1Pool:
     def _pool(self, conn: Connection) -> None:
         if conn.closed:
             return
-        if self.loop.time() - conn.idle_since >= self._keepalive_s:
+        if not conn.fresh(self.loop.time(), self._keepalive_s):
             conn.close()  # the upstream may be closing it already
         elif not self._hand(conn):
             self._idle.append(conn)
@@ -252,11 +266,14 @@ class Http1Pool:
         idle = sum(1 for conn in self._idle if not conn.closed)
         return self._slots, idle, self._slots - idle, len(self._waiters)
 
-    async def aclose(self) -> None:
-        self._closed = True
+    def _close_idle(self) -> None:
         for conn in list(self._idle):
             conn.close()
         self._idle.clear()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._close_idle()
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():

@@ -1,0 +1,88 @@
+"""The ghost hold over any ``n``, any interleaving of choices, and any cut of the bytes.
+
+Upstream mode asks for a usage chunk the client did not and drops it; finishing chunks
+wait for it to get its ``system_fingerprint`` back. Whatever Hypothesis draws, the client
+must get: every chunk but the usage one, each choice's chunks in their order, the
+finishing ones stamped, ``[DONE]`` last, and every chunk of a choice still generating as
+soon as its bytes are complete, never held behind another choice's finish.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine_adapter.engine import Receive, Scope, Send
+from proxy.middleware import PatchConfig
+from tests.test_middleware import DONE, GHOST_USAGE, ROLE, Client, Harness, chat_request, finishing, start
+
+
+def token(index: int, k: int) -> bytes:
+    payload = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m",
+               "choices": [{"index": index, "delta": {"content": f"t{k}"}, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> tuple[list[bytes], list[int]]:
+    """vLLM's events for n choices, interleaved as the engine steps them; and where to cut."""
+    n = draw(st.integers(1, 3))
+    left = [draw(st.integers(0, 3)) for _ in range(n)]
+    order = draw(st.permutations([i for i in range(n) for _ in range(left[i] + 1)]))
+    events, done = [ROLE], [0] * n
+    for choice in order:
+        events.append(token(choice, done[choice]) if done[choice] < left[choice] else finishing(choice))
+        done[choice] += 1
+    events += [GHOST_USAGE, DONE]
+    size = sum(map(len, events))
+    cuts = sorted(set(draw(st.lists(st.integers(1, size - 1), max_size=6))))
+    return events, cuts
+
+
+@pytest.mark.asyncio
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(streams())
+async def test_the_ghost_hold_holds_only_finishing_chunks(stream: tuple[list[bytes], list[int]]) -> None:
+    events, cuts = stream
+    wire = b"".join(events)
+    h = Harness(PatchConfig(ghost_usage=True))
+    client = Client(chat_request(stream=True))
+    sent_so_far: list[tuple[int, bytes]] = []  # (bytes of the wire sent, what the client had then)
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        await start(send, b"text/event-stream")
+        at = 0
+        for cut in [*cuts, len(wire)]:
+            await send({"type": "http.response.body", "body": wire[at:cut], "more_body": True})
+            at = cut
+            sent_so_far.append((at, client.body))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    await h.call(h.middleware(respond), client)
+
+    stamped = {e: finishing(orjson.loads(e[6:])["choices"][0]["index"], system_fingerprint="fp-1")
+               for e in events if b'"finish_reason":"' in e}
+    expected = [stamped.get(e, e) for e in events if e != GHOST_USAGE]
+    got = client.body.split(b"\n\n")[:-1]
+    got = [e + b"\n\n" for e in got]
+    assert sorted(got) == sorted(expected)  # nothing lost, added or changed but the stamp
+    assert got[-1] == DONE
+    passing = [e for e in expected if e not in stamped.values()]
+    assert [e for e in got if e not in stamped.values()] == passing  # in their order
+    for choice in {orjson.loads(e[6:])["choices"][0]["index"] for e in events if e not in (ROLE, GHOST_USAGE, DONE)}:
+        mine = [e for e in expected if e not in (ROLE, DONE) and orjson.loads(e[6:])["choices"][0]["index"] == choice]
+        assert [e for e in got if e in mine] == mine  # each choice in its own order
+    if len(stamped) == 1:
+        assert client.body == b"".join(expected)  # n = 1: byte-identical to vLLM without usage
+    # Liveness: a chunk that does not finish reaches the client once its bytes are all sent.
+    offset = 0
+    ends = []
+    for e in events:
+        offset += len(e)
+        ends.append(offset)
+    for at, seen in sent_so_far:
+        for e, end in zip(events, ends, strict=True):
+            if end <= at and e in passing and e not in (DONE,):
+                assert e in seen

@@ -1,0 +1,195 @@
+"""Request options are read as the engine reads them: pydantic's lax mode is the oracle.
+
+vLLM's request models (``chat_completion/protocol.py``, ``completion/protocol.py``,
+``generate/base/protocol.py``: ``stream: bool | None = False``, ``stream_options:
+StreamOptions | None``, ``include_usage`` and ``continuous_usage_stats`` as ``bool | None``,
+and a raw "options need a stream" check before parsing) are mirrored below as pydantic
+models; :mod:`proxy.request_body` and the sim's parser are held against them over arbitrary
+JSON values. Then, through real HTTP in upstream mode, a client sending ``"stream": "true"``
+gets exactly the stream it asked for and its usage record carries the upstream's figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
+
+from engine_adapter.sim.protocol import RequestError
+from engine_adapter.sim.protocol import lax_bool as sim_lax_bool
+from proxy.app import CachetallyApp
+from proxy.request_body import lax_bool, optional_bool, parse_request, stream_options_of
+from proxy.settings import Settings
+from tests.servers import running_server
+from tests.test_upstream import events, fresh_prompt, serve_in_thread
+
+_PYDANTIC_BOOL = TypeAdapter(bool | None)
+
+_WORDS = ["1", "0", "on", "off", "t", "f", "true", "false", "y", "n", "yes", "no", "True ", " 1", "2", "", "K", "ſ"]
+
+
+def _cased(word: str) -> st.SearchStrategy[str]:
+    return st.lists(st.booleans(), min_size=len(word), max_size=len(word)).map(
+        lambda upper: "".join(c.upper() if u else c for c, u in zip(word, upper, strict=True))
+    )
+
+
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-3, max_value=3),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.sampled_from([0.0, -0.0, 1.0, 1.0000001, 0.5]),
+    st.sampled_from(_WORDS).flatmap(_cased),
+    st.text(max_size=6),
+)
+JSON = st.recursive(
+    _SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def validate_stream_options(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return data
+
+
+def _vllm_reads(payload: dict[str, Any]) -> tuple[bool, bool, bool] | None:
+    """(stream, include_usage, continuous) as vLLM's ``should_include_usage`` sees them; None: a 400."""
+    try:
+        request = _Request.model_validate(payload)
+    except ValidationError:
+        return None
+    options = request.stream_options
+    include = bool(options.include_usage) if options else False
+    continuous = include and bool(options.continuous_usage_stats) if options else False
+    return bool(request.stream), include, continuous
+
+
+@given(JSON)
+def test_a_flag_is_read_as_pydantic_reads_a_bool(value: Any) -> None:
+    try:
+        expected: bool | None = bool(_PYDANTIC_BOOL.validate_python(value))
+    except ValidationError:
+        expected = None
+    try:
+        ours: bool | None = optional_bool(value)
+    except ValueError:
+        ours = None
+    try:
+        sim: bool | None = sim_lax_bool(value, "stream")
+    except RequestError:
+        sim = None
+    assert ours == expected and sim == expected
+    if value is not None and expected is not None:
+        assert lax_bool(value) == expected
+
+
+_BODIES = st.fixed_dictionaries(
+    {},
+    optional={
+        "stream": JSON,
+        "stream_options": JSON | st.fixed_dictionaries({}, optional={"include_usage": JSON, "continuous_usage_stats": JSON}),
+    },
+)
+
+
+@given(_BODIES)
+def test_stream_options_are_read_as_vllm_reads_them(payload: dict[str, Any]) -> None:
+    expected = _vllm_reads(payload)
+    try:
+        ours: tuple[bool, bool, bool] | None = stream_options_of(payload)
+    except ValueError:
+        ours = None
+    assert ours == expected
+    _, options = parse_request(orjson.dumps(payload))
+    assert options.valid == (expected is not None)
+    # A body the engine refuses is never billed as a stream.
+    assert options.stream == (expected is not None and expected[0])
+
+
+# -- through real HTTP in upstream mode ------------------------------------------------------
+
+SIM = ["-m", "engine_adapter.sim", "--log-level", "warning", "--report-cached-tokens"]
+
+
+@pytest.mark.loopback
+@pytest.mark.parametrize("stream", [True, "true", 1, "on", "YES", 1.0])
+def test_a_stream_flag_vllm_reads_as_true_is_billed_and_the_client_gets_what_it_asked(
+    tmp_path: Path, stream: Any
+) -> None:
+    usage_dir = tmp_path / "usage"
+    prompt = fresh_prompt()
+    bodies = [
+        {"model": "sim-model", "prompt": prompt, "max_tokens": 3, "stream": stream},
+        {"model": "sim-model", "prompt": prompt, "max_tokens": 3, "stream": stream, "stream_options": {"include_usage": 1}},
+        {"model": "sim-model", "prompt": prompt, "max_tokens": 3, "stream": stream, "stream_options": {"include_usage": "on"}},
+    ]
+    with contextlib.ExitStack() as stack:
+        sim_url, _ = stack.enter_context(running_server(SIM, timeout_s=20))
+        settings = Settings(engine="upstream", upstream=sim_url, usage_dir=str(usage_dir)).validate()
+        with serve_in_thread(CachetallyApp(settings)) as url, httpx.Client(timeout=10) as client:
+            seen = []
+            for number, body in enumerate(bodies):
+                with client.stream(
+                    "POST", f"{url}/v1/completions", content=orjson.dumps(body), headers={"x-request-id": f"r{number}"}
+                ) as resp:
+                    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+                    seen.append(events(b"".join(resp.iter_raw())))
+    plain, *asked = seen
+    assert plain[-1] == "[DONE]" and all("usage" not in e or e["usage"] is None for e in plain[:-1])
+    for stream_events in asked:
+        [usage_chunk] = [e for e in stream_events[:-1] if e.get("usage")]
+        assert usage_chunk["choices"] == [] and usage_chunk["usage"]["prompt_tokens"] == 600
+        assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] == 592
+    records = sorted(
+        (orjson.loads(line) for path in usage_dir.glob("*.jsonl") for line in path.read_bytes().splitlines()),
+        key=lambda r: r["request_id"],
+    )
+    assert [(r["request_id"], r["stream"], r["prompt_tokens"], r["cached_tokens"]) for r in records] == [
+        ("r0", True, 600, 0),
+        ("r1", True, 600, 592),
+        ("r2", True, 600, 592),
+    ]
+
+
+@pytest.mark.loopback
+def test_a_stream_flag_vllm_refuses_is_a_400_and_no_stream(tmp_path: Path) -> None:
+    usage_dir = tmp_path / "usage"
+    body = {"model": "sim-model", "prompt": "hi", "max_tokens": 3, "stream": "maybe"}
+    with contextlib.ExitStack() as stack:
+        sim_url, _ = stack.enter_context(running_server(SIM, timeout_s=20))
+        settings = Settings(engine="upstream", upstream=sim_url, usage_dir=str(usage_dir)).validate()
+        with serve_in_thread(CachetallyApp(settings)) as url:
+            resp = httpx.post(f"{url}/v1/completions", content=orjson.dumps(body), timeout=10)
+            # stream_options that would be valid if the proxy rewrote them must stay refused too
+            refused = httpx.post(
+                f"{url}/v1/completions",
+                content=orjson.dumps({**body, "stream": True, "stream_options": {"include_usage": "maybe"}}),
+                timeout=10,
+            )
+    assert resp.status_code == 400 and refused.status_code == 400
+    records = [orjson.loads(line) for path in usage_dir.glob("*.jsonl") for line in path.read_bytes().splitlines()]
+    assert [(r["status"], r["stream"], r["prompt_tokens"]) for r in records] == [(400, False, None), (400, False, None)]

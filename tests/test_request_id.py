@@ -1,0 +1,105 @@
+"""Request-id keys: unique among in-flight requests of every process, with nothing that can fail.
+
+Several processes behind one port keep one ledger each; a client's id gets the process's
+tag as its last key component (:func:`proxy.request_id.process_tag`), so no shared state
+(no claims directory, no I/O) is needed. The keys are held unique across processes for
+arbitrary ids by Hypothesis, and through real HTTP a server whose multiprocess directory
+suffers a full disk, no file descriptors left, or a tmp cleaner answers every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.app import CachetallyApp
+from proxy.request_id import RequestIds, is_valid_request_id, process_tag
+from proxy.settings import Settings
+from tests.test_upstream import serve_in_thread
+
+_IDS = st.from_regex(r"[A-Za-z0-9._:-]{1,128}", fullmatch=True)
+_TAGS = st.integers(min_value=1, max_value=2**22).map(lambda pid: f".p{pid}")
+
+
+@given(_IDS, _IDS, _TAGS, _TAGS, st.integers(0, 3), st.integers(0, 3))
+def test_two_processes_never_give_out_the_same_key(
+    first: str, second: str, tag_a: str, tag_b: str, taken_a: int, taken_b: int
+) -> None:
+    """Whatever ids clients send, and however many keys each process already holds."""
+    ids = RequestIds()
+
+    def taking_after(misses: int) -> Any:
+        left = [misses]
+
+        def take(key: str) -> bool:
+            left[0] -= 1
+            return left[0] < 0
+
+        return take
+
+    key_a = ids.unique_key(first, taking_after(taken_a), tag_a)
+    key_b = ids.unique_key(second, taking_after(taken_b), tag_b)
+    assert all(is_valid_request_id(key) for key in (key_a, key_b))
+    assert key_a.endswith(tag_a) and key_b.endswith(tag_b)
+    if tag_a != tag_b:
+        assert key_a != key_b
+
+
+def test_the_tag_is_this_processes_own() -> None:
+    assert process_tag() == f".p{os.getpid()}"
+
+
+FAULTS = {
+    "ENOSPC": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    "EMFILE": OSError(errno.EMFILE, os.strerror(errno.EMFILE)),
+}
+
+
+@pytest.mark.loopback
+@pytest.mark.parametrize("fault", ["ENOSPC", "EMFILE", "directory-removed"])
+def test_a_filesystem_fault_fails_no_request_with_an_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """Several processes' mode (a multiprocess directory); four requests share one id at once."""
+    mp_dir = tmp_path / "mp"
+    mp_dir.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mp_dir))
+    if fault in FAULTS:
+        real_open = os.open
+
+        def failing_open(path: Any, *args: Any, **kwargs: Any) -> int:
+            if str(path).startswith(str(mp_dir)):
+                raise FAULTS[fault]
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", failing_open)
+    usage = tmp_path / "usage"
+    settings = Settings(engine="sim", usage_dir=str(usage), sim_token_delay_s=0.02).validate()
+    body = {"model": "sim-model", "prompt": "one id for all", "max_tokens": 5}
+
+    async def burst(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            return await asyncio.gather(*(
+                client.post("/v1/completions", json=body, headers={"x-request-id": "shared-id"}) for _ in range(4)
+            ))
+
+    with serve_in_thread(CachetallyApp(settings)) as url:
+        if fault == "directory-removed":
+            for child in mp_dir.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child)
+        responses = asyncio.run(burst(url))
+    assert [(r.status_code, r.headers["x-request-id"]) for r in responses] == [(200, "shared-id")] * 4
+    records = [orjson.loads(line) for path in usage.glob("*.jsonl") for line in path.read_bytes().splitlines()]
+    keys = [record["request_id"] for record in records]
+    assert len(set(keys)) == 4 and all(key.startswith("shared-id") and key.endswith(process_tag()) for key in keys)
