@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
