@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.records import jsonl, otlp
@@ -49,20 +49,20 @@ def usage(n: int) -> UsageRecord:
 
 
 class FaultyOs:
-    """``os`` for the JSONL sink's module, failing calls as ``schedule`` says: one entry per
-    call to ``open``, ``write``, ``fsync``, ``ftruncate`` or ``close``, in call order;
-    ``(fault, k)`` where ``k`` is a short write's length. Past the schedule, every call
-    succeeds."""
+    """``os`` for the JSONL sink's module, failing calls as ``schedule`` says: per call
+    (``open``, ``write``, ``fsync``, ``ftruncate``, ``close``), one entry for each of its
+    calls in order, ``(fault, k)`` where ``k`` is a short write's length. Past its list,
+    every call succeeds."""
 
-    def __init__(self, schedule: list[tuple[str, int]]) -> None:
-        self._schedule = iter(schedule)
+    def __init__(self, schedule: dict[str, list[tuple[str, int]]]) -> None:
+        self._schedule = {call: iter(faults) for call, faults in schedule.items()}
         self.injected: Counter[str] = Counter()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
 
     def _fault(self, call: str) -> tuple[str, int]:
-        fault, k = next(self._schedule, ("ok", 0))
+        fault, k = next(self._schedule.get(call, iter(())), ("ok", 0))
         if fault != "ok":
             self.injected[f"{call} {fault}"] += 1
         return fault, k
@@ -106,7 +106,7 @@ class FaultyOs:
 
 
 @contextlib.contextmanager
-def faulty_os(schedule: list[tuple[str, int]]) -> Iterator[FaultyOs]:
+def faulty_os(schedule: dict[str, list[tuple[str, int]]]) -> Iterator[FaultyOs]:
     shim = FaultyOs(schedule)
     jsonl.os = shim  # type: ignore[assignment]
     try:
@@ -132,14 +132,23 @@ def check_outcome(present: Counter[str], submitted: int, written: float, dropped
     assert written <= len(present) <= written + unconfirmed  # counted written: in the output
 
 
-schedules = st.lists(st.tuples(st.sampled_from(FAULTS), st.integers(1, 3000)), max_size=60)
+CALLS = ("open", "write", "fsync", "ftruncate", "close")
+schedules = st.fixed_dictionaries(
+    {call: st.lists(st.tuples(st.sampled_from(FAULTS), st.integers(1, 3000)), max_size=16) for call in CALLS}
+)
 rounds = st.lists(st.integers(0, 12), min_size=1, max_size=6)
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedule=schedules, rounds=rounds, max_file=st.integers(300, 6000), max_queued=st.integers(1, 40))
+# The issue's case: fsync EIO, and the cut back fails too (it was written twice).
+@example(schedule={"fsync": [("ok", 0), ("eio", 0)], "ftruncate": [("eio", 0)]}, rounds=[3], max_file=6000,
+         max_queued=40)
+# The disk fills mid-batch (one whole line and a torn one), the cut fails, an fsync works.
+@example(schedule={"write": [("short", 600), ("enospc", 0)], "ftruncate": [("eio", 0)]}, rounds=[3],
+         max_file=6000, max_queued=40)
 def test_jsonl_writes_each_record_once_or_counts_it_under_any_fault_schedule(
-    schedule: list[tuple[str, int]], rounds: list[int], max_file: int, max_queued: int
+    schedule: dict[str, list[tuple[str, int]]], rounds: list[int], max_file: int, max_queued: int
 ) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "usage"

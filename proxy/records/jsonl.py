@@ -105,8 +105,18 @@ class JsonlSink:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         path = self.directory / f"usage-{stamp}-{os.getpid()}-{self._files:04d}.jsonl"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-        self._fd = os.open(path, flags, 0o640)
-        self._size = 0
+        fd = os.open(path, flags, 0o640)
+        try:  # the new name on disk too, or a power loss could take a file of fsync'd records
+            directory = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        self._fd, self._size = fd, 0
         self.paths.append(path)
 
     def _abandon(self) -> None:
