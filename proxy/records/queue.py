@@ -21,8 +21,8 @@ Every record submitted ends counted exactly once, in
   gives each record to exactly one of them;
 - when the thread does not finish within ``stop``'s timeout (a sink stuck in a write),
   ``stop`` counts the batch in the sink's hands as ``unconfirmed`` and what is still queued
-  as ``stopped``; a lock, taken once per flush by the thread, keeps the two from both
-  counting a batch.
+  as ``stopped``; a lock, which the thread takes when it takes a batch and when it counts
+  one (never on the event loop), keeps the two from both counting a batch.
 
 Drops are counted per sink and reason and logged at most once a minute, with the count
 since the last line. ``DropCounts.listener`` and ``SinkWorker.on_written`` tell metrics of
