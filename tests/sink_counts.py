@@ -11,6 +11,7 @@ import orjson
 
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
+from proxy.records.record import UsageRecord
 from proxy.records.recorder import Recorder
 from tests.servers import metric_value
 
@@ -36,13 +37,22 @@ def counters(metrics: Metrics, sink: str) -> tuple[float, dict[str, float]]:
 
 def ids_in_files(directory: Path) -> Counter[str]:
     """Request ids of the lines that parse as JSON objects, as ``cachetally report`` reads
-    them (a torn line is no record)."""
+    them (a torn line is no record); asserts that a torn line only ever ends a file, where
+    an abandoned file's last write may leave one."""
     seen: Counter[str] = Counter()
     for path in sorted(directory.glob("*.jsonl")):
-        for line in path.read_bytes().splitlines():
+        lines = path.read_bytes().split(b"\n")
+        for number, line in enumerate(lines, 1):
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError:
+                assert number == len(lines), f"{path.name}: line {number} of {len(lines)} is torn"
                 continue
             seen[obj["request_id"]] += 1
     return seen
+
+
+def usage(n: int) -> UsageRecord:
+    """A record with id ``r<n>``."""
+    return UsageRecord(request_id=f"r{n}", tenant="t", route="chat", stream=False, start_unix=1.7e9,
+                       end_unix=1.7e9 + 1, prompt_tokens=100, cached_tokens=n, completion_tokens=5)

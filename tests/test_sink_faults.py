@@ -28,22 +28,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import orjson
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.records import jsonl, otlp
 from proxy.records.jsonl import JsonlSink
-from proxy.records.record import UsageRecord
 from proxy.records.recorder import Recorder
-from tests.sink_counts import counters, ids_in_files, watched
+from tests.sink_counts import counters, ids_in_files, usage, watched
 
 FAULTS = ("ok", "ok", "ok", "ok", "enospc", "eio", "short", "eperm")
-
-
-def usage(n: int) -> UsageRecord:
-    return UsageRecord(request_id=f"r{n}", tenant="t", route="chat", stream=False, start_unix=1.7e9,
-                       end_unix=1.7e9 + 1, prompt_tokens=100, cached_tokens=n, completion_tokens=5)
 
 
 class FaultyOs:
@@ -113,15 +106,6 @@ def faulty_os(schedule: dict[str, list[tuple[str, int]]]) -> Iterator[FaultyOs]:
         jsonl.os = os
 
 
-def check_files(directory: Path) -> Counter[str]:
-    """Request ids in the files; a torn line may only end a file (the file was abandoned)."""
-    for path in directory.glob("*.jsonl"):
-        lines = path.read_bytes().split(b"\n")
-        for line in lines[:-1]:
-            orjson.loads(line)  # every line but the last whole: raises on a torn one
-    return ids_in_files(directory)
-
-
 def check_outcome(present: Counter[str], submitted: int, written: float, dropped: dict[str, float]) -> None:
     assert set(present) <= {f"r{n}" for n in range(submitted)}
     assert max(present.values(), default=1) == 1, f"written twice: {[i for i, c in present.items() if c > 1]}"
@@ -164,7 +148,7 @@ def test_jsonl_writes_each_record_once_or_counts_it_under_any_fault_schedule(
         written, dropped = counters(metrics, "jsonl")
         for fault in [*shim.injected, *(f"dropped {reason}" for reason in dropped)]:
             event(fault)  # --hypothesis-show-statistics: how often each was drawn
-        check_outcome(check_files(directory), submitted, written, dropped)
+        check_outcome(ids_in_files(directory), submitted, written, dropped)
 
 
 class ScriptedExporter:

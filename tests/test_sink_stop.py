@@ -13,7 +13,7 @@ from collections import Counter
 
 from proxy.records.queue import Delivery, DropCounts, SinkWorker
 from proxy.records.record import UsageRecord
-from tests.test_sink_faults import usage
+from tests.sink_counts import usage
 
 
 class _Kept:
