@@ -1,5 +1,9 @@
 """A test OTLP/HTTP trace receiver on 127.0.0.1: decodes what an exporter sends with
-opentelemetry-proto (not with our code) and keeps every span's attributes."""
+opentelemetry-proto (not with our code) and keeps every span's attributes.
+
+``status`` (default 200) is what it answers; only spans of a request it answers 200 are
+kept, as a collector that refuses a request (4xx) or fails it (5xx) has not taken them.
+``requests`` counts every request, whatever the answer."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ class ReceivedSpan:
     status_code: int
     trace_id: str
     parent_span_id: str
+    span_id: str
 
 
 @dataclass
@@ -37,6 +42,7 @@ class Receiver:
     url: str
     spans: list[ReceivedSpan] = field(default_factory=list)
     requests: int = 0
+    status: int = 200
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> list[ReceivedSpan]:
@@ -71,17 +77,18 @@ def otlp_receiver() -> Iterator[Receiver]:
             request.ParseFromString(body)
             with receiver.lock:
                 receiver.requests += 1
-                for resource_spans in request.resource_spans:
+                status = receiver.status
+                for resource_spans in request.resource_spans if status == 200 else ():
                     resource = _attributes(resource_spans.resource.attributes)
                     for scope_spans in resource_spans.scope_spans:
                         for span in scope_spans.spans:
                             receiver.spans.append(ReceivedSpan(
                                 span.name, span.kind, _attributes(span.attributes), resource,
                                 span.start_time_unix_nano, span.end_time_unix_nano, span.status.code,
-                                span.trace_id.hex(), span.parent_span_id.hex(),
+                                span.trace_id.hex(), span.parent_span_id.hex(), span.span_id.hex(),
                             ))
             answer = ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("content-type", "application/x-protobuf")
             self.send_header("content-length", str(len(answer)))
             self.end_headers()

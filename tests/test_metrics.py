@@ -20,6 +20,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from engine_adapter.events import Scheduled
 from proxy.ledger import UsageLedger
 from proxy.metrics import _RATIO_BUCKETS, _TOKEN_BUCKETS, Metrics, RequestRecord
+from proxy.records.queue import Delivery
 from proxy.records.recorder import Recorder
 from proxy.stats import CacheStats
 
@@ -143,8 +144,9 @@ class _Sink:
     def __init__(self, name: str, lossy: bool = False) -> None:
         self.name, self.lossy = name, lossy
 
-    def write(self, batch: list[int]) -> int:
-        return sum(record % 2 for record in batch) if self.lossy else 0
+    def write(self, batch: list[int]) -> Delivery:
+        lost = sum(record % 2 for record in batch) if self.lossy else 0
+        return Delivery(written=len(batch) - lost, lost=lost)
 
     def close(self) -> None:
         pass

@@ -26,7 +26,7 @@ from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
 from proxy.middleware import PatchConfig, UsagePatchMiddleware
 from proxy.records.jsonl import JsonlSink
-from proxy.records.queue import DropCounts, SinkWorker
+from proxy.records.queue import Delivery, DropCounts, SinkWorker
 from proxy.records.record import UsageRecord
 from proxy.settings import Settings
 from tests.servers import metric_value
@@ -204,7 +204,7 @@ def test_a_full_queue_drops_and_counts_and_logs_once_a_minute(caplog: pytest.Log
     class Stuck:
         name, failure = "stuck", "write_failed"
 
-        def write(self, batch: list[UsageRecord]) -> int:
+        def write(self, batch: list[UsageRecord]) -> Delivery:
             raise AssertionError("never started")
 
         def close(self) -> None: ...

@@ -121,23 +121,6 @@ def test_a_failing_sink_costs_requests_nothing(tmp_path: Path, failing) -> None:
     assert 1 <= text.count("usage records dropped") <= 2  # the first drop, and the rest at stop
 
 
-def test_a_dead_collector_is_tried_once_per_flush_not_once_per_span_batch() -> None:
-    from proxy.records.otlp import MAX_BATCH, OtlpSink
-    from proxy.records.record import UsageRecord
-
-    sink = OtlpSink(f"http://127.0.0.1:{free_port()}/v1/traces", timeout_s=0.5)
-    calls = []
-    real = sink._exporter.export
-    sink._exporter.export = lambda spans: calls.append(len(spans)) or real(spans)  # type: ignore[method-assign]
-    batch = [UsageRecord(request_id=f"r{n}", tenant="t", route="chat", stream=False, start_unix=1.7e9,
-                         end_unix=1.7e9 + 1) for n in range(2 * MAX_BATCH + 10)]
-    try:
-        assert sink.write(batch) == len(batch)
-    finally:
-        sink.close()
-    assert calls == [MAX_BATCH]
-
-
 def _records(usage: Path) -> list[dict]:
     import orjson
 

@@ -1,0 +1,58 @@
+"""Reading a recorder's outcome as a user would: the counters of a real Prometheus registry
+(``Metrics.watch_recorder``, the same hooks ``/metrics`` serves) and the JSONL files parsed
+line by line, independently of the sink."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import orjson
+
+from proxy.ledger import UsageLedger
+from proxy.metrics import Metrics
+from proxy.records.record import UsageRecord
+from proxy.records.recorder import Recorder
+from tests.servers import metric_value
+
+
+def watched(recorder: Recorder) -> Metrics:
+    metrics = Metrics(UsageLedger())
+    metrics.watch_recorder(recorder)
+    return metrics
+
+
+def counters(metrics: Metrics, sink: str) -> tuple[float, dict[str, float]]:
+    """(``written_total``, ``dropped_total`` by reason) of ``sink``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = metrics.exposition().decode()
+    dropped: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "cachetally_usage_records_dropped_total" and sample.labels["sink"] == sink:
+                dropped[sample.labels["reason"]] = sample.value
+    return metric_value(text, "cachetally_usage_records_written_total", sink=sink), dropped
+
+
+def ids_in_files(directory: Path) -> Counter[str]:
+    """Request ids of the lines that parse as JSON objects, as ``cachetally report`` reads
+    them (a torn line is no record); asserts that a torn line only ever ends a file, where
+    an abandoned file's last write may leave one."""
+    seen: Counter[str] = Counter()
+    for path in sorted(directory.glob("*.jsonl")):
+        lines = path.read_bytes().split(b"\n")
+        for number, line in enumerate(lines, 1):
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                assert number == len(lines), f"{path.name}: line {number} of {len(lines)} is torn"
+                continue
+            seen[obj["request_id"]] += 1
+    return seen
+
+
+def usage(n: int) -> UsageRecord:
+    """A record with id ``r<n>``."""
+    return UsageRecord(request_id=f"r{n}", tenant="t", route="chat", stream=False, start_unix=1.7e9,
+                       end_unix=1.7e9 + 1, prompt_tokens=100, cached_tokens=n, completion_tokens=5)

@@ -1,0 +1,143 @@
+"""The OTLP sink exports every record, whatever the caller's trace flags or the
+environment's OpenTelemetry settings, and counts what the collector did not take.
+
+The real SDK exporter sends to the test receiver on loopback (:mod:`tests.otlp_receiver`,
+which decodes the protobuf with opentelemetry-proto); the counters are read from a real
+Prometheus registry. Sampling is for traces, not for billing data: a client sending
+``traceparent: 00-...-00`` (not sampled) must still be billed, and its span must still
+join its trace.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from proxy.records.otlp import MAX_BATCH, OtlpSink
+from proxy.records.record import UsageRecord
+from proxy.records.recorder import Recorder
+from tests.otlp_receiver import Receiver, otlp_receiver
+from tests.servers import metric_value, running_server
+from tests.sink_counts import counters, watched
+
+pytestmark = pytest.mark.loopback
+
+
+def usage(n: int, traceparent: str | None = None) -> UsageRecord:
+    return UsageRecord(request_id=f"r{n}", tenant="t", route="chat", stream=False, start_unix=1.7e9,
+                       end_unix=1.7e9 + 1, prompt_tokens=100, cached_tokens=n, completion_tokens=5,
+                       traceparent=traceparent)
+
+
+def export(receiver: Receiver, records: list[UsageRecord], timeout_s: float = 5.0) -> tuple[float, dict[str, float]]:
+    recorder = Recorder([OtlpSink(receiver.url, timeout_s=timeout_s)], interval_s=3600)
+    metrics = watched(recorder)
+    recorder.start()
+    for record in records:
+        recorder.submit(record)
+    recorder.stop(timeout_s=60)
+    return counters(metrics, "otlp")
+
+
+ENVIRONMENTS = {
+    "none": {},
+    "sdk disabled": {"OTEL_SDK_DISABLED": "true"},
+    "ratio 0": {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"},
+    "always off": {"OTEL_TRACES_SAMPLER": "always_off"},
+    "parent-based always off": {"OTEL_TRACES_SAMPLER": "parentbased_always_off"},
+    "two attributes": {"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "2", "OTEL_ATTRIBUTE_COUNT_LIMIT": "2"},
+}
+
+
+@pytest.mark.parametrize("environment", ENVIRONMENTS)
+def test_every_record_is_exported_whatever_the_flags_or_the_environment(
+    environment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in ENVIRONMENTS[environment].items():
+        monkeypatch.setenv(name, value)
+    trace, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    records = [
+        usage(0, f"00-{trace}-{parent}-00"),  # the caller's trace, not sampled
+        usage(1, f"00-{trace}-{parent}-01"),  # sampled
+        usage(2),  # no trace context
+        usage(3, "00-not-a-valid-traceparent-01"),
+    ]
+    with otlp_receiver() as receiver:
+        written, dropped = export(receiver, records)
+    spans = {s.attributes["cachetally.request_id"]: s for s in receiver.snapshot()}
+    assert sorted(spans) == ["r0", "r1", "r2", "r3"] and len(receiver.spans) == 4
+    assert (written, dropped) == (4, {})
+    for rid in ("r0", "r1"):
+        assert (spans[rid].trace_id, spans[rid].parent_span_id) == (trace, parent)
+    for rid in ("r2", "r3"):
+        assert spans[rid].trace_id not in ("", "0" * 32, trace) and spans[rid].parent_span_id == ""
+    assert len({s.span_id for s in spans.values()}) == 4
+    for span in spans.values():  # every attribute, whatever the environment's limits
+        assert span.attributes["gen_ai.usage.cache_read.input_tokens"] == int(span.attributes["cachetally.request_id"][1:])
+        assert span.attributes["gen_ai.usage.input_tokens"] == 100
+        assert span.attributes["cachetally.tenant"] == "t"
+
+
+@pytest.mark.parametrize("status", [400, 503])
+def test_a_collector_that_refuses_gets_each_flush_once_and_every_record_is_counted_dropped(status: int) -> None:
+    records = [usage(n) for n in range(2 * MAX_BATCH + 10)]
+    with otlp_receiver() as receiver:
+        receiver.status = status
+        written, dropped = export(receiver, records, timeout_s=1.0)
+    assert receiver.spans == []
+    assert (written, dropped) == (0, {"export_failed": len(records)})
+    if status == 400:  # not retryable: one request for the whole flush, not one per span batch
+        assert receiver.requests == 1
+    else:  # retried within the timeout, then the rest of the flush is not tried
+        assert receiver.requests >= 1
+
+
+def test_a_collector_that_recovers_gets_the_rest_and_the_counts_add_up() -> None:
+    with otlp_receiver() as receiver:
+        recorder = Recorder([OtlpSink(receiver.url, timeout_s=1.0)], interval_s=3600)
+        metrics = watched(recorder)
+        worker = recorder.workers[0]
+        receiver.status = 400
+        for n in range(10):
+            recorder.submit(usage(n))
+        worker.flush()
+        receiver.status = 200
+        for n in range(10, 25):
+            recorder.submit(usage(n))
+        recorder.stop(timeout_s=60)
+    assert sorted(int(s.attributes["cachetally.request_id"][1:]) for s in receiver.spans) == list(range(10, 25))
+    assert counters(metrics, "otlp") == (15, {"export_failed": 10})
+
+
+def test_a_client_sending_an_unsampled_traceparent_is_still_billed_in_its_trace() -> None:
+    """A hostile client over real HTTP, against a server whose environment samples nothing."""
+    trace, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    env = {"OTEL_TRACES_SAMPLER": "always_off"}
+    with otlp_receiver() as receiver:
+        args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning",
+                "--usage-flush-interval", "0.1", "--otlp-endpoint", receiver.url]
+        with running_server(args, env=env) as (url, _), httpx.Client(base_url=url, timeout=30) as client:
+            answers = []
+            for i, flags in enumerate(("00", "00", "01")):
+                headers = {"traceparent": f"00-{trace}-{parent}-{flags}", "x-request-id": f"hostile-{i}"}
+                body: dict = {"prompt": f"bill me {i}", "max_tokens": 3 + i}
+                if i == 1:
+                    body |= {"stream": True, "stream_options": {"include_usage": True}}
+                response = client.post("/v1/completions", json=body, headers=headers)
+                assert response.status_code == 200
+                answers.append(response)
+            deadline = time.monotonic() + 30
+            while len(receiver.snapshot()) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            metrics = client.get("/metrics").text
+    spans = {s.attributes["cachetally.request_id"]: s for s in receiver.snapshot()}
+    assert sorted(spans) == ["hostile-0", "hostile-1", "hostile-2"]
+    for i in range(3):
+        span = spans[f"hostile-{i}"]
+        assert (span.trace_id, span.parent_span_id) == (trace, parent)
+        assert span.attributes["gen_ai.usage.output_tokens"] == 3 + i
+    assert metric_value(metrics, "cachetally_usage_records_written_total", sink="otlp") == 3
+    assert metric_value(metrics, "cachetally_usage_records_dropped_total") == 0

@@ -1,0 +1,88 @@
+"""Stopping the recorder while requests still end: every record is written or counted once.
+
+``submit`` runs on the event loop while ``stop`` drains on another thread. The
+interleavings are forced, not hoped for: a queue whose ``append`` runs the whole stop
+between ``submit``'s checks and its append, and a sink held inside its ``write`` past the
+stop's timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from proxy.records.queue import Delivery, DropCounts, SinkWorker
+from proxy.records.record import UsageRecord
+from tests.sink_counts import usage
+
+
+class _Kept:
+    """A sink that keeps what it is given; ``gate``, when set, holds ``write`` until released."""
+
+    name, failure = "kept", "write_failed"
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.records: list[UsageRecord] = []
+        self.gate = gate
+
+    def write(self, batch: list[UsageRecord]) -> Delivery:
+        if self.gate is not None:
+            self.gate.wait(30)
+        self.records.extend(batch)
+        return Delivery(written=len(batch))
+
+    def close(self) -> None: ...
+
+
+def test_a_submit_that_races_the_final_drain_is_written_or_counted() -> None:
+    """The interleaving: ``submit`` passes its checks, then the whole stop runs (final drain,
+    thread gone) before its ``append``. Nothing would ever drain that record."""
+    sink, drops = _Kept(), DropCounts()
+    worker = SinkWorker(sink, drops, max_queued=100, interval_s=3600)
+
+    class StopBeforeAppend(type(worker._queue)):  # type: ignore[misc]
+        def append(self, record: UsageRecord) -> None:
+            assert worker.stop(timeout_s=10)
+            super().append(record)
+
+    worker._queue = StopBeforeAppend()
+    worker.start()
+    worker.submit(usage(0))
+    assert len(sink.records) + sum(drops.snapshot().values()) == 1
+    assert sink.records == [] and drops.snapshot() == {("kept", "stopped"): 1}
+
+
+def test_records_submitted_while_the_final_drain_runs_are_each_written_or_counted_once() -> None:
+    gate = threading.Event()
+    sink, drops = _Kept(gate), DropCounts()
+    worker = SinkWorker(sink, drops, max_queued=100_000, interval_s=3600)
+    worker.start()
+    worker.submit(usage(0))
+    stopper = threading.Thread(target=worker.stop, args=(30,))
+    stopper.start()  # the final drain takes r0 and waits in write
+    n = 1
+    while n < 20_000 and worker._thread.is_alive():
+        if n == 200:
+            gate.set()
+        worker.submit(usage(n))
+        n += 1
+    stopper.join()
+    written = Counter(r.request_id for r in sink.records)
+    assert max(written.values()) == 1
+    assert len(written) + drops.snapshot().get(("kept", "stopped"), 0) == n
+    assert sum(drops.snapshot().values()) == n - len(written)
+
+
+def test_a_sink_stuck_past_the_stop_timeout_has_its_records_counted_not_lost() -> None:
+    gate = threading.Event()
+    sink, drops = _Kept(gate), DropCounts()
+    worker = SinkWorker(sink, drops, max_queued=100, interval_s=3600)
+    worker.start()
+    for n in range(3):
+        worker.submit(usage(n))
+    assert worker.stop(timeout_s=0.2) is False  # its final drain is stuck in write
+    worker.submit(usage(3))  # a request ending after the stop gave up
+    assert drops.snapshot() == {("kept", "unconfirmed"): 3, ("kept", "stopped"): 1}
+    gate.set()  # the write goes through after all: it was counted unconfirmed, not again
+    worker._thread.join(10)
+    assert len(sink.records) == 3 and drops.snapshot() == {("kept", "unconfirmed"): 3, ("kept", "stopped"): 1}
