@@ -70,6 +70,7 @@ class Accounting:
             strip_details_flag=not upstream,
             default_model=s.model or "unknown",
             tenancy=self.tenancy,
+            refuse_unmetered=self.tenancy.keys is not None or self.recorder is not None,
         )
         guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)
         return UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config,

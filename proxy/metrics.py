@@ -138,6 +138,11 @@ class Metrics:
         self.patch_skipped = Counter(
             "cachetally_patch_skipped", "Responses or events passed through unpatched", ["reason"], registry=registry
         )
+        #: Requests that would have run the engine unmetered, refused (proxy.routes).
+        self.refused_unmetered = Counter(
+            "cachetally_refused_unmetered", "Requests refused because the engine would run unmetered", ["route"],
+            registry=registry,
+        )
         ledger.observer = _LedgerMetrics(registry)
         ledger.observer.open_slots(len(ledger))
 
@@ -158,7 +163,7 @@ class Metrics:
             ["model", "tenant"],
         )
         self._requests = counter(
-            "cachetally_requests", "Chat and completions requests by cache outcome",
+            "cachetally_requests", "Requests of the metered routes by cache outcome",
             ["model", "route", "stream", "cache", "tenant"],
         )
         self._request_cached = histogram(

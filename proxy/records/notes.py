@@ -82,7 +82,9 @@ class RequestNotes:
         the client gets, so counted among the stream's events)."""
         self._usage_events += event
         usage = payload.get("usage")
-        completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        completion = (  # OpenAI chat and completions, else Responses and Messages
+            usage.get("completion_tokens", usage.get("output_tokens")) if isinstance(usage, dict) else None
+        )
         if type(completion) is int and completion >= 0:  # a peer's -1 or true is not a count
             self.usage_completion = completion
         response_id = payload.get("id")

@@ -34,7 +34,7 @@ SCHEMA_VERSION = 1
 class UsageRecord:
     request_id: str
     tenant: str
-    route: str  # chat | completions
+    route: str  # chat | completions | responses | messages | invocations (proxy.routes)
     stream: bool
     start_unix: float
     end_unix: float = 0.0
