@@ -105,8 +105,9 @@ class SimEngine:
             lines.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name} {value}\n")
         return "".join(lines).encode()
 
-    def schedule(self, token_ids: list[int], key: str) -> int:
-        """Look the prompt up, cache it, publish its ``Scheduled``; return cached tokens."""
+    def schedule(self, token_ids: list[int], key: str) -> tuple[int, int]:
+        """Look the prompt up, cache it, publish its ``Scheduled``; return the cached tokens
+        and the tokens written to the cache."""
         cached = self.cache.lookup(token_ids)
         created = self.cache.insert(token_ids)
         self.requests_total += 1
@@ -124,7 +125,7 @@ class SimEngine:
                     source="engine",
                 )
             )
-        return cached
+        return cached, created
 
     async def _chat(self, request: Request) -> Response:
         return await self._generate(request, "chat")
@@ -142,8 +143,8 @@ class SimEngine:
             return Response(exc.body(), exc.status, media_type="application/json")
         response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         key = current_request_key.get() or response_id
-        cached = sum(self.schedule(ids, key) for ids in req.prompts)
-        reported = cached if cfg.report_cached_tokens else None
+        figures = [self.schedule(ids, key) for ids in req.prompts]
+        reported = (sum(c for c, _ in figures), sum(w for _, w in figures)) if cfg.report_cached_tokens else None
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
@@ -155,7 +156,7 @@ class SimEngine:
         return Response(body, media_type="application/json")
 
     async def _stream(
-        self, req: SimRequest, response_id: str, created: int, cached: int | None
+        self, req: SimRequest, response_id: str, created: int, cached: tuple[int, int] | None
     ) -> AsyncIterator[bytes]:
         chat = req.kind == "chat"
         head = {
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=defaults.default_max_tokens,
                         help="default max_tokens when a request sets none")
     parser.add_argument("--report-cached-tokens", action="store_true",
-                        help="include usage.prompt_tokens_details.cached_tokens in responses")
+                        help="include usage.prompt_tokens_details.cached_tokens (and created_cache_tokens) in responses")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     config = SimConfig(
