@@ -10,7 +10,8 @@ before the first byte of the response exists. It is keyed by the proxy's
 :data:`~engine_adapter.events.current_request_key`, or by the response id when the sim
 is served alone. Like engines that drop the number, responses carry no
 ``prompt_tokens_details`` unless ``report_cached_tokens`` is set (vLLM's
-``--enable-prompt-tokens-details``).
+``--enable-prompt-tokens-details``). It also serves the Responses and Messages APIs
+(:mod:`engine_adapter.sim.apis`).
 
 Standalone: ``python -m engine_adapter.sim --host 127.0.0.1 --port 8000``.
 """
@@ -31,6 +32,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine_adapter.events import EventSink, Scheduled, current_request_key
+from engine_adapter.sim import apis
 from engine_adapter.sim.prefix_cache import PrefixCache
 from engine_adapter.sim.protocol import (
     Kind,
@@ -75,6 +77,8 @@ class SimEngine:
             routes=[
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/responses", self._responses, methods=["POST"]),
+                Route("/v1/messages", self._messages, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
             ]
@@ -132,6 +136,36 @@ class SimEngine:
 
     async def _completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
+
+    async def _responses(self, request: Request) -> Response:
+        return await self._api(request, "responses")
+
+    async def _messages(self, request: Request) -> Response:
+        return await self._api(request, "messages")
+
+    async def _api(self, request: Request, api: str) -> Response:
+        """The Responses and Messages routes (:mod:`engine_adapter.sim.apis`)."""
+        cfg = self.config
+        try:
+            if not self._running:
+                raise RequestError("The engine is not running.", 503, "ServiceUnavailableError")
+            req = apis.parse(await request.body(), api, cfg.model, cfg.default_max_tokens)
+        except RequestError as exc:
+            return Response(exc.body(), exc.status, media_type="application/json")
+        rid = apis.new_id()
+        figures = self.schedule(req.prompt, current_request_key.get() or rid)
+        reported = figures if cfg.report_cached_tokens or api == "responses" else None
+        if req.stream:
+            stream = apis.responses_stream if api == "responses" else apis.messages_stream
+            return StreamingResponse(stream(req, rid, reported, self._step), media_type="text/event-stream")
+        if cfg.token_delay_s > 0:
+            await asyncio.sleep(cfg.token_delay_s * req.max_tokens)
+        whole = apis.responses_json if api == "responses" else apis.messages_json
+        return Response(orjson.dumps(whole(req, rid, reported)), media_type="application/json")
+
+    async def _step(self) -> None:
+        if self.config.token_delay_s > 0:
+            await asyncio.sleep(self.config.token_delay_s)
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
         cfg = self.config
