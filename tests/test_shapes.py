@@ -93,7 +93,7 @@ def test_unmetered_engine_routes_are_refused_while_billing(billed: str, path: st
 
 def test_background_responses_are_refused_while_billing(billed: str) -> None:
     with openai.OpenAI(base_url=f"{billed}/v1", api_key="unused", max_retries=0) as client, \
-            pytest.raises(openai.BadRequestError, match="background"):
+            pytest.raises(openai.BadRequestError, match="not metered"):
         client.responses.create(model=MODEL, input="hello", background=True)
 
 
