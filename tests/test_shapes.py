@@ -134,3 +134,27 @@ def test_upstream_passes_right_figures_byte_for_byte(upstream_pair: tuple[str, s
 def masked(raw: bytes) -> bytes:
     raw = re.sub(rb'"(resp|msg)_[0-9a-f]{32}"', b'"X"', raw)
     return re.sub(rb'"created_at":\d+', b'"created_at":0', raw)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_a_cut_stream_counts_only_its_token_events(api: str) -> None:
+    """A stream cut before its final usage is billed for the tokens it delivered: in these
+    shapes the framing events (``message_start``, ``response.created``, ...) are no tokens."""
+    from engine_adapter.sim import apis as sim_apis
+    from proxy.records.notes import RequestNotes
+
+    req = sim_apis.ApiRequest(api, MODEL, list(range(40)), 7, True, True)
+    stream = sim_apis.messages_stream if api == "messages" else sim_apis.responses_stream
+
+    async def step() -> None:
+        return None
+
+    events = [event async for event in stream(req, "x", (0, 32), step)]
+    cut = events[:5]  # a few tokens in, long before the final usage
+    notes = RequestNotes(api)
+    for event in cut:
+        notes.sse_events(event)
+    delivered = sum(b"delta" in event.split(b"\n", 1)[0] and b"text" in event for event in cut)
+    assert notes.completion(stream=True) == (delivered, "stream")
+    assert 0 < delivered < 7
