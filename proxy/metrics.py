@@ -68,16 +68,17 @@ def multiprocess_dir() -> str | None:
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One finished chat or completions request, as the proxy saw it."""
+    """One finished request of a metered route (proxy.routes), as the proxy saw it."""
 
     model: str
-    route: str  # chat | completions
+    route: str  # chat | completions | responses | messages | invocations
     stream: bool
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     source: str | None = None  # engine | upstream | None when unknown
     local_cached_tokens: int | None = None
     external_cached_tokens: int | None = None
+    cache_write_tokens: int | None = None  # prompt tokens the engine wrote to its prefix cache
     mismatches: int = 0
     tenant: str = "default"
     completion_tokens: int = 0
@@ -157,6 +158,10 @@ class Metrics:
             "cachetally_cached_tokens", "Prompt tokens served from the prefix cache",
             ["model", "source", "tier", "tenant"],
         )
+        self._cache_write = counter(
+            "cachetally_cache_write_tokens", "Prompt tokens the engine wrote to its prefix cache",
+            ["model", "source", "tenant"],
+        )
         self._completion = counter(
             "cachetally_completion_tokens",
             "Completion tokens, counted up to the disconnect when a client left early",
@@ -212,6 +217,8 @@ class Metrics:
             self._cached[model, source, "local", tenant](rec.local_cached_tokens)
         if rec.external_cached_tokens is not None:
             self._cached[model, source, "external", tenant](rec.external_cached_tokens)
+        if rec.cache_write_tokens:
+            self._cache_write[model, source, tenant](rec.cache_write_tokens)
         self._request_cached[(model,)](cached)
         if prompt:
             self._request_ratio[(model,)](cached / prompt)

@@ -327,6 +327,7 @@ class Responder:
             )
             record.local_cached_tokens = engine.local_cached_tokens
             record.external_cached_tokens = engine.external_cached_tokens
+            record.cache_write_tokens = engine.cache_creation_tokens
         elif seen.source == "upstream":
             record.prompt_tokens, record.cached_tokens, record.source = (
                 seen.prompt_tokens,

@@ -74,6 +74,9 @@ def test_embedded_figures_records_and_counters(billed: str, usage_dir: Path, pat
     moved = metric_value(after, "cachetally_requests_total", route=route) - metric_value(
         before, "cachetally_requests_total", route=route)
     assert moved == 2
+    written = metric_value(after, "cachetally_cache_write_tokens_total") - metric_value(
+        before, "cachetally_cache_write_tokens_total")
+    assert written == cold[2] + warm[2]
     found = records_for(usage_dir, set(ids))
     for rid, figures in zip(ids, (cold, warm), strict=True):
         [record] = found[rid]
