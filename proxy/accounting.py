@@ -80,6 +80,7 @@ class Accounting:
             tenancy=self.tenancy,
             pd_legs=s.pd_legs,
             models=self.models,
+            refuse_unmetered=self.tenancy.keys is not None or self.recorder is not None,
         )
         guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)
         return UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config,

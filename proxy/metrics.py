@@ -69,16 +69,17 @@ def multiprocess_dir() -> str | None:
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One finished chat or completions request, as the proxy saw it."""
+    """One finished request of a metered route (proxy.routes), as the proxy saw it."""
 
     model: str
-    route: str  # chat | completions
+    route: str  # chat | completions | responses | messages | invocations
     stream: bool
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     source: str | None = None  # engine | upstream | None when unknown
     local_cached_tokens: int | None = None
     external_cached_tokens: int | None = None
+    cache_write_tokens: int | None = None  # prompt tokens the engine wrote to its prefix cache
     mismatches: int = 0
     tenant: str = "default"
     completion_tokens: int = 0
@@ -140,6 +141,11 @@ class Metrics:
             "cachetally_patch_skipped", "Responses or events passed through unpatched", ["reason"], registry=registry
         )
         self.legs = LegMetrics(registry)
+        #: Requests that would have run the engine unmetered, refused (proxy.routes).
+        self.refused_unmetered = Counter(
+            "cachetally_refused_unmetered", "Requests refused because the engine would run unmetered", ["route"],
+            registry=registry,
+        )
         ledger.observer = _LedgerMetrics(registry)
         ledger.observer.open_slots(len(ledger))
 
@@ -154,13 +160,17 @@ class Metrics:
             "cachetally_cached_tokens", "Prompt tokens served from the prefix cache",
             ["model", "source", "tier", "tenant"],
         )
+        self._cache_write = counter(
+            "cachetally_cache_write_tokens", "Prompt tokens the engine wrote to its prefix cache",
+            ["model", "source", "tenant"],
+        )
         self._completion = counter(
             "cachetally_completion_tokens",
             "Completion tokens, counted up to the disconnect when a client left early",
             ["model", "tenant"],
         )
         self._requests = counter(
-            "cachetally_requests", "Chat and completions requests by cache outcome",
+            "cachetally_requests", "Requests of the metered routes by cache outcome",
             ["model", "route", "stream", "cache", "tenant"],
         )
         self._request_cached = histogram(
@@ -209,6 +219,8 @@ class Metrics:
             self._cached[model, source, "local", tenant](rec.local_cached_tokens)
         if rec.external_cached_tokens is not None:
             self._cached[model, source, "external", tenant](rec.external_cached_tokens)
+        if rec.cache_write_tokens:
+            self._cache_write[model, source, tenant](rec.cache_write_tokens)
         self._request_cached[(model,)](cached)
         if prompt:
             self._request_ratio[(model,)](cached / prompt)

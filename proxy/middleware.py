@@ -1,4 +1,8 @@
-"""``UsagePatchMiddleware``: exact ``cached_tokens`` in every chat and completions response.
+"""``UsagePatchMiddleware``: exact cache figures in every response of a metered route.
+
+The metered routes (chat, completions, Responses, Messages, SageMaker's invocations) and
+those refused while billing is on are listed in :mod:`proxy.routes`; where each API keeps
+its usage is :mod:`proxy.shapes`.
 
 Pure ASGI, shaped like Starlette's ``GZipMiddleware``: the middleware object holds only
 configuration; per-request state lives in a :class:`~proxy.responder.Responder` built for each
@@ -31,19 +35,18 @@ from dataclasses import dataclass, field
 
 from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.events import current_request_key
+from proxy.errors import send_error
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics
 from proxy.records.recorder import Recorder
 from proxy.request_id import RequestIds
 from proxy.responder import Responder, without
+from proxy.routes import PATCHED, REFUSED
 from proxy.served_models import ServedModels
 from proxy.tenants import Tenancy
 from proxy.usage import Missing
 
-DEFAULT_ROUTES: Mapping[str, str] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-}
+DEFAULT_ROUTES: Mapping[str, str] = PATCHED
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,10 @@ class PatchConfig:
     pd_legs: bool = False
     #: Which response model names are labels (others are ``other``).
     models: ServedModels = field(default_factory=ServedModels)
+    #: Billing is on (tenants or usage records): refuse what would run the engine unmetered,
+    #: the ``refused`` routes (:mod:`proxy.routes`) and bodies a shape cannot meter.
+    refuse_unmetered: bool = False
+    refused: frozenset[str] = REFUSED
 
 
 class UsagePatchMiddleware:
@@ -92,6 +99,9 @@ class UsagePatchMiddleware:
         self.echo_header = request_ids.header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.config.refuse_unmetered and scope["type"] in ("http", "websocket") and scope["path"] in self.config.refused:
+            await self._refuse(scope, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -112,6 +122,13 @@ class UsagePatchMiddleware:
             engine_usage = self.ledger.close(key)
             current_request_key.reset(token)
             responder.finish(engine_usage)
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        self.metrics.refused_unmetered.labels(scope["path"]).inc()
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "not metered"})
+            return
+        await send_error(send, 403, f"{scope['path']} runs the engine unmetered: it is refused while billing is on")
 
     def _take(self, key: str) -> bool:
         return key not in self.ledger

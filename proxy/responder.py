@@ -32,6 +32,7 @@ from proxy.request_body import (
     read_body,
     replay,
 )
+from proxy.shapes import shape_for
 from proxy.sse import SSEPatcher
 from proxy.usage import Observation, UsagePatch
 
@@ -73,6 +74,7 @@ class Responder:
         self.echo = echo
         self.tenant = tenant
         self.notes = RequestNotes(route)
+        self.shape = shape_for(route)  # None: the OpenAI shape (proxy.usage)
         self._headers: Headers = []
         self._send = send
         self.options: RequestOptions | None = None
@@ -108,6 +110,10 @@ class Responder:
             return
         if config.pd_legs:
             self.leg = leg_of(payload)
+        if self.shape is not None and config.refuse_unmetered and (why := self.shape.refusal(payload)):
+            self.mw.metrics.refused_unmetered.labels(scope["path"]).inc()
+            await send_error(self.send, 400, why)
+            return
         body = self._rewrite(payload, body)
         # This route's headers are ours to rewrite: the request key, the length of the body
         # as replayed, and an unencoded response, because it is parsed and patched.
@@ -139,7 +145,7 @@ class Responder:
         if config.strip_details_flag and DETAILS_FLAG in payload:
             del payload[DETAILS_FLAG]
             changed = True
-        if config.ghost_usage and options.stream and not options.include_usage:
+        if config.ghost_usage and self.shape is None and options.stream and not options.include_usage:
             # continuous_usage_stats only applies with include_usage; keep it off.
             payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
             self.ghost = changed = True
@@ -257,6 +263,8 @@ class Responder:
         return start
 
     def _patch(self, payload: dict[str, Any]) -> bool | None:
+        if self.shape is not None:
+            return self._patch_shape(payload)
         options = self.options
         assert options is not None
         return UsagePatch(
@@ -265,7 +273,16 @@ class Responder:
             details=options.want_details,
         ).apply(payload, self.seen)
 
+    def _patch_shape(self, payload: dict[str, Any]) -> bool | None:
+        assert self.shape is not None
+        changed, whole = self.shape.patch(payload, self.mw.ledger.usage(self.key), self.mw.config.missing, self.seen)
+        if whole is not None and self.mode is _Mode.SSE:
+            self.notes.whole_usage(whole)  # a JSON body's usage was noted as it arrived
+        return changed
+
     def _patch_event(self, payload: dict[str, Any]) -> bool | None:
+        if self.shape is not None:
+            return self._patch_shape(payload)
         if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
             # A ghost usage chunk never reaches the client, so it is not among the counted events.
             self.notes.whole_usage(payload, event=self._hold is None)
@@ -317,6 +334,7 @@ class Responder:
             )
             record.local_cached_tokens = engine.local_cached_tokens
             record.external_cached_tokens = engine.external_cached_tokens
+            record.cache_write_tokens = engine.cache_creation_tokens
         elif seen.source == "upstream":
             record.prompt_tokens, record.cached_tokens, record.source = (
                 seen.prompt_tokens,

@@ -7,6 +7,10 @@
 3. Neither: the ``missing`` policy, ``zero`` (write 0) or ``omit`` (leave the response as
    it is); the request counts as ``cache=unknown``. Nothing is ever estimated.
 
+Cache writes (prompt tokens the engine wrote to its prefix cache) go in the same object
+under vLLM's own name, ``created_cache_tokens``, when the engine event reports them for the
+whole request; otherwise the field stays as the response had it.
+
 0 is a value. Per-tier detail goes into a separate top-level ``cached_tokens_details``
 object, only when the client asked for it, and never changes the standard fields.
 """
@@ -21,6 +25,7 @@ from proxy.vendor_usage import reported_cached_tokens
 
 Missing = Literal["zero", "omit"]
 DETAILS_KEY = "cached_tokens_details"
+WRITES_KEY = "created_cache_tokens"  # vLLM's name in prompt_tokens_details
 
 
 @dataclass(slots=True)
@@ -67,10 +72,20 @@ class UsagePatch:
             if details.get("cached_tokens") != value or type(details.get("cached_tokens")) is not int:
                 details["cached_tokens"] = value
                 changed = True
+            writes = self._writes(prompt_tokens) if source == "engine" else None
+            if writes is not None and details.get(WRITES_KEY) != writes:
+                details[WRITES_KEY] = writes
+                changed = True
         if self.details:
             payload[DETAILS_KEY] = self._details(value, source)
             changed = True
         return True if changed else None
+
+    def _writes(self, prompt_tokens: Any) -> int | None:
+        engine = self.engine
+        if engine is None or (isinstance(prompt_tokens, int) and prompt_tokens != engine.prompt_tokens):
+            return None  # a per-prompt usage chunk: writes are known for the whole request only
+        return engine.cache_creation_tokens
 
     def _resolve(self, prompt_tokens: Any, reported: int | None) -> tuple[int | None, str | None]:
         engine = self.engine

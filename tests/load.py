@@ -42,19 +42,32 @@ def report(name: str, **figures: Any) -> None:
 
 # -- request mix ---------------------------------------------------------------------------
 
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+          "responses": "/v1/responses", "messages": "/v1/messages"}
 
 
 def request_body(rng: random.Random, route: str, stream: bool, *, max_tokens: int = 12, words: int = 300) -> bytes:
     prompt = " ".join(f"w{rng.randrange(50)}" for _ in range(rng.randrange(20, words)))
     body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream}
-    if stream:
+    if stream and route in ("chat", "completions"):
         body["stream_options"] = {"include_usage": rng.random() < 0.7}
-    if route == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
+    if route == "completions":
         body["prompt"] = prompt
+    elif route == "responses":
+        body = {"max_output_tokens": max_tokens, "stream": stream, "input": prompt}
+    else:
+        body["messages"] = [{"role": "user", "content": prompt}]
     return orjson.dumps(body)
+
+
+def prepend(payload: dict[str, Any], route: str, preamble: str) -> None:
+    """Put ``preamble`` before the prompt of any route's body (a shared prefix)."""
+    if route == "completions":
+        payload["prompt"] = f"{preamble} {payload['prompt']}"
+    elif route == "responses":
+        payload["input"] = f"{preamble} {payload['input']}"
+    else:
+        payload["messages"][0]["content"] = f"{preamble} {payload['messages'][0]['content']}"
 
 
 # -- a client that hangs up ----------------------------------------------------------------
@@ -75,7 +88,10 @@ def _has(marker: bytes) -> Seen:
     return lambda seen: marker in seen
 
 
-_FINISHED = re.compile(rb'"finish_reason":\s*"')
+# The last token's event: chat and completions, Messages, Responses.
+_FINISHED = re.compile(rb'"finish_reason":\s*"|"stop_reason":"|response\.output_text\.done')
+# The stream's last event.
+_ENDED = re.compile(rb"\[DONE\]|event: message_stop|event: response\.(completed|incomplete|failed)")
 
 # Engine-neutral (sim and vLLM): counted in SSE events and JSON fields, never token text.
 DROP_POINTS = [
@@ -84,7 +100,7 @@ DROP_POINTS = [
     DropPoint("after-headers", _has(b"\r\n\r\n")),
     DropPoint("mid-stream", lambda seen: seen.count(b"data:") >= 3),
     DropPoint("before-usage", lambda seen: _FINISHED.search(seen) is not None),
-    DropPoint("after-done", _has(b"[DONE]")),
+    DropPoint("after-done", lambda seen: _ENDED.search(seen) is not None),
 ]
 
 

@@ -34,7 +34,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.records.report import PriceList
-from tests.load import DROP_POINTS, count, gauge_reader, log_failures, report, request_body, run_mix, settle
+from tests.load import DROP_POINTS, count, gauge_reader, log_failures, prepend, report, request_body, run_mix, settle
 from tests.servers import ROOT, metric_value, running_server
 
 pytestmark = pytest.mark.loopback
@@ -52,11 +52,7 @@ PREAMBLES = [" ".join(f"p{k}w{j}" for j in range(40)) for k in range(4)]
 def body(rng: random.Random, route: str, stream: bool) -> bytes:
     """The load mix's request, behind one of a few shared preambles: the cache gets hits."""
     payload = orjson.loads(request_body(rng, route, stream))
-    preamble = rng.choice(PREAMBLES)
-    if route == "chat":
-        payload["messages"].insert(0, {"role": "system", "content": preamble})
-    else:
-        payload["prompt"] = f"{preamble} {payload['prompt']}"
+    prepend(payload, route, rng.choice(PREAMBLES))
     return orjson.dumps(payload)
 
 

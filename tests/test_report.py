@@ -101,3 +101,20 @@ def test_since_and_until_select_requests_by_start_time(tmp_path: Path, capsys: p
     assert json.loads(capsys.readouterr().out)["records"] == 2
     assert main(["report", str(path), "--since", "2026-11-01T01:00:00+01:00", "--json"]) == 0  # = 00:00 UTC
     assert json.loads(capsys.readouterr().out)["records"] == 3
+
+
+def test_cache_writes_have_their_own_price_and_default_to_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Anthropic prices cache writes above fresh input: 1000 prompt tokens, 200 read, 700
+    written (the rest, 100, fresh); writes never exceed the uncached tokens."""
+    records = [{**rec("acme", "m1", 1000, 200, 10), "cache_creation_tokens": 700},
+               {**rec("acme", "m2", 100, 90, 0), "cache_creation_tokens": 50}]  # clamped to 10
+    usage = write(tmp_path / "a.jsonl", records)
+    prices = tmp_path / "prices.toml"
+    prices.write_text(PRICES + "\n[models.m1]\ncache_write_input = 2.5\n")
+    assert main(["report", str(usage), "--prices", str(prices), "--json"]) == 0
+    rows = {r["model"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert (rows["m1"]["uncached_tokens"], rows["m1"]["cache_write_tokens"]) == (800, 700)
+    assert rows["m1"]["cost"] == pytest.approx((100 * 2.0 + 700 * 2.5 + 200 * 0.5 + 10 * 10.0) / 1e6)
+    assert rows["m2"]["cache_write_tokens"] == 10
+    # no cache_write_input for m2: writes cost what fresh input costs
+    assert rows["m2"]["cost"] == pytest.approx((10 * 1.0 + 90 * 0.5) / 1e6)

@@ -366,9 +366,9 @@ async def test_report_cached_tokens_like_vllm_prompt_tokens_details(sink: ListSi
             json={"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}},
         )
     await engine.stop()
-    assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 32}
     final = sse_events(resp.content)[-2]
-    assert final["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert final["usage"]["prompt_tokens_details"] == {"cached_tokens": 32, "created_cache_tokens": 0}
 
 
 @pytest.mark.asyncio

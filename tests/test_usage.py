@@ -183,7 +183,7 @@ def test_details_adds_the_tier_object_from_the_engine() -> None:
     assert UsagePatch(tiers, details=True).apply(payload, Observation()) is True
     assert payload[DETAILS_KEY] == {"local": 32, "external": 16, "created": 16, "source": "engine"}
     # The standard fields are the same as without details.
-    assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 48, "created_cache_tokens": 16}
 
 
 @pytest.mark.parametrize(
@@ -208,3 +208,19 @@ def test_no_details_by_default() -> None:
     payload = body()
     UsagePatch(ENGINE_48).apply(payload, Observation())
     assert DETAILS_KEY not in payload
+
+
+def test_cache_writes_go_in_vllms_field_for_the_whole_request_only() -> None:
+    """``created_cache_tokens`` (vLLM's name) is the engine's count of prompt tokens written
+    to the cache; a per-prompt usage chunk of a two-prompt request gets none, since the
+    engine reports writes for the request as a whole."""
+    writes = engine(
+        Scheduled("k", 40, 32, cache_creation_tokens=0),
+        Scheduled("k", 24, 0, cache_creation_tokens=16),
+    )
+    whole = body()
+    assert UsagePatch(writes).apply(whole, Observation()) is True
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 32, "created_cache_tokens": 16}
+    per_prompt = body(prompt_tokens=24)
+    UsagePatch(writes).apply(per_prompt, Observation())
+    assert per_prompt["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

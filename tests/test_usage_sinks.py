@@ -13,6 +13,7 @@ import time
 import uuid
 
 import httpx
+import anthropic
 import openai
 import pytest
 
@@ -31,6 +32,7 @@ def test_one_span_per_request_with_the_responses_usage() -> None:
     with otlp_receiver() as receiver:
         args = [*SERVE, "--otlp-endpoint", receiver.url, "--tenant-header", "x-team", "--tenants", "red,blue"]
         expected: dict[str, dict] = {}
+        traced: set[str] = set()
         with running_server(args) as (url, _):
             with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
                 shared = "a long shared preamble that the prefix cache will keep " * 8
@@ -39,6 +41,7 @@ def test_one_span_per_request_with_the_responses_usage() -> None:
                     headers = {"x-request-id": rid, "x-team": team}
                     if i % 4 == 0:  # a caller's trace: the usage span joins it
                         headers["traceparent"] = f"00-{rid}-{rid[:16]}-01"
+                        traced.add(rid)
                     if i % 2:
                         stream = client.chat.completions.create(
                             model="sim-model", messages=[{"role": "user", "content": f"{shared} q{i}"}],
@@ -61,9 +64,27 @@ def test_one_span_per_request_with_the_responses_usage() -> None:
                         "gen_ai.response.id": response_id,
                         "gen_ai.usage.input_tokens": usage.prompt_tokens,
                         "gen_ai.usage.cache_read.input_tokens": usage.prompt_tokens_details.cached_tokens,
+                        "gen_ai.usage.cache_write.input_tokens": usage.prompt_tokens_details.created_cache_tokens,
                         "gen_ai.usage.output_tokens": usage.completion_tokens,
                         "cachetally.tenant": team if team != "green" else "other",
                         "cachetally.outcome": "completed",
+                    }
+            with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as claude:
+                for i in range(2):  # cold, then warm: the Messages API's figures, Anthropic's split
+                    rid = uuid.uuid4().hex
+                    message = claude.messages.create(
+                        model="sim-model", max_tokens=3, messages=[{"role": "user", "content": shared}],
+                        extra_headers={"x-request-id": rid, "x-team": "red"})
+                    u = message.usage
+                    expected[rid] = {
+                        "gen_ai.operation.name": "chat",
+                        "gen_ai.response.id": message.id,
+                        "gen_ai.usage.input_tokens": u.input_tokens + u.cache_read_input_tokens
+                        + u.cache_creation_input_tokens,
+                        "gen_ai.usage.cache_read.input_tokens": u.cache_read_input_tokens,
+                        "gen_ai.usage.cache_write.input_tokens": u.cache_creation_input_tokens,
+                        "gen_ai.usage.output_tokens": u.output_tokens,
+                        "cachetally.tenant": "red",
                     }
             deadline = time.monotonic() + 15
             while len(receiver.snapshot()) < len(expected) and time.monotonic() < deadline:
@@ -72,6 +93,7 @@ def test_one_span_per_request_with_the_responses_usage() -> None:
     by_id = {s.attributes["cachetally.request_id"]: s for s in spans}
     assert len(spans) == len(by_id) == len(expected)  # one span per request, none twice
     assert any(e["gen_ai.usage.cache_read.input_tokens"] > 0 for e in expected.values())
+    assert any(e["gen_ai.usage.cache_write.input_tokens"] > 0 for e in expected.values())
     for rid, attrs in expected.items():
         span = by_id[rid]
         assert {k: span.attributes.get(k) for k in attrs} == attrs
@@ -79,7 +101,7 @@ def test_one_span_per_request_with_the_responses_usage() -> None:
         assert span.kind == 2  # SPAN_KIND_SERVER
         assert span.resource["service.name"] == "cachetally"
         assert 0 < span.start_ns < span.end_ns
-        parent = (rid, rid[:16]) if list(expected).index(rid) % 4 == 0 else (span.trace_id, "")
+        parent = (rid, rid[:16]) if rid in traced else (span.trace_id, "")
         assert (span.trace_id, span.parent_span_id) == parent
 
 

@@ -18,6 +18,7 @@ the last prompt token, so a repeated prompt reports ``((prompt_tokens - 1) // 12
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import subprocess
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import openai
 import orjson
 import psutil
 import pytest
@@ -37,6 +40,7 @@ import pytest
 from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
 from engine_adapter.vllm.cpu import machine_flags
 from proxy.bench.processes import stop
+from tests import test_vllm_apis as apis
 from tests.servers import ROOT, Pace, free_port, measure_pace, metric_value, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -250,6 +254,31 @@ def test_cached_tokens_and_bytes_equal_vllms_own(stack: Stack, route: str, strea
         assert normalized(proxied) == normalized(direct)
     assert counts.requests(route, stream) == {"hit": 1, "miss": 1, "unknown": 0}
     assert counts.delta("cachetally_cached_tokens_total", source="upstream", tier="all") == expected
+
+
+@ON
+@pytest.mark.parametrize("path", list(apis.PATHS))
+def test_messages_and_responses_cold_zero_warm_full_blocks_and_counted(stack: Stack, path: str) -> None:
+    """The Messages and Responses APIs in front of vLLM, with the official SDKs: the
+    proxy normalizes what vLLM reports (Anthropic's ``input_tokens`` excludes reads and
+    writes) and counts each request under its route."""
+    route, ask = apis.PATHS[path]
+    prompt = fresh_prompt()
+    size = apis.prompt_size(stack.vllm, DEFAULT_MODEL_NAME, prompt)
+    counts = Counts(stack.proxy)
+    timeout = stack.pace.timeout(2)
+    if route == "messages":
+        client: Any = anthropic.Anthropic(base_url=stack.proxy, api_key="unused", max_retries=0, timeout=timeout)
+        if path == "messages-sse":
+            ask = functools.partial(apis.messages_sse, start_known=False)
+    else:
+        client = openai.OpenAI(base_url=f"{stack.proxy}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    with client:
+        cold = ask(client, DEFAULT_MODEL_NAME, prompt, uuid.uuid4().hex)
+        warm = ask(client, DEFAULT_MODEL_NAME, prompt, uuid.uuid4().hex)
+    assert (cold[0], cold[1]) == (size, 0)
+    assert (warm[0], warm[1]) == (size, warm_value(size))
+    assert counts.requests(route, path.endswith("sse")) == {"hit": 1, "miss": 1, "unknown": 0}
 
 
 @ON

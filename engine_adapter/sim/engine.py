@@ -10,7 +10,8 @@ before the first byte of the response exists. It is keyed by the proxy's
 :data:`~engine_adapter.events.current_request_key`, or by the response id when the sim
 is served alone. Like engines that drop the number, responses carry no
 ``prompt_tokens_details`` unless ``report_cached_tokens`` is set (vLLM's
-``--enable-prompt-tokens-details``).
+``--enable-prompt-tokens-details``). It also serves the Responses and Messages APIs
+(:mod:`engine_adapter.sim.apis`).
 
 Standalone: ``python -m engine_adapter.sim --host 127.0.0.1 --port 8000``.
 """
@@ -31,6 +32,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine_adapter.events import EventSink, Scheduled, current_request_key
+from engine_adapter.sim import apis
 from engine_adapter.sim.prefix_cache import PrefixCache
 from engine_adapter.sim.protocol import (
     Kind,
@@ -75,6 +77,8 @@ class SimEngine:
             routes=[
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/responses", self._responses, methods=["POST"]),
+                Route("/v1/messages", self._messages, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
             ]
@@ -105,8 +109,9 @@ class SimEngine:
             lines.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name} {value}\n")
         return "".join(lines).encode()
 
-    def schedule(self, token_ids: list[int], key: str) -> int:
-        """Look the prompt up, cache it, publish its ``Scheduled``; return cached tokens."""
+    def schedule(self, token_ids: list[int], key: str) -> tuple[int, int]:
+        """Look the prompt up, cache it, publish its ``Scheduled``; return the cached tokens
+        and the tokens written to the cache."""
         cached = self.cache.lookup(token_ids)
         created = self.cache.insert(token_ids)
         self.requests_total += 1
@@ -124,13 +129,43 @@ class SimEngine:
                     source="engine",
                 )
             )
-        return cached
+        return cached, created
 
     async def _chat(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
     async def _completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
+
+    async def _responses(self, request: Request) -> Response:
+        return await self._api(request, "responses")
+
+    async def _messages(self, request: Request) -> Response:
+        return await self._api(request, "messages")
+
+    async def _api(self, request: Request, api: str) -> Response:
+        """The Responses and Messages routes (:mod:`engine_adapter.sim.apis`)."""
+        cfg = self.config
+        try:
+            if not self._running:
+                raise RequestError("The engine is not running.", 503, "ServiceUnavailableError")
+            req = apis.parse(await request.body(), api, cfg.model, cfg.default_max_tokens)
+        except RequestError as exc:
+            return Response(exc.body(), exc.status, media_type="application/json")
+        rid = apis.new_id()
+        figures = self.schedule(req.prompt, current_request_key.get() or rid)
+        reported = figures if cfg.report_cached_tokens or api == "responses" else None
+        if req.stream:
+            stream = apis.responses_stream if api == "responses" else apis.messages_stream
+            return StreamingResponse(stream(req, rid, reported, self._step), media_type="text/event-stream")
+        if cfg.token_delay_s > 0:
+            await asyncio.sleep(cfg.token_delay_s * req.max_tokens)
+        whole = apis.responses_json if api == "responses" else apis.messages_json
+        return Response(orjson.dumps(whole(req, rid, reported)), media_type="application/json")
+
+    async def _step(self) -> None:
+        if self.config.token_delay_s > 0:
+            await asyncio.sleep(self.config.token_delay_s)
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
         cfg = self.config
@@ -142,8 +177,8 @@ class SimEngine:
             return Response(exc.body(), exc.status, media_type="application/json")
         response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         key = current_request_key.get() or response_id
-        cached = sum(self.schedule(ids, key) for ids in req.prompts)
-        reported = cached if cfg.report_cached_tokens else None
+        figures = [self.schedule(ids, key) for ids in req.prompts]
+        reported = (sum(c for c, _ in figures), sum(w for _, w in figures)) if cfg.report_cached_tokens else None
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
@@ -155,7 +190,7 @@ class SimEngine:
         return Response(body, media_type="application/json")
 
     async def _stream(
-        self, req: SimRequest, response_id: str, created: int, cached: int | None
+        self, req: SimRequest, response_id: str, created: int, cached: tuple[int, int] | None
     ) -> AsyncIterator[bytes]:
         chat = req.kind == "chat"
         head = {
@@ -228,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=defaults.default_max_tokens,
                         help="default max_tokens when a request sets none")
     parser.add_argument("--report-cached-tokens", action="store_true",
-                        help="include usage.prompt_tokens_details.cached_tokens in responses")
+                        help="include usage.prompt_tokens_details.cached_tokens (and created_cache_tokens) in responses")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     config = SimConfig(

@@ -170,19 +170,20 @@ def generated_token(k: int) -> str:
     return f" tok{k}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``cached``: (reads, writes), reported as vLLM does with ``--enable-prompt-tokens-details``."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
     if cached is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
+        out["prompt_tokens_details"] = {"cached_tokens": cached[0], "created_cache_tokens": cached[1]}
     return out
 
 
 def full_response(
-    req: SimRequest, response_id: str, created: int, cached: int | None
+    req: SimRequest, response_id: str, created: int, cached: tuple[int, int] | None
 ) -> dict[str, Any]:
     """The non-stream body: every choice generated ``max_tokens`` tokens (``length``)."""
     text = "".join(generated_token(k) for k in range(req.max_tokens))

@@ -8,7 +8,9 @@
   patcher passes on, which is whole events however the engine's bytes were cut, less
   the chat role events and the usage-only event the client gets. They give
   ``completion_tokens`` when a stream is cut before its usage chunk
-  (:mod:`proxy.records.record`);
+  (:mod:`proxy.records.record`). The Messages and Responses streams frame their tokens
+  with other events, so there only their token events count, by ``event:`` line:
+  ``content_block_delta`` and ``response.*delta``;
 - the completion tokens and id of a usage object that covers the whole request (a JSON
   body, or a stream's usage-only chunk), which the responder parses anyway.
 """
@@ -24,13 +26,18 @@ from proxy.records.record import UsageRecord
 _ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _FIRST_EVENT = (b"data: {", b"data:{")
 _LINE_ENDS = (b"\n", b"\r")
+#: Token events of the streams whose events are named (``event:`` lines), by route.
+_TOKEN_EVENTS = {
+    "messages": re.compile(rb"event: ?content_block_delta[\r\n]"),
+    "responses": re.compile(rb"event: ?response\.[\w.]*delta[\r\n]"),
+}
 
 
 class RequestNotes:
     __slots__ = (
         "started", "_t0", "ttft_s", "response_id", "disconnected", "response_done",
         "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
-        "_usage_events",
+        "_usage_events", "_token_events",
     )
 
     def __init__(self, route: str) -> None:
@@ -45,6 +52,7 @@ class RequestNotes:
         self._cr: bool | None = None
         self._line_start = True  # the next byte of the stream starts a line
         self._events = self._role_events = self._usage_events = 0
+        self._token_events = _TOKEN_EVENTS.get(route)
 
     def body(self, body: bytes, more: bool) -> None:
         if not more:
@@ -55,6 +63,9 @@ class RequestNotes:
     def sse_events(self, events: bytes) -> None:
         """Count in whole events (the patcher's output); runs for every chunk of every
         stream, so a few ``bytes.count``, written out."""
+        if self._token_events is not None:
+            self._events += len(self._token_events.findall(events))
+            return
         count = events.count(b"\ndata: {") + events.count(b"\ndata:{")
         if events.startswith(_FIRST_EVENT) and self._line_start:
             count += 1
@@ -82,7 +93,9 @@ class RequestNotes:
         the client gets, so counted among the stream's events)."""
         self._usage_events += event
         usage = payload.get("usage")
-        completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        completion = (  # OpenAI chat and completions, else Responses and Messages
+            usage.get("completion_tokens", usage.get("output_tokens")) if isinstance(usage, dict) else None
+        )
         if type(completion) is int and completion >= 0:  # a peer's -1 or true is not a count
             self.usage_completion = completion
         response_id = payload.get("id")

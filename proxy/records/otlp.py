@@ -4,7 +4,8 @@ Needs the ``otlp`` extra (``pip install 'cachetally[otlp]'``). Spans follow the 
 semantic conventions: named ``"{operation} {model}"`` (``chat``, ``text_completion``), with
 ``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.response.model``,
 ``gen_ai.response.id``, ``gen_ai.usage.input_tokens`` (all prompt tokens, cached ones
-included, as the convention defines it), ``gen_ai.usage.cache_read.input_tokens`` and
+included, as the convention defines it), ``gen_ai.usage.cache_read.input_tokens``,
+``gen_ai.usage.cache_write.input_tokens`` (prompt tokens written to the prefix cache) and
 ``gen_ai.usage.output_tokens``. What the convention has no name for is under
 ``cachetally.*``: the tenant, our request id, the outcome, the sources of the numbers.
 Kind ``SERVER``: the span is the proxy serving one HTTP request. When the client sent a
@@ -40,7 +41,7 @@ from proxy.records.queue import Delivery
 from proxy.records.record import UsageRecord
 
 MAX_BATCH = 512
-_OPERATIONS = {"chat": "chat", "completions": "text_completion"}
+_OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat", "messages": "chat"}
 
 
 def _package_version() -> str:
@@ -67,6 +68,7 @@ def span_attributes(record: UsageRecord) -> dict[str, Any]:
         "gen_ai.response.id": record.response_id,
         "gen_ai.usage.input_tokens": record.prompt_tokens,
         "gen_ai.usage.cache_read.input_tokens": record.cached_tokens,
+        "gen_ai.usage.cache_write.input_tokens": record.cache_creation_tokens,
         "cachetally.cached_tokens.source": record.source,
         "http.response.status_code": record.status,
     }

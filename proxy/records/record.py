@@ -48,7 +48,7 @@ MAX_TEXT_CHARS = 256
 class UsageRecord:
     request_id: str
     tenant: str
-    route: str  # chat | completions
+    route: str  # chat | completions | responses | messages | invocations (proxy.routes)
     stream: bool
     start_unix: float
     end_unix: float = 0.0

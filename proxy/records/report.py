@@ -7,7 +7,10 @@ places) is counted once; the client's ``request_id`` is never a key, since clien
 it. Records written before ``record_id`` existed (schema 1) have none and each counts. A record with no
 ``prompt_tokens`` (refused or abandoned before the engine saw it) adds a request and its
 completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
-billed as uncached input.
+billed as uncached input. Cache writes (``cache_creation_tokens``: uncached prompt tokens
+the engine wrote to its prefix cache) are part of the uncached input, priced at
+``cache_write_input`` when a price table sets it (Anthropic prices writes above fresh
+input), else at ``input``.
 
 Prices (``--prices FILE``, TOML) are per million tokens, with a ``[default]`` table and
 optional per-model tables that override it::
@@ -15,6 +18,7 @@ optional per-model tables that override it::
     [default]
     input = 0.50          # uncached input
     cached_input = 0.05
+    cache_write_input = 0.625   # optional; uncached tokens written to the cache
     output = 1.50
 
     [models."my-model"]
@@ -33,6 +37,7 @@ from typing import Any
 import orjson
 
 PRICE_KEYS = ("input", "cached_input", "output")
+OPTIONAL_PRICE_KEYS = ("cache_write_input",)
 
 
 @dataclass(slots=True)
@@ -41,6 +46,7 @@ class Totals:
     disconnected: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # of the uncached tokens
     completion_tokens: int = 0
     cost: float | None = None
 
@@ -59,7 +65,11 @@ class Totals:
         if isinstance(prompt, int):
             self.prompt_tokens += prompt
             cached = record.get("cached_tokens")
-            self.cached_tokens += cached if isinstance(cached, int) else 0
+            cached = cached if isinstance(cached, int) else 0
+            self.cached_tokens += cached
+            writes = record.get("cache_creation_tokens")
+            if isinstance(writes, int) and writes > 0:
+                self.cache_write_tokens += min(writes, max(0, prompt - cached))
         completion = record.get("completion_tokens")
         self.completion_tokens += completion if isinstance(completion, int) else 0
 
@@ -68,6 +78,7 @@ class Totals:
         self.disconnected += other.disconnected
         self.prompt_tokens += other.prompt_tokens
         self.cached_tokens += other.cached_tokens
+        self.cache_write_tokens += other.cache_write_tokens
         self.completion_tokens += other.completion_tokens
         if other.cost is not None:
             self.cost = (self.cost or 0.0) + other.cost
@@ -79,6 +90,7 @@ class Totals:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "uncached_tokens": self.uncached_tokens,
+            "cache_write_tokens": self.cache_write_tokens,
             "completion_tokens": self.completion_tokens,
             "hit_ratio": round(self.hit_ratio, 4),
             "cost": None if self.cost is None else round(self.cost, 6),
@@ -87,14 +99,18 @@ class Totals:
 
 @dataclass(frozen=True, slots=True)
 class Prices:
-    """Per million tokens: uncached input, cached input, output."""
+    """Per million tokens: uncached input, cached input, output; cache writes (``None``: as input)."""
 
     input: float
     cached_input: float
     output: float
+    cache_write_input: float | None = None
 
     def cost(self, t: Totals) -> float:
-        return (t.uncached_tokens * self.input + t.cached_tokens * self.cached_input + t.completion_tokens * self.output) / 1e6
+        write = self.input if self.cache_write_input is None else self.cache_write_input
+        fresh = t.uncached_tokens - t.cache_write_tokens
+        return (fresh * self.input + t.cache_write_tokens * write + t.cached_tokens * self.cached_input
+                + t.completion_tokens * self.output) / 1e6
 
 
 @dataclass(slots=True)
@@ -126,15 +142,18 @@ class PriceList:
 
 
 def _prices(table: Any, where: str, base: Prices | None) -> Prices:
-    if not isinstance(table, dict) or set(table) - set(PRICE_KEYS):
-        raise ValueError(f"{where}: only {', '.join(PRICE_KEYS)} (per million tokens)")
-    values = {}
-    for key in PRICE_KEYS:
+    if not isinstance(table, dict) or set(table) - set(PRICE_KEYS) - set(OPTIONAL_PRICE_KEYS):
+        raise ValueError(f"{where}: only {', '.join(PRICE_KEYS + OPTIONAL_PRICE_KEYS)} (per million tokens)")
+    values: dict[str, float | None] = {}
+    for key in PRICE_KEYS + OPTIONAL_PRICE_KEYS:
         value = table.get(key, getattr(base, key) if base else None)
+        if value is None and key in OPTIONAL_PRICE_KEYS:
+            values[key] = None
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ValueError(f"{where}: {key} must be a number >= 0")
         values[key] = float(value)
-    return Prices(**values)
+    return Prices(**values)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ prices file (TOML, per million tokens; per-model tables override [default]):
   [default]
   input = 0.50          # uncached input
   cached_input = 0.05
+  cache_write_input = 0.625   # optional, else as input: uncached tokens written to the cache
   output = 1.50
   [models."sim-model"]
   input = 0.20
