@@ -11,7 +11,7 @@ everything else  ─▶ UsagePatchMiddleware ─▶ error guard ─▶ engine ap
 The engine starts in the lifespan (or in :meth:`CachetallyApp.running`, for tests that
 drive the app in process), and a periodic TTL sweep runs beside it. ``on_started`` runs
 once the lifespan startup has succeeded: the server process uses it for process-wide
-settings that must wait for a started engine (``proxy.cli.settle_heap``).
+settings that must wait for a started engine (``proxy.heap.settle_heap``).
 
 Accounting (:mod:`proxy.accounting`): the tenancy (``--api-keys``, ``--tenant-header``,
 ``--tenants``) goes to the middleware, and the usage recorder (``--usage-dir``,

@@ -9,12 +9,12 @@ flag changes.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 from pathlib import Path
 
 from proxy.bench.cli import add_bench_parser
+from proxy.heap import settle_heap
 from proxy.logs import configure_logging
 from proxy.records.report_cli import add_report_parser
 from proxy.settings import Settings, SettingsError, load_settings, settings_environment
@@ -294,27 +294,6 @@ def _serve_vllm(settings: Settings) -> int:
     uvicorn_level = ["--uvicorn-log-level", settings.log_level]
     vllm_serve(serve_argv(model, [*uvicorn_level, *user], VLLM_MIDDLEWARE, settings.host, settings.port))
     return 0
-
-
-#: Container allocations (net) between young-generation collections; CPython's is 700.
-GC_GEN0_THRESHOLD = 5000
-
-
-def settle_heap() -> None:
-    """Once the engine has started: freeze the heap and collect the young generation less often.
-
-    Everything alive after startup (modules, the engine, the app) lives as long as the
-    process, so ``gc.freeze`` moves it out of the collector's sight; vLLM's own server
-    does the same after startup. At 64 concurrent requests in upstream mode this took
-    the longest full collection from 21 ms to 3 ms. A request allocates hundreds of
-    containers, so with 64 in flight the default threshold ran a collection about every
-    12 requests; at 5,000, young collections went from 1,100 to 50 per 13,000 requests
-    and time in the collector from about 370 to 10 ms (a cycle still waits at most
-    5,000 allocations to be freed).
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def _model(args: argparse.Namespace) -> int:

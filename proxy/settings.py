@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
+from proxy.tenants import check_tenant_name
+
 ENV_PREFIX = "CACHETALLY_"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.toml"
 
@@ -109,8 +111,6 @@ class Settings:
 
 
     def _validate_accounting(self) -> None:
-        from proxy.tenants import check_tenant_name
-
         try:
             for name in self.tenants:
                 check_tenant_name(name, "tenants")

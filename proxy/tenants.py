@@ -32,10 +32,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from proxy.settings import Settings
+from typing import Protocol
 
 logger = logging.getLogger("cachetally.tenants")
 
@@ -139,7 +136,16 @@ class Tenancy:
         return DEFAULT_TENANT
 
 
-def tenancy_from_settings(settings: Settings) -> Tenancy:
+class TenancySettings(Protocol):
+    """The settings a tenancy is built from (``proxy.settings.Settings`` has them)."""
+
+    api_key: str | None
+    api_keys_file: str | None
+    tenant_header: str | None
+    tenants: Iterable[str]
+
+
+def tenancy_from_settings(settings: TenancySettings) -> Tenancy:
     """The tenancy ``settings`` configure; reads the API keys file (``ValueError`` if bad)."""
     keys = None
     if settings.api_key is not None or settings.api_keys_file:

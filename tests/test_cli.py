@@ -127,7 +127,7 @@ async def test_on_started_runs_once_after_a_successful_startup_only(engine_start
 
 def test_settle_heap_freezes_what_startup_left_and_raises_the_young_threshold() -> None:
     code = (
-        "import gc; from proxy.cli import settle_heap, GC_GEN0_THRESHOLD; before = gc.get_threshold(); "
+        "import gc; from proxy.heap import settle_heap, GC_GEN0_THRESHOLD; before = gc.get_threshold(); "
         "settle_heap(); after = gc.get_threshold(); "
         "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); "
         "assert after == (GC_GEN0_THRESHOLD, *before[1:]), (before, after)"
