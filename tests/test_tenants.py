@@ -192,8 +192,8 @@ _VLLM_SHAPED = """
 import argparse, sys
 import uvicorn
 from starlette.applications import Starlette
-from proxy.bench.processes import free_port
 from proxy.vllm_middleware import CachetallyMiddleware
+from tests.servers import free_port
 
 app = Starlette()
 app.state.args = argparse.Namespace(api_key=sys.argv[1:] or None)  # vLLM's own --api-key
