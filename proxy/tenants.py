@@ -34,6 +34,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
+from proxy.headers import header_values, only_header
+
 logger = logging.getLogger("cachetally.tenants")
 
 DEFAULT_TENANT = "default"
@@ -104,10 +106,10 @@ def _read_keys(path: Path) -> dict[str, str]:
 
 def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     """The token of exactly one ``Authorization: Bearer`` header, else ``None``."""
-    supplied = [value for name, value in headers if name.lower() == b"authorization"]
-    if len(supplied) != 1:
+    supplied = only_header(headers, b"authorization")
+    if supplied is None:
         return None
-    scheme, _, token = supplied[0].strip().partition(b" ")
+    scheme, _, token = supplied.strip().partition(b" ")
     return token.strip() if scheme.lower() == b"bearer" else None
 
 
@@ -129,7 +131,7 @@ class Tenancy:
             tenant = self.keys.tenant_for(token) if token is not None else None
             return tenant or DEFAULT_TENANT
         if self.header is not None:
-            values = [value for name, value in headers if name.lower() == self.header]
+            values = header_values(headers, self.header)
             if values:
                 value = values[0].decode("latin-1").strip()
                 return value if len(values) == 1 and value in self.named else OTHER_TENANT

@@ -77,6 +77,8 @@ async def test_api_keys_name_the_tenant_and_never_appear_in_logs(tmp_path: Path,
         for bad in ("sk-alpha-", "sk-alpha-11", "alpha", ""):
             resp = await client.post("/v1/completions", json=BODY, headers={"authorization": f"Bearer {bad}"})
             assert resp.status_code == 401
+        two = [("authorization", "Bearer sk-alpha-1"), ("authorization", "Bearer sk-beta-22")]
+        assert (await client.post("/v1/completions", json=BODY, headers=two)).status_code == 401  # which one?
         metrics = (await client.get("/metrics")).text
     assert tenants_in(metrics) == {"alpha": 2, "beta": 1, "default": 1}  # --api-key is default's
     assert tenants_in(metrics, "cachetally_completion_tokens_total") == {"alpha": 6, "beta": 3, "default": 3}
