@@ -25,8 +25,9 @@ import pytest
 import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Message
 
-from engine_adapter.engine import Engine, Message
+from engine_adapter.engine import Engine
 from proxy.app import CachetallyApp
 from proxy.errors import error_body
 from proxy.settings import Settings

@@ -24,8 +24,8 @@ import time
 from typing import Any
 
 import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.sim import SimConfig, SimEngine
 from proxy.app import CachetallyApp
 from proxy.settings import Settings
