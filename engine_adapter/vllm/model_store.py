@@ -71,7 +71,7 @@ def is_materialized(path: str | os.PathLike[str]) -> bool:
 
 
 def ensure_default_model(target: Path | None = None, progress: bool = True) -> Path:
-    """Return the default model's folder, materializing it first if needed (~35 s once)."""
+    """Return the default model's folder, materializing it first if needed (once)."""
     target = Path(target).expanduser() if target is not None else default_model_dir()
     if is_materialized(target):
         return target
