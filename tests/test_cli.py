@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from proxy.cli import build_parser, main, serve_settings
+from proxy.cli import build_parser, main
+from proxy.serve_flags import serve_settings
 
 
 def serve(*argv: str):

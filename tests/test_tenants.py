@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from proxy.app import CachetallyApp
 from proxy.auth import ApiKeyGuard
-from proxy.cli import build_parser, serve_settings
+from proxy.cli import build_parser
+from proxy.serve_flags import serve_settings
 from proxy.settings import Settings, SettingsError, load_settings
 from proxy.tenants import KeyTable, Tenancy
 from tests.servers import metric_value
