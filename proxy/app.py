@@ -51,7 +51,7 @@ def make_engine(settings: Settings, sink: EventSink) -> Engine:
             sink, SimConfig(block_size=settings.sim_block_size, token_delay_s=settings.sim_token_delay_s)
         )
     if settings.engine == "upstream":
-        from proxy.upstream import UpstreamEngine
+        from proxy.upstream.engine import UpstreamEngine
 
         return UpstreamEngine(settings)
     raise ValueError(f"engine {settings.engine!r} runs in vLLM's own server (proxy.vllm_middleware), not here")

@@ -26,7 +26,7 @@ from starlette.types import Message
 
 from proxy.app import CachetallyApp
 from proxy.settings import Settings, load_settings
-from proxy.upstream import UpstreamEngine
+from proxy.upstream.engine import UpstreamEngine
 from tests.load import count, log_failures, report
 from tests.servers import running_server
 
