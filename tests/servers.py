@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -9,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,19 @@ def running_server(
     """
     with running_servers([(args, env, log_path)], timeout_s=timeout_s) as (server,):
         yield server
+
+
+@contextlib.asynccontextmanager
+async def running_server_beside(args: list[str], **kwargs: Any) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`running_server` for an async test whose event loop serves something the server
+    needs while it starts (an in-process upstream, whose ``/v1/models`` it reads): starting,
+    waiting and stopping run in a thread, so that loop keeps serving."""
+    stack = contextlib.ExitStack()
+    server = await asyncio.to_thread(stack.enter_context, running_server(args, **kwargs))
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(stack.close)
 
 
 @contextlib.contextmanager
