@@ -1,21 +1,19 @@
 """The lifecycle every engine offers the HTTP side.
 
-DESIGN.md says the event contract (``events.py``) is the only thing ``proxy`` and
-``engine_adapter`` share. This protocol is the one addition: the proxy must start, stop,
-mount and health-check an engine without knowing which one it is. It carries no
-accounting; that still flows only through :class:`~engine_adapter.events.Scheduled`.
+The proxy starts, stops, mounts and health-checks an engine through :class:`Engine`
+without knowing which one it is. It carries no accounting: that flows only through
+:class:`~engine_adapter.events.Scheduled`. What ``proxy`` takes from ``engine_adapter``,
+and why: docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Protocol
+from typing import Protocol
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+# The ASGI types are Starlette's, a dependency of both packages. Message, Receive, Scope
+# and Send are not this module's business: proxy.accounting, proxy.middleware,
+# proxy.responder and proxy.vllm_middleware still import them from here.
+from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: F401
 
 
 class Engine(Protocol):

@@ -1,6 +1,7 @@
 """The event contract between engines and the HTTP side.
 
-This module is the only thing ``proxy`` and ``engine_adapter`` share (DESIGN.md). An engine
+Accounting crosses from ``engine_adapter`` to ``proxy`` only through this module (what
+else ``proxy`` imports, to build and drive engines: docs/ARCHITECTURE.md). An engine
 publishes one :class:`Scheduled` per engine request, when the request is first scheduled,
 into an :class:`EventSink`. The key it publishes under is the proxy's request key, which
 the middleware puts in :data:`current_request_key` for the duration of the HTTP request;

@@ -11,7 +11,7 @@ everything else  ─▶ UsagePatchMiddleware ─▶ error guard ─▶ engine ap
 The engine starts in the lifespan (or in :meth:`CachetallyApp.running`, for tests that
 drive the app in process), and a periodic TTL sweep runs beside it. ``on_started`` runs
 once the lifespan startup has succeeded: the server process uses it for process-wide
-settings that must wait for a started engine (``proxy.cli.settle_heap``).
+settings that must wait for a started engine (``proxy.heap.settle_heap``).
 
 Accounting (:mod:`proxy.accounting`): the tenancy (``--api-keys``, ``--tenant-header``,
 ``--tenants``) goes to the middleware, and the usage recorder (``--usage-dir``,
@@ -26,13 +26,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine_adapter.engine import ASGIApp, Engine, Receive, Scope, Send
+from engine_adapter.engine import Engine
 from engine_adapter.events import EventSink
 from proxy.accounting import Accounting
 from proxy.errors import send_error
+from proxy.own_routes import read_only, ready_line, send_stats
+from proxy.replies import send_body
 from proxy.settings import Settings
 
 logger = logging.getLogger("cachetally.app")
@@ -49,7 +51,7 @@ def make_engine(settings: Settings, sink: EventSink) -> Engine:
             sink, SimConfig(block_size=settings.sim_block_size, token_delay_s=settings.sim_token_delay_s)
         )
     if settings.engine == "upstream":
-        from proxy.upstream import UpstreamEngine
+        from proxy.upstream.engine import UpstreamEngine
 
         return UpstreamEngine(settings)
     raise ValueError(f"engine {settings.engine!r} runs in vLLM's own server (proxy.vllm_middleware), not here")
@@ -92,10 +94,7 @@ class CachetallyApp:
             return
         local = self._local.get(scope.get("path", "")) if scope["type"] == "http" else None
         if local is not None:
-            if scope["method"] in ("GET", "HEAD"):
-                await local(send)
-            else:
-                await send_error(send, 405, "Method Not Allowed", [(b"allow", b"GET, HEAD")])
+            await read_only(scope, send, local)
         elif self._patched is None:
             if scope["type"] == "http":
                 await send_error(send, 503, "cachetally is not running (engine not started)")
@@ -117,34 +116,20 @@ class CachetallyApp:
             if self._on_started is not None:
                 self._on_started()
             await send({"type": "lifespan.startup.complete"})
-            s = self.settings
-            logger.info(
-                "cachetally ready on http://%s:%d: engine %s (%s), started in %.1f s",
-                s.host, s.port, self.engine.name, self.engine.describe(), time.monotonic() - began,
-            )
+            where = f"http://{self.settings.host}:{self.settings.port}"
+            logger.info(ready_line(where, self.engine.name, self.engine.describe(), time.monotonic() - began))
             await receive()  # lifespan.shutdown
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _health(self, send: Send) -> None:
         if self._patched is not None and self.engine.healthy():
-            await _send_bytes(send, 200, b'{"status":"ok"}', b"application/json")
+            await send_body(send, 200, b'{"status":"ok"}', b"application/json")
         else:
             await send_error(send, 503, f"the {self.engine.name} engine is not healthy")
 
     async def _metrics(self, send: Send) -> None:
         body = self.metrics.exposition() + self.engine.metrics_text()
-        await _send_bytes(send, 200, body, CONTENT_TYPE_LATEST.encode())
+        await send_body(send, 200, body, CONTENT_TYPE_LATEST.encode())
 
     async def _stats(self, send: Send) -> None:
-        await _send_bytes(send, 200, orjson.dumps(self.metrics.stats_dict()), b"application/json")
-
-
-async def _send_bytes(send: Send, status: int, body: bytes, content_type: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+        await send_stats(send, self.metrics.stats_dict())

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine_adapter.engine import Scope, Send
+from starlette.types import Scope, Send
+
 from proxy.errors import send_error
 from proxy.tenants import KeyTable, bearer_token
 

@@ -11,8 +11,8 @@ from collections.abc import Collection
 from http import HTTPStatus
 
 import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from proxy.errors import send_error
 
 logger = logging.getLogger("cachetally.app")

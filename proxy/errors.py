@@ -6,7 +6,9 @@ from http import HTTPStatus
 
 import orjson
 
-from engine_adapter.engine import Send
+from starlette.types import Send
+
+from proxy.replies import send_body
 
 _TYPES = {
     400: "BadRequestError",
@@ -36,16 +38,4 @@ def error_sse_event(status: int, message: str) -> bytes:
 async def send_error(
     send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    body = error_body(status, message)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *(headers or []),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send_body(send, status, error_body(status, message), b"application/json", headers or ())

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-
-from engine_adapter.engine import Message, Receive
+from starlette.types import Message, Receive
 
 DETAILS_FLAG = "return_cached_tokens_details"
 

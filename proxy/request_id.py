@@ -25,6 +25,8 @@ import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from proxy.headers import only_header
+
 _MAX_KEY = 128
 _VALID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -47,12 +49,11 @@ class RequestIds:
 
     def from_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> str | None:
         """The client's id if it sent exactly one valid one, else ``None``."""
-        name = self.header.encode("latin-1")
-        found = [value for key, value in headers if key.lower() == name]
-        if len(found) != 1:
+        found = only_header(headers, self.header.encode("latin-1"))
+        if found is None:
             return None
         try:
-            value = found[0].decode("ascii")
+            value = found.decode("ascii")
         except UnicodeDecodeError:
             return None
         return value if self.validate(value) else None

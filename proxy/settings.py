@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
+from proxy.tenants import check_tenant_name
+from proxy.upstream.client import Origin
+
 ENV_PREFIX = "CACHETALLY_"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.toml"
 
@@ -78,8 +81,6 @@ class Settings:
         if self.engine == "upstream" and not self.upstream:
             raise SettingsError("engine 'upstream' needs an upstream URL (--upstream http://HOST:PORT)")
         if self.upstream:
-            from proxy.upstream.client import Origin  # here: proxy.upstream imports this module
-
             try:
                 origin = Origin.parse(self.upstream)
             except ValueError:
@@ -109,8 +110,6 @@ class Settings:
 
 
     def _validate_accounting(self) -> None:
-        from proxy.tenants import check_tenant_name
-
         try:
             for name in self.tenants:
                 check_tenant_name(name, "tenants")

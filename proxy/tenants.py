@@ -32,10 +32,9 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from proxy.settings import Settings
+from proxy.headers import header_values, only_header
 
 logger = logging.getLogger("cachetally.tenants")
 
@@ -107,10 +106,10 @@ def _read_keys(path: Path) -> dict[str, str]:
 
 def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     """The token of exactly one ``Authorization: Bearer`` header, else ``None``."""
-    supplied = [value for name, value in headers if name.lower() == b"authorization"]
-    if len(supplied) != 1:
+    supplied = only_header(headers, b"authorization")
+    if supplied is None:
         return None
-    scheme, _, token = supplied[0].strip().partition(b" ")
+    scheme, _, token = supplied.strip().partition(b" ")
     return token.strip() if scheme.lower() == b"bearer" else None
 
 
@@ -132,14 +131,23 @@ class Tenancy:
             tenant = self.keys.tenant_for(token) if token is not None else None
             return tenant or DEFAULT_TENANT
         if self.header is not None:
-            values = [value for name, value in headers if name.lower() == self.header]
+            values = header_values(headers, self.header)
             if values:
                 value = values[0].decode("latin-1").strip()
                 return value if len(values) == 1 and value in self.named else OTHER_TENANT
         return DEFAULT_TENANT
 
 
-def tenancy_from_settings(settings: Settings) -> Tenancy:
+class TenancySettings(Protocol):
+    """The settings a tenancy is built from (``proxy.settings.Settings`` has them)."""
+
+    api_key: str | None
+    api_keys_file: str | None
+    tenant_header: str | None
+    tenants: Iterable[str]
+
+
+def tenancy_from_settings(settings: TenancySettings) -> Tenancy:
     """The tenancy ``settings`` configure; reads the API keys file (``ValueError`` if bad)."""
     keys = None
     if settings.api_key is not None or settings.api_keys_file:

@@ -36,6 +36,8 @@ from collections.abc import Iterator
 
 from prometheus_client.multiprocess import mark_process_dead
 
+from proxy.heap import settle_heap
+from proxy.logs import configure_logging
 from proxy.settings import load_settings
 
 logger = logging.getLogger("cachetally.workers")
@@ -76,8 +78,6 @@ def multiprocess_dir_for(workers: int) -> Iterator[str | None]:
 def app_from_env() -> object:
     """uvicorn's factory in each worker: the app for the settings the parent exported."""
     from proxy.app import CachetallyApp
-    from proxy.cli import settle_heap
-    from proxy.logs import configure_logging
 
     settings = load_settings()  # the parent's, exported as CACHETALLY_* variables
     configure_logging(settings.log_level)

@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from proxy.bench.processes import free_port, wait_healthy
-
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen[Any], timeout_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` has not exited within ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float = 60.0) -> None:
+    """Poll ``url``/health until it answers 200; fail at once if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {proc.args} exited with code {proc.returncode}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
 
 
 @contextlib.contextmanager
@@ -33,6 +65,19 @@ def running_server(
     """
     with running_servers([(args, env, log_path)], timeout_s=timeout_s) as (server,):
         yield server
+
+
+@contextlib.asynccontextmanager
+async def running_server_beside(args: list[str], **kwargs: Any) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`running_server` for an async test whose event loop serves something the server
+    needs while it starts (an in-process upstream, whose ``/v1/models`` it reads): starting,
+    waiting and stopping run in a thread, so that loop keeps serving."""
+    stack = contextlib.ExitStack()
+    server = await asyncio.to_thread(stack.enter_context, running_server(args, **kwargs))
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(stack.close)
 
 
 @contextlib.contextmanager
@@ -67,13 +112,7 @@ def _started(
     try:
         yield f"http://127.0.0.1:{port}", proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         if log:
             log.close()
 

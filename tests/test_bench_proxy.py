@@ -116,8 +116,8 @@ async def test_the_relay_copies_bytes_both_ways_and_closes_with_its_peer() -> No
     import asyncio
     import contextlib
 
-    from proxy.bench.processes import free_port
     from proxy.bench.relay import serve
+    from tests.servers import free_port
 
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while data := await reader.read(65536):

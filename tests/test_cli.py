@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from proxy.cli import build_parser, main, serve_settings
+from proxy.cli import build_parser, main
+from proxy.serve_flags import serve_settings
 
 
 def serve(*argv: str):
@@ -127,9 +128,28 @@ async def test_on_started_runs_once_after_a_successful_startup_only(engine_start
 
 def test_settle_heap_freezes_what_startup_left_and_raises_the_young_threshold() -> None:
     code = (
-        "import gc; from proxy.cli import settle_heap, GC_GEN0_THRESHOLD; before = gc.get_threshold(); "
+        "import gc; from proxy.heap import settle_heap, GC_GEN0_THRESHOLD; before = gc.get_threshold(); "
         "settle_heap(); after = gc.get_threshold(); "
         "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); "
         "assert after == (GC_GEN0_THRESHOLD, *before[1:]), (before, after)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("argv", "loads_bench"),
+    [
+        (["-c", "import proxy.vllm_middleware"], False),
+        (["-m", "proxy.cli", "serve", "--help"], False),
+        (["-m", "proxy.cli", "--help"], False),
+        (["-m", "proxy.cli", "bench", "--help"], True),
+    ],
+    ids=["vllm-middleware", "serve-help", "help", "bench-help"],
+)
+def test_only_the_bench_command_loads_the_benchmark_harness(argv: list[str], loads_bench: bool) -> None:
+    """What Python reports importing (``-X importtime``): serving never loads ``proxy.bench``."""
+    run = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    loaded = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert "proxy.settings" in loaded  # the report names this checkout's modules
+    assert any(name.startswith("proxy.bench") for name in loaded) is loads_bench

@@ -26,7 +26,7 @@ import pytest
 
 from tests.h11_upstream import H11Upstream
 from tests.load import count, gauge_reader, log_failures, report, settle
-from tests.servers import running_server
+from tests.servers import running_server_beside
 
 pytestmark = pytest.mark.loopback
 
@@ -82,7 +82,7 @@ async def test_chat_requests_get_their_own_marker_among_aborted_early_answered_u
     async with upstream.serving() as upstream_port:
         args = ["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{upstream_port}",
                 "--log-level", "warning"]
-        with running_server(args, log_path=log) as (url, _):
+        async with running_server_beside(args, log_path=log) as (url, _):
             port = int(url.rsplit(":", 1)[1])
             limit = asyncio.Semaphore(CONCURRENCY)
             limits = httpx.Limits(max_connections=CONCURRENCY, keepalive_expiry=1.0)

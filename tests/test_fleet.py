@@ -42,10 +42,9 @@ import pytest
 from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import ensure_default_model
 from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
-from proxy.bench.processes import free_port
 from tests import clients
 from tests.load import report
-from tests.servers import Pace, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
+from tests.servers import Pace, free_port, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 

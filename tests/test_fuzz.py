@@ -22,8 +22,8 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.types import Message
 
-from engine_adapter.engine import Message
 from engine_adapter.events import Scheduled, current_request_key
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics

@@ -13,8 +13,8 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.types import Receive, Scope, Send
 
-from engine_adapter.engine import Receive, Scope, Send
 from proxy.middleware import PatchConfig
 from tests.test_middleware import DONE, GHOST_USAGE, ROLE, Client, Harness, chat_request, finishing, start
 

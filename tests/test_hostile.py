@@ -22,11 +22,11 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from starlette.types import Message
 
-from engine_adapter.engine import Message
 from proxy.app import CachetallyApp
 from proxy.settings import Settings, load_settings
-from proxy.upstream import UpstreamEngine
+from proxy.upstream.engine import UpstreamEngine
 from tests.load import count, log_failures, report
 from tests.servers import running_server
 

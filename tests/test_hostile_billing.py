@@ -43,10 +43,9 @@ from starlette.routing import Route
 
 from proxy import served_models
 from proxy.app import CachetallyApp
-from proxy.bench.processes import free_port
 from proxy.records.report import read
 from proxy.settings import Settings, SettingsError
-from tests.servers import ROOT
+from tests.servers import ROOT, free_port
 
 pytestmark = pytest.mark.loopback
 

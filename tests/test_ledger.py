@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from starlette.types import Receive, Scope, Send
 
-from engine_adapter.engine import Receive, Scope, Send
 from engine_adapter.events import EventSink, Scheduled
 from proxy.ledger import SlotUsage, UsageLedger
 from proxy.metrics import Metrics

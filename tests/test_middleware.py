@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 import pytest
+from starlette.types import Message, Receive, Scope, Send
 
-from engine_adapter.engine import Message, Receive, Scope, Send
 from engine_adapter.events import Scheduled, current_request_key
 from proxy.ledger import UsageLedger
 from proxy.metrics import Metrics

@@ -38,10 +38,9 @@ import pytest
 from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import ensure_default_model
 from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
-from proxy.bench.processes import free_port
 from tests import clients
 from tests.load import report
-from tests.servers import Pace, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
+from tests.servers import Pace, free_port, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
 from tests.test_fleet import KV_CACHE_BYTES, MIDDLEWARE, MODEL, core_binds, fresh, sse_usages
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]

@@ -20,7 +20,7 @@ from engine_adapter.engine import Engine
 from engine_adapter.events import Scheduled, current_request_key
 from engine_adapter.sim import SimConfig, SimEngine
 from engine_adapter.sim.tokenizer import render_chat, tokenize
-from proxy.bench.processes import stop
+from tests.servers import stop
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from proxy.app import CachetallyApp
 from proxy.auth import ApiKeyGuard
-from proxy.cli import build_parser, serve_settings
+from proxy.cli import build_parser
+from proxy.serve_flags import serve_settings
 from proxy.settings import Settings, SettingsError, load_settings
 from proxy.tenants import KeyTable, Tenancy
 from tests.servers import metric_value
@@ -77,6 +78,8 @@ async def test_api_keys_name_the_tenant_and_never_appear_in_logs(tmp_path: Path,
         for bad in ("sk-alpha-", "sk-alpha-11", "alpha", ""):
             resp = await client.post("/v1/completions", json=BODY, headers={"authorization": f"Bearer {bad}"})
             assert resp.status_code == 401
+        two = [("authorization", "Bearer sk-alpha-1"), ("authorization", "Bearer sk-beta-22")]
+        assert (await client.post("/v1/completions", json=BODY, headers=two)).status_code == 401  # which one?
         metrics = (await client.get("/metrics")).text
     assert tenants_in(metrics) == {"alpha": 2, "beta": 1, "default": 1}  # --api-key is default's
     assert tenants_in(metrics, "cachetally_completion_tokens_total") == {"alpha": 6, "beta": 3, "default": 3}
@@ -192,8 +195,8 @@ _VLLM_SHAPED = """
 import argparse, sys
 import uvicorn
 from starlette.applications import Starlette
-from proxy.bench.processes import free_port
 from proxy.vllm_middleware import CachetallyMiddleware
+from tests.servers import free_port
 
 app = Starlette()
 app.state.args = argparse.Namespace(api_key=sys.argv[1:] or None)  # vLLM's own --api-key

@@ -18,7 +18,7 @@ from proxy.settings import SettingsError, load_settings
 from proxy.upstream.client import Origin, UpstreamFailure
 from proxy.upstream.pool import Http1Pool
 from tests.h11_upstream import H11Upstream
-from tests.servers import running_server
+from tests.servers import running_server_beside
 
 pytestmark = pytest.mark.loopback
 
@@ -101,8 +101,9 @@ async def test_the_proxy_reaches_an_https_upstream_with_upstream_ca(ca: trustme.
     async with upstream.serving(ssl=server_context(ca, "127.0.0.1")) as port:
         args = ["-m", "proxy.cli", "serve", "--upstream", f"https://127.0.0.1:{port}", "--upstream-ca", ca_file,
                 "--log-level", "warning"]
-        with running_server(args) as (url, _):
+        async with running_server_beside(args) as (url, _):
             async with httpx.AsyncClient(timeout=10) as client:
                 response = await client.post(f"{url}/echo", content=b'{"via": "cachetally"}')
     assert (response.status_code, response.content) == (200, b'{"via": "cachetally"}')
-    assert [r.body for r in upstream.requests] == [b'{"via": "cachetally"}']
+    # Beside the proxy's own GET /v1/models at startup (the model list), over the same TLS:
+    assert [(r.target, r.body) for r in upstream.requests if r.method == b"POST"] == [(b"/echo", b'{"via": "cachetally"}')]

@@ -19,8 +19,8 @@ import pytest
 
 from pathlib import Path
 
-from proxy.bench.processes import free_port
 from tests.otlp_receiver import otlp_receiver
+from tests.servers import free_port
 from tests.servers import metric_value, running_server
 
 pytestmark = pytest.mark.loopback

@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from proxy.app import CachetallyApp
 from proxy.settings import Settings
-from proxy.upstream import UpstreamEngine
+from proxy.upstream.engine import UpstreamEngine
 from proxy.usage import Observation, UsagePatch
 from proxy.vendor_usage import reported_cached_tokens
 from tests.servers import metric_value

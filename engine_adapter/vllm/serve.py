@@ -30,7 +30,7 @@ from engine_adapter.vllm.cpu import machine_flags
 logger = logging.getLogger("cachetally.engine.vllm")
 
 #: vLLM's default ``--shutdown-timeout 0`` SIGKILLs the engine core at once and leaks its
-#: shared memory and semaphores; a few seconds let it exit cleanly (about 5 s here).
+#: shared memory and semaphores; a few seconds let it exit cleanly.
 SHUTDOWN_TIMEOUT_S = 10
 
 

@@ -1,7 +1,8 @@
-"""The ``cachetally bench`` command: ``add_bench_parser`` registers it and its subcommands.
+"""The ``cachetally bench`` command: its parser and subcommands, loaded only when it runs.
 
-Each subcommand sets ``run`` (``args.run(args) -> exit code``) with ``set_defaults``, so
-``proxy.cli.main`` dispatches without knowing them.
+``proxy.cli.main`` hands every argument after ``bench`` to :func:`main`, so neither
+``cachetally serve`` nor the vLLM middleware ever imports the benchmark harness. Each
+subcommand sets ``run`` (``args.run(args) -> exit code``) with ``set_defaults``.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ proxy is pinned to one core and the sim and load generator to the others.
 """
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="measure a running server, or the proxy itself",
-        description="Measure a running OpenAI-compatible server.",
-    )
+def main(argv: list[str]) -> int:
+    """``cachetally bench ARGV...``: parse and run one subcommand; returns the exit code."""
+    args = bench_parser().parse_args(argv)
+    return args.run(args)
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cachetally bench", description="Measure a running OpenAI-compatible server.")
     bsub = p.add_subparsers(dest="bench_command", required=True)
     cache = bsub.add_parser(
         "cache",
@@ -91,6 +94,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "worktree of main), both running at once, alternating rounds; req/s per proxy core and latency",
     )
     proxy.set_defaults(run=run_proxy)
+    return p
 
 
 def _positive(text: str) -> int:

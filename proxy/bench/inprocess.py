@@ -12,8 +12,9 @@ timed in five loops of ``requests`` calls (median):
 
 Beside them, ``least_work_us``: what patching cannot skip, timed alone (parse the request
 body for its options, parse the response, write ``cached_tokens``, serialize it again).
-The ratios say how far 0.97 (issue 6's embedded target) is from what pure ASGI allows:
-0.97 leaves 3% of ``sim_us`` for everything in front of the route.
+The ratios say how far 0.97 (the embedded target, :data:`proxy.bench.report.TARGETS`) is
+from what pure ASGI allows: 0.97 leaves 3% of ``sim_us`` for everything in front of the
+route.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import time
 from typing import Any
 
 import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.sim import SimConfig, SimEngine
 from proxy.app import CachetallyApp
 from proxy.settings import Settings

@@ -1,4 +1,4 @@
-"""The targets of ``cachetally bench proxy`` (issue 6) and its table.
+"""The targets of ``cachetally bench proxy`` and its table.
 
 A target is checked against the figure a run measured; ``None`` (not measurable here,
 e.g. no ``/proc``) counts as not holding.

@@ -32,16 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from typing import TYPE_CHECKING
 
 import httptools
 
 from proxy.upstream.client import TIMED_OUT, UNREACHABLE, UpstreamFailure
 from proxy.upstream.hop_headers import keep_alive_timeout
-
-if TYPE_CHECKING:
-    from proxy.upstream.pool import Http1Pool
-    from proxy.upstream.response import Http1Response
+from proxy.upstream.roles import ConnectionOwner, ResponseSink
 
 
 class State(enum.Enum):
@@ -60,13 +56,13 @@ KEEPALIVE_SHARE = 0.8
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, pool: Http1Pool) -> None:
+    def __init__(self, pool: ConnectionOwner) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.ours = IDLE
         self.theirs = IDLE
-        self.response: Http1Response | None = None
+        self.response: ResponseSink | None = None
         self.reading_paused = False
         self.closed = False
         self.owns_slot = False  # counted in the pool's limit (set once the connect succeeded)
@@ -86,7 +82,7 @@ class Connection(asyncio.Protocol):
         """h11's rule: both sides DONE, reading not paused, the connection open."""
         return self.ours is DONE and self.theirs is DONE and not self.reading_paused and not self.closed
 
-    def begin(self, response: Http1Response, head_only: bool) -> None:
+    def begin(self, response: ResponseSink, head_only: bool) -> None:
         """A new exchange: both sides start IDLE (a reused connection was reusable())."""
         self.ours = self.theirs = IDLE
         self.response, self._head_only = response, head_only

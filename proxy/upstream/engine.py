@@ -25,7 +25,8 @@ import logging
 from collections.abc import Callable
 from urllib.parse import quote
 
-from engine_adapter.engine import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from proxy.errors import send_error
 from proxy.settings import Settings
 from proxy.upstream.client import Origin, UpstreamClient

@@ -24,7 +24,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from engine_adapter.engine import Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
+
 from proxy.errors import error_sse_event, send_error
 from proxy.upstream.client import Headers, UpstreamClient, UpstreamFailure, UpstreamResponse
 from proxy.upstream.hop_headers import declared_length, request_headers, response_headers

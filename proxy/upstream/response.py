@@ -13,12 +13,9 @@ exception, so nothing is left unretrieved when nobody waits any more.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from proxy.upstream.client import TIMED_OUT, Headers, UpstreamFailure
-
-if TYPE_CHECKING:
-    from proxy.upstream.connection import Connection
+from proxy.upstream.roles import ExchangeConnection
 
 #: Body bytes of one response buffered before reading from the upstream pauses.
 HIGH_WATER = 256 * 1024
@@ -32,7 +29,7 @@ class Http1Response:
         "conn", "error", "headers", "last_read", "loop", "status", "upload",
     )
 
-    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
+    def __init__(self, conn: ExchangeConnection, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
         self.conn = conn
         self.loop = loop
         self.status = 0  # 0 until the final head arrives
