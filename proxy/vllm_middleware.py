@@ -12,6 +12,10 @@ middleware taps that client (:class:`engine_adapter.vllm.tap.EngineTap`); at shu
 removes the tap and drains the usage records. Each API server process of
 ``--api-server-count N`` builds its own app, so each taps its own client.
 
+Being outermost, it also runs before vLLM's own ``--api-key`` check. So the first thing
+it does with a request is that same check, as vLLM configured it (:func:`behind_vllm_auth`):
+a request vLLM would refuse gets vLLM's 401 before its body is read, and no record.
+
 Per request it is what ``cachetally serve`` has always put in front of vLLM's routes:
 exact ``cached_tokens`` in JSON and SSE, final and continuous-usage chunks, 0 included;
 tiers on request; request ids; tenants and usage records; OpenAI error JSON for 404/405
@@ -40,6 +44,7 @@ from typing import Any
 import orjson
 
 from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
+from engine_adapter.vllm import compat
 from engine_adapter.vllm.tap import EngineTap
 from proxy.accounting import Accounting
 from proxy.errors import send_error
@@ -62,6 +67,8 @@ class CachetallyMiddleware:
         self.accounting = Accounting(settings, registry=REGISTRY)
         self._patched = self.accounting.patch(app)
         self._client: Any = None
+        #: :meth:`_route`, behind vLLM's own API-key check once the lifespan found one.
+        self._front: ASGIApp = self._route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -72,6 +79,10 @@ class CachetallyMiddleware:
         if auth is not None and kind in ("http", "websocket") and not auth.allows(scope):
             await auth.refuse(scope, send)
             return
+        await self._front(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
         path = scope.get("path")
         if kind == "http" and path == "/stats":
             if scope["method"] in ("GET", "HEAD"):
@@ -96,6 +107,7 @@ class CachetallyMiddleware:
                 if message["type"] == "lifespan.startup":
                     await stack.enter_async_context(self.accounting.running())
                     self._tap_engine(app, stack)
+                    self._front = behind_vllm_auth(app, self._route)
                 return message
 
             async def lifespan_send(message: Message) -> None:
@@ -132,6 +144,23 @@ class CachetallyMiddleware:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def behind_vllm_auth(app: Any, inner: ASGIApp) -> ASGIApp:
+    """``inner`` behind vLLM's own API-key check, built as vLLM built it; ``inner`` if it has none.
+
+    vLLM adds its ``AuthenticationMiddleware`` (``--api-key``, ``VLLM_API_KEY``) before the
+    ``--middleware`` classes, so it sits inside this one: without a check of our own, a
+    request vLLM refuses would have its body read and a usage record written. This builds a
+    second instance of vLLM's class from the entry vLLM registered on ``app.user_middleware``,
+    with the same keys, so the same routes are guarded and a refusal is vLLM's own 401,
+    sent before anything of cachetally runs. vLLM's instance still checks behind it.
+    """
+    auth_class = compat.resolve("AuthenticationMiddleware")
+    for cls, args, kwargs in getattr(app, "user_middleware", ()):
+        if auth_class is not None and cls is auth_class:
+            return cls(inner, *args, **kwargs)
+    return inner
 
 
 def _describe(app: Any) -> str:

@@ -1,11 +1,12 @@
 """`cachetally serve` (vLLM's own server with the middleware), on its own: logs stay free of
-secrets at debug level, and when the engine core process dies requests fail at once with
-an OpenAI error instead of hanging, and the server exits for its supervisor to restart.
+secrets at debug level, requests vLLM's ``--api-key`` refuses cost no body read and leave
+no record, and when the engine core process dies requests fail at once with an OpenAI
+error instead of hanging, and the server exits for its supervisor to restart.
 
 Not the shared ``vllm_server``: this module kills its engine. Its server runs with
-``--log-level debug`` (and vLLM's own logger at DEBUG), an API key, and its output in a
-file that the first test greps for prompt and completion text, the ``Authorization``
-value and the key.
+``--log-level debug`` (and vLLM's own logger at DEBUG), vLLM's own ``--api-key`` (which
+vLLM checks inside the middleware's layer), usage records, and its output in a file that
+the first test greps for prompt and completion text, the ``Authorization`` value and the key.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+import orjson
 import psutil
 import pytest
 
@@ -42,20 +46,19 @@ class Server:
     proc: psutil.Process
     log: Path
     pace: Pace
+    usage: Path
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("engine-death") / "server.log"
-    env = {
-        "CACHETALLY_API_KEY": KEY,
-        "CACHETALLY_AUTH_EXEMPT_PATHS": "/health /metrics",
-        "VLLM_LOGGING_LEVEL": "DEBUG",
-    }
-    args = ["-m", "proxy.cli", "serve", "--log-level", "debug"]
+    usage = tmp_path_factory.mktemp("engine-death-usage")
+    env = {"VLLM_LOGGING_LEVEL": "DEBUG"}
+    args = ["-m", "proxy.cli", "serve", "--log-level", "debug", "--usage-dir", str(usage),
+            "--usage-flush-interval", "0.2", "--", "--api-key", KEY]
     with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
         model = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"]
-        yield Server(url, psutil.Process(proc.pid), log, measure_pace(url, model, headers=AUTH))
+        yield Server(url, psutil.Process(proc.pid), log, measure_pace(url, model, headers=AUTH), usage)
 
 
 def engine_core(server: Server) -> psutil.Process:
@@ -123,6 +126,72 @@ def test_one_api_server_reports_what_vllm_counted_on_metrics_and_stats(server: S
     assert stats["total_cached_tokens"] == metric_value(after, "cachetally_cached_tokens_total", tier="all")
     lines = stats_lines(server.log)
     assert lines and not any("pid=" in line for line in lines)  # one process: no line names one
+
+
+def records(usage: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for path in sorted(usage.glob("*.jsonl")) for line in path.read_bytes().splitlines()]
+
+
+def recorded_ids_after_one_accepted(server: Server, payload: dict[str, Any]) -> list[str]:
+    """Every recorded request id once an authenticated request's record is written.
+
+    Records leave in order: by then, a record of any request that ended before it is written too.
+    """
+    accepted = uuid.uuid4().hex
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=payload,
+                      headers={**AUTH, "x-request-id": accepted}, timeout=server.pace.timeout())
+    assert resp.status_code == 200
+    deadline = time.monotonic() + server.pace.timeout()
+    while not any(r["request_id"] == accepted for r in records(server.usage)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ids = [r["request_id"] for r in records(server.usage)]
+    assert ids.count(accepted) == 1
+    return ids
+
+
+def chat_payload(server: Server) -> dict[str, Any]:
+    model = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def test_requests_vllm_refuses_leave_no_record_and_no_count(server: Server) -> None:
+    """vLLM's ``--api-key`` check runs inside the middleware's layer: the middleware makes the
+    same check first, so a refused request gets vLLM's own 401 and is neither recorded nor
+    counted; an authenticated one is both."""
+    payload = chat_payload(server)
+    before = clients.scrape(server.url)
+    refused = [uuid.uuid4().hex for _ in range(3)]
+    for rid, headers in zip(refused, ({}, {"authorization": "Bearer no"}, {"authorization": f"Basic {KEY}"})):
+        resp = httpx.post(f"{server.url}/v1/chat/completions", json=payload,
+                          headers={**headers, "x-request-id": rid}, timeout=server.pace.timeout())
+        assert (resp.status_code, resp.json()) == (401, {"error": "Unauthorized"})
+    assert not set(refused) & set(recorded_ids_after_one_accepted(server, payload))
+    after = clients.scrape(server.url)
+    assert metric_value(after, "cachetally_requests_total") - metric_value(before, "cachetally_requests_total") == 1
+
+
+def refused_before_body(server: Server, headers: bytes, length: int) -> bytes:
+    """The status line of the answer to a request whose ``length``-byte body is never sent."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=server.pace.timeout()) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     + headers + f"content-length: {length}\r\n\r\n".encode() + b'{"model": "x", ')
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(65536)  # a socket timeout here: the server waits for the body
+            assert chunk, answer
+            answer += chunk
+    return answer.split(b"\r\n", 1)[0]
+
+
+def test_a_huge_body_vllm_refuses_is_answered_before_it_is_read(server: Server) -> None:
+    """A 30 MiB body (under the 32 MiB limit) without a valid key: the 401 comes from the
+    headers alone, while the body is still unsent, and leaves no record."""
+    refused = [uuid.uuid4().hex for _ in range(2)]
+    for rid, auth in zip(refused, (b"", b"authorization: Bearer no\r\n")):
+        status = refused_before_body(server, auth + f"x-request-id: {rid}\r\n".encode(), 30 << 20)
+        assert status == b"HTTP/1.1 401 Unauthorized"
+    assert not set(refused) & set(recorded_ids_after_one_accepted(server, chat_payload(server)))
 
 
 def test_engine_death_fails_requests_at_once_and_the_server_exits_clean(server: Server) -> None:

@@ -97,6 +97,9 @@ TOUCH_POINTS: dict[str, TouchPoint] = _table(
     TouchPoint("init_entrypoints_middleware", ("vllm.entrypoints.serve.middleware.register",),
                "--middleware may not add the middleware class",
                loads=("args.middleware", "app.add_middleware")),
+    # vLLM's own --api-key check (VLLM_API_KEY), which the middleware runs before its own work.
+    TouchPoint("AuthenticationMiddleware", ("vllm.entrypoints.serve.middleware.authenticate",),
+               "requests vLLM's --api-key refuses have their bodies read and a usage record"),
     TouchPoint("init_app_state", ("vllm.entrypoints.launchers.api_server.app_state",),
                "no engine client at app.state.engine_client: no tap",
                params=("engine_client", "state", "args", "supported_tasks"),
