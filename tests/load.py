@@ -13,7 +13,7 @@ import random
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,8 @@ class MixResult:
     statuses: dict[int, int]
     drops: dict[str, int]
     requests: int
+    #: The drop point of each request whose client hung up, by its position in the mix.
+    dropped_at: dict[int, str] = field(default_factory=dict)
 
 
 async def run_mix(
@@ -166,17 +168,18 @@ async def run_mix(
         stream = rng.random() < 0.5
         drop = drop_points[rng.randrange(len(drop_points))] if rng.random() < drop_share else None
         extra = {**(headers or {}), **(headers_for(i) if headers_for else {})}
-        plan.append((ROUTES[route], body(rng, route, stream), drop, extra))
+        plan.append((i, ROUTES[route], body(rng, route, stream), drop, extra))
 
     # Keep-alive shorter than uvicorn's 5 s: a pooled connection the server is closing just
     # as the client reuses it fails with ReadError, a client-side race, not a proxy fault.
     limits = httpx.Limits(max_connections=concurrency, keepalive_expiry=1.0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
 
-        async def one(path: str, content: bytes, drop: DropPoint | None, extra: dict[str, str]) -> None:
+        async def one(i: int, path: str, content: bytes, drop: DropPoint | None, extra: dict[str, str]) -> None:
             async with limit:
                 if drop is not None:
                     result.drops[drop.name] = result.drops.get(drop.name, 0) + 1
+                    result.dropped_at[i] = drop.name
                     raw_headers = b"".join(f"{k}: {v}\r\n".encode() for k, v in extra.items())
                     await dropping_client(port, path, content, drop, headers=raw_headers, timeout_s=timeout_s)
                     return

@@ -38,8 +38,14 @@ def counters(metrics: Metrics, sink: str) -> tuple[float, dict[str, float]]:
 def ids_in_files(directory: Path) -> Counter[str]:
     """Request ids of the lines that parse as JSON objects, as ``cachetally report`` reads
     them (a torn line is no record); asserts that a torn line only ever ends a file, where
-    an abandoned file's last write may leave one."""
+    an abandoned file's last write may leave one, and that no ``record_id`` (the key a
+    billing pipeline deduplicates on) is there twice.
+
+    The tests give every request an id of its own, so a request id counted twice is a
+    record written twice, or one request billed under two record ids: either is a bill
+    too high, and the record ids alone would not show the second."""
     seen: Counter[str] = Counter()
+    record_ids: Counter[str] = Counter()
     for path in sorted(directory.glob("*.jsonl")):
         lines = path.read_bytes().split(b"\n")
         for number, line in enumerate(lines, 1):
@@ -49,6 +55,8 @@ def ids_in_files(directory: Path) -> Counter[str]:
                 assert number == len(lines), f"{path.name}: line {number} of {len(lines)} is torn"
                 continue
             seen[obj["request_id"]] += 1
+            record_ids[obj["record_id"]] += 1
+    assert [r for r, n in record_ids.items() if n > 1] == [], "a record_id written twice"
     return seen
 
 

@@ -1,13 +1,22 @@
 """Billing soak: a request mix with 50% abrupt disconnects, spread over three configured
 tenants, unknown header values and no header at all, in sim and upstream mode (cachetally
-in front of the standalone sim, which reports cached tokens), with JSONL usage records on.
+in front of the standalone sim, which reports cached tokens), with JSONL usage records and
+an OTLP collector on loopback, under an environment whose sampler samples nothing.
+
+Hostile in the mix: half the requests carry an unsampled ``traceparent`` (flags ``00``),
+one in five reuses an earlier request's ``X-Request-Id`` (some while it is still in
+flight), and a third write ``stream`` and ``include_usage`` as vLLM's lax booleans
+(``"true"``, ``1``, ``"off"``...). Each request has a trace id of its own, which is how the
+oracle finds its record: a reused request id cannot tell two requests apart.
 
 After the run and a graceful stop:
 
-- exactly one record per request sent, none twice (matched by ``X-Request-Id``), each
-  with the tenant its header asked for (unknown values: ``other``; none: ``default``);
-- the records' prompt, cached and completion tokens per tenant equal the
-  ``cachetally_*`` counters per tenant, scraped before the stop;
+- no ``record_id`` twice, in the files or at the collector; each request's record found
+  exactly once in each, with the ``stream`` the lax value meant, the client's request id
+  (a reused one suffixed only while the earlier is in flight), and the tenant its header
+  asked for (unknown values: ``other``; none: ``default``);
+- the records' prompt, cached and completion tokens per tenant, in the files and in the
+  spans, equal the ``cachetally_*`` counters per tenant, scraped before the stop;
 - the counters' tenant labels stay within the configured three, ``other`` and ``default``;
 - ``cachetally report --json`` on the records prints the same totals, and ``--plot``
   writes a PNG.
@@ -23,8 +32,8 @@ import json
 import random
 import subprocess
 import sys
-import uuid
-from collections import defaultdict
+import tomllib
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,8 +42,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.records.report import PriceList
 from tests.load import DROP_POINTS, count, gauge_reader, log_failures, prepend, report, request_body, run_mix, settle
+from tests.otlp_receiver import ReceivedSpan, otlp_receiver
 from tests.servers import ROOT, metric_value, running_server
 
 pytestmark = pytest.mark.loopback
@@ -49,9 +58,19 @@ ACCOUNTING = ["--tenant-header", "x-tenant", "--tenants", ",".join(TENANTS), "--
 PREAMBLES = [" ".join(f"p{k}w{j}" for j in range(40)) for k in range(4)]
 
 
+#: What vLLM's pydantic models read as true and as false, besides JSON's own booleans.
+LAX = {True: ["true", "True", "1", 1, "on", "yes", "t", "Y"], False: ["false", "0", 0, "off", "no", "F"]}
+
+
 def body(rng: random.Random, route: str, stream: bool) -> bytes:
-    """The load mix's request, behind one of a few shared preambles: the cache gets hits."""
+    """The load mix's request, behind one of a few shared preambles (the cache gets hits);
+    one in three writes its booleans as lax values."""
     payload = orjson.loads(request_body(rng, route, stream))
+    if rng.random() < 1 / 3:
+        payload["stream"] = rng.choice(LAX[stream])
+        if "stream_options" in payload:
+            options = payload["stream_options"]
+            options["include_usage"] = rng.choice(LAX[options["include_usage"]])
     prepend(payload, route, rng.choice(PREAMBLES))
     return orjson.dumps(payload)
 
@@ -71,11 +90,36 @@ def expected_tenant(i: int) -> str:
     return "default" if value is None else value if value in TENANTS else "other"
 
 
+def request_id(i: int) -> str:
+    """Request ``i``'s ``X-Request-Id``: its own, or (one in five) an earlier request's, the
+    one four before (often still in flight) or one far back."""
+    if i % 10 == 4:
+        return request_id(i - 4)
+    if i % 10 == 9:
+        return request_id(i // 2)
+    return f"soak-{i}"
+
+
+def trace_id(i: int) -> str:
+    return f"{i + 1:032x}"
+
+
+def traceparent(i: int) -> str:
+    """Half unsampled (flags ``00``): billing data is not sampled away."""
+    return f"00-{trace_id(i)}-{i + 1:016x}-{'00' if i % 2 == 0 else '01'}"
+
+
+def stream_meant(raw: bytes) -> bool:
+    value = orjson.loads(raw)["stream"]
+    return value in LAX[True] or value is True
+
+
 @contextlib.contextmanager
-def accounting_server(mode: str, usage: Path, logs: Path) -> Iterator[str]:
+def accounting_server(mode: str, usage: Path, logs: Path, otlp: str) -> Iterator[str]:
     with contextlib.ExitStack() as stack:
-        args = ["-m", "proxy.cli", "serve", "--log-level", "warning", "--usage-dir", str(usage), *ACCOUNTING]
-        env = {}
+        args = ["-m", "proxy.cli", "serve", "--log-level", "warning", "--usage-dir", str(usage),
+                "--otlp-endpoint", otlp, *ACCOUNTING]
+        env = {"OTEL_TRACES_SAMPLER": "parentbased_always_off"}
         if mode == "sim":
             args += ["--engine", "sim"]
             env["CACHETALLY_SIM_TOKEN_DELAY_S"] = TOKEN_DELAY
@@ -107,38 +151,81 @@ def per_tenant(metrics: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def one_per_request(found: list[tuple[str, str]]) -> dict[int, int]:
+    """``(record_id, trace id)`` pairs, asserted to hold no record id twice and exactly one
+    record per request; returns each request's position in ``found``."""
+    record_ids = Counter(record_id for record_id, _ in found)
+    assert [r for r, n in record_ids.items() if n > 1] == []
+    by_request = Counter(trace for _, trace in found)
+    assert sorted(by_request) == sorted(trace_id(i) for i in range(REQUESTS))
+    assert set(by_request.values()) == {1}
+    index = {trace_id(i): i for i in range(REQUESTS)}
+    return {index[trace]: position for position, (_, trace) in enumerate(found)}
+
+
+def span_sums(spans: list[ReceivedSpan]) -> dict[str, dict[str, float]]:
+    names = {"gen_ai.usage.input_tokens": "prompt_tokens", "gen_ai.usage.cache_read.input_tokens": "cached_tokens",
+             "gen_ai.usage.output_tokens": "completion_tokens"}
+    sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for span in spans:
+        for attribute, field in names.items():
+            sums[span.attributes["cachetally.tenant"]][field] += span.attributes.get(attribute, 0)
+    return sums
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["sim", "upstream"])
 async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: Path, mode: str) -> None:
     usage = tmp_path / "usage"
-    ids = [uuid.uuid4().hex for _ in range(REQUESTS)]
+    sent: dict[int, bytes] = {}
 
     def headers_for(i: int) -> dict[str, str]:
         value = tenant_header(i)
-        return {"x-request-id": ids[i], **({"x-tenant": value} if value is not None else {})}
+        return {"x-request-id": request_id(i), "traceparent": traceparent(i),
+                **({"x-tenant": value} if value is not None else {})}
 
-    with accounting_server(mode, usage, tmp_path) as url:
-        result = await run_mix(url, REQUESTS, 0.5, seed=1414, body=body, headers_for=headers_for)
-        assert await settle(gauge_reader(url, "cachetally_ledger_open_slots"), 0) == 0
-        async with httpx.AsyncClient(timeout=10) as client:
-            metrics = (await client.get(f"{url}/metrics")).text
+    def recording_body(rng: random.Random, route: str, stream: bool) -> bytes:
+        sent[len(sent)] = raw = body(rng, route, stream)  # run_mix draws the bodies in order
+        return raw
+
+    with otlp_receiver() as receiver:
+        with accounting_server(mode, usage, tmp_path, receiver.url) as url:
+            result = await run_mix(url, REQUESTS, 0.5, seed=1414, body=recording_body, headers_for=headers_for)
+            assert await settle(gauge_reader(url, "cachetally_ledger_open_slots"), 0) == 0
+            async with httpx.AsyncClient(timeout=10) as client:
+                metrics = (await client.get(f"{url}/metrics")).text
+        spans = receiver.snapshot()  # the graceful stop flushed the last batch
     assert not log_failures(tmp_path / f"{mode}.log")
     assert set(result.statuses) == {200}
     if REQUESTS >= 100:
         assert set(result.drops) == {point.name for point in DROP_POINTS}
 
     records = [orjson.loads(line) for path in sorted(usage.glob("*.jsonl")) for line in path.read_bytes().splitlines()]
-    seen = [r["request_id"] for r in records]
-    assert len(seen) == len(set(seen)) == REQUESTS  # exactly one record per request
-    assert set(seen) == set(ids)
-    index = {rid: i for i, rid in enumerate(ids)}
-    assert all(r["tenant"] == expected_tenant(index[r["request_id"]]) for r in records)
+    in_files = one_per_request([(r["record_id"], r["traceparent"].split("-")[1]) for r in records])
+    for i, position in in_files.items():
+        record = records[position]
+        assert record["traceparent"] == traceparent(i)
+        assert record["tenant"] == expected_tenant(i)
+        # A body cut in half was never read: nothing says it asked for a stream.
+        half_body = result.dropped_at.get(i) == "half-body"
+        assert record["stream"] == (False if half_body else stream_meant(sent[i])), (i, sent[i], record)
+        # The client's id; a reused one gets a suffix only while another request holds it.
+        assert record["request_id"] == request_id(i) or record["request_id"].startswith(f"{request_id(i)}.")
+    assert sum(r["request_id"] != request_id(i) for i, r in ((i, records[p]) for i, p in in_files.items())) < REQUESTS / 5
+    at_collector = one_per_request([(s.attributes["cachetally.record_id"], s.trace_id) for s in spans])
+    assert {s.attributes["cachetally.record_id"] for s in spans} == {r["record_id"] for r in records}
+    for i, position in at_collector.items():
+        span = spans[position]
+        assert span.parent_span_id == f"{i + 1:016x}"
+        assert span.attributes["cachetally.record_id"] == records[in_files[i]]["record_id"]
 
     counters = per_tenant(metrics)
     assert set(counters) <= LABELS and set(counters) >= set(TENANTS)
     # Scraped before the stop: the 0.2 s flushes had written all but the last few.
     assert 0 < metric_value(metrics, "cachetally_usage_records_written_total", sink="jsonl") <= REQUESTS
+    assert 0 < metric_value(metrics, "cachetally_usage_records_written_total", sink="otlp") <= REQUESTS
     assert metric_value(metrics, "cachetally_usage_records_dropped_total") == 0
+    from_spans = span_sums(spans)
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in records:
         for field in ("prompt_tokens", "cached_tokens", "completion_tokens"):
@@ -146,6 +233,7 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
     for tenant in LABELS:
         for field in ("prompt_tokens", "cached_tokens", "completion_tokens"):
             assert sums[tenant][field] == counters[tenant][field], (tenant, field, dict(sums[tenant]), dict(counters[tenant]))
+            assert from_spans[tenant][field] == counters[tenant][field], (tenant, field)
     outcomes: dict[str, int] = defaultdict(int)
     for r in records:
         outcomes[r["outcome"]] += 1
@@ -157,16 +245,15 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
     prices = ROOT / "config" / "prices.example.toml"
     cli = [sys.executable, "-m", "proxy.cli", "report", str(usage), "--json", "--plot", str(png), "--prices", str(prices)]
     printed = json.loads(subprocess.run(cli, cwd=ROOT, capture_output=True, check=True, timeout=120).stdout)
-    price = PriceList.load(prices).default
-    assert price is not None
+    price = tomllib.loads(prices.read_text())["default"]  # read here, not by the report's own loader
     for tenant, totals in printed["tenants"].items():
         for field in ("prompt_tokens", "cached_tokens", "completion_tokens"):
             assert totals[field] == counters[tenant][field], (tenant, field)
         c = counters[tenant]
         from_counters = (
-            (c["prompt_tokens"] - c["cached_tokens"]) * price.input
-            + c["cached_tokens"] * price.cached_input
-            + c["completion_tokens"] * price.output
+            (c["prompt_tokens"] - c["cached_tokens"]) * price["input"]
+            + c["cached_tokens"] * price["cached_input"]
+            + c["completion_tokens"] * price["output"]
         ) / 1e6
         assert totals["cost"] == pytest.approx(from_counters, abs=1e-6)
     assert printed["records"] == REQUESTS and printed["skipped_lines"] == 0
@@ -175,6 +262,12 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
         f"billing-soak-{mode}",
         requests=REQUESTS,
         records=len(records),
+        spans=len(spans),
+        duplicates=len(records) - len({r["record_id"] for r in records}),
+        reused_ids=sum(request_id(i) != f"soak-{i}" for i in range(REQUESTS)),
+        suffixed=sum(records[p]["request_id"] != request_id(i) for i, p in in_files.items()),
+        unsampled=sum(i % 2 == 0 for i in range(REQUESTS)),
+        lax_stream=sum(not isinstance(orjson.loads(raw)["stream"], bool) for raw in sent.values()),
         outcomes=dict(outcomes),
         drops=sum(result.drops.values()),
         tenants={t: {k: int(v) for k, v in counters[t].items()} for t in sorted(counters)},

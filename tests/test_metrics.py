@@ -22,7 +22,6 @@ from proxy.ledger import UsageLedger
 from proxy.metrics import _RATIO_BUCKETS, _TOKEN_BUCKETS, Metrics, RequestRecord
 from proxy.records.queue import Delivery
 from proxy.records.recorder import Recorder
-from proxy.stats import CacheStats
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("cachetally_requests", "cachetally_prompt_tokens", "cachetally_cached_tokens_total",
@@ -43,6 +42,14 @@ def samples(text: bytes, prefix: str) -> dict[str, float]:
     return out
 
 
+def cache_of(rec: RequestRecord) -> str:
+    """The ``cache`` label as docs/ACCOUNTING.md defines it: unknown without both figures,
+    else hit when any prompt token was cached."""
+    if rec.prompt_tokens is None or rec.cached_tokens is None:
+        return "unknown"
+    return "hit" if rec.cached_tokens > 0 else "miss"
+
+
 def reference(recs: list[RequestRecord]) -> bytes:
     """The exposition prometheus_client's own Counter and Histogram give for ``recs``."""
     registry = CollectorRegistry()
@@ -56,11 +63,11 @@ def reference(recs: list[RequestRecord]) -> bytes:
     ratio = Histogram("cachetally_request_cache_hit_ratio", "", ["model"], buckets=_RATIO_BUCKETS,
                       registry=registry)
     for rec in recs:
-        requests.labels(rec.model, rec.route, str(rec.stream).lower(), rec.cache, rec.tenant).inc()
+        requests.labels(rec.model, rec.route, str(rec.stream).lower(), cache_of(rec), rec.tenant).inc()
         mismatch.inc(rec.mismatches)
         if rec.completion_tokens:
             completion.labels(rec.model, rec.tenant).inc(rec.completion_tokens)
-        if rec.cache == "unknown":
+        if cache_of(rec) == "unknown":
             continue
         assert rec.prompt_tokens is not None and rec.cached_tokens is not None
         source = rec.source or "upstream"
@@ -76,10 +83,22 @@ def reference(recs: list[RequestRecord]) -> bytes:
 
 
 def expected_stats(recs: list[RequestRecord]) -> dict[str, int | float]:
-    stats = CacheStats()
-    for rec in recs:
-        stats.add(rec.prompt_tokens, rec.cached_tokens)
-    return stats.as_dict()
+    """``/stats`` for ``recs``, written out here rather than taken from the code that serves
+    it: hit rates over the requests and prompt tokens whose cache is known."""
+    known = [rec for rec in recs if cache_of(rec) != "unknown"]
+    hits = sum(cache_of(rec) == "hit" for rec in known)
+    prompt = sum(rec.prompt_tokens or 0 for rec in known)
+    cached = sum(rec.cached_tokens or 0 for rec in known)
+    return {
+        "total_requests": len(recs),
+        "hit_requests": hits,
+        "miss_requests": len(known) - hits,
+        "unknown_requests": len(recs) - len(known),
+        "hit_rate": round(hits / len(known), 4) if known else 0.0,
+        "total_prompt_tokens": prompt,
+        "total_cached_tokens": cached,
+        "token_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+    }
 
 
 records = st.builds(

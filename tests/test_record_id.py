@@ -10,10 +10,17 @@ from __future__ import annotations
 import multiprocessing
 import time
 import uuid
+from pathlib import Path
 
-from proxy.records.otlp import span_attributes
-from proxy.records.record import UsageRecord, dumps
+import orjson
+import pytest
+
+from proxy.records.jsonl import JsonlSink
+from proxy.records.otlp import OtlpSink
+from proxy.records.record import UsageRecord
 from proxy.records.record_id import new_record_id, uuid7
+from proxy.records.recorder import Recorder
+from tests.otlp_receiver import otlp_receiver
 
 
 def _mint(n: int) -> list[str]:
@@ -49,10 +56,21 @@ def test_ids_never_repeat_across_processes() -> None:
     assert len(set(minted)) == len(minted) == 180_000
 
 
-def test_every_record_gets_its_own_id_in_jsonl_and_otlp() -> None:
+@pytest.mark.loopback
+def test_every_record_gets_its_own_id_in_the_file_and_at_the_collector(tmp_path: Path) -> None:
+    """Three records of one reused request id, through the real JSONL sink and the real OTLP
+    exporter into a receiver that decodes the protobuf itself: a user finds three ids in
+    the file, and the same three at the collector."""
     records = [UsageRecord(request_id="same", tenant="t", route="chat", stream=False, start_unix=0.0) for _ in range(3)]
-    lines = [dumps(r) for r in records]
-    assert len({r.record_id for r in records}) == 3
-    for record, line in zip(records, lines, strict=True):
-        assert f'"record_id":"{record.record_id}"'.encode() in line
-        assert span_attributes(record)["cachetally.record_id"] == record.record_id
+    with otlp_receiver() as receiver:
+        recorder = Recorder([JsonlSink(tmp_path), OtlpSink(receiver.url, timeout_s=5)], interval_s=3600)
+        recorder.start()
+        for record in records:
+            recorder.submit(record)
+        recorder.stop(timeout_s=30)
+        spans = receiver.snapshot()
+    lines = [orjson.loads(line) for path in tmp_path.glob("*.jsonl") for line in path.read_bytes().splitlines()]
+    in_file = [line["record_id"] for line in lines]
+    assert [line["request_id"] for line in lines] == ["same"] * 3
+    assert len(set(in_file)) == 3 and all(uuid.UUID(r).version == 7 for r in in_file)
+    assert sorted(s.attributes["cachetally.record_id"] for s in spans) == sorted(in_file)

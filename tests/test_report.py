@@ -66,7 +66,9 @@ def test_totals_cost_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert (zeta["requests"], zeta["prompt_tokens"], zeta["cached_tokens"], zeta["completion_tokens"]) == (2, 300, 0, 27)
     assert report["tenants"]["acme"]["prompt_tokens"] == 3500
     assert report["total"]["completion_tokens"] == 187
-    assert report["total"]["cost"] == pytest.approx(sum(r["cost"] for r in report["rows"]))
+    # The bill, by hand: acme m1 3,600 + acme m2 1,100 + zeta m1 (300 x 2.0 + 27 x 10.0) 870, per million.
+    assert report["total"]["cost"] == pytest.approx(5570 / 1e6)
+    assert report["tenants"]["zeta"]["cost"] == pytest.approx(870 / 1e6)
 
 
 def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,7 +45,7 @@ _SCALARS = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(min_value=-3, max_value=3),
-    st.integers(min_value=-(2**63), max_value=2**64 - 1),  # what orjson writes into a body
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),  # what orjson writes and reads (the body)
     st.floats(allow_nan=False),
     st.sampled_from([0.0, -0.0, 1.0, 1.0000001, 0.5]),
     st.sampled_from(_WORDS).flatmap(_cased),
