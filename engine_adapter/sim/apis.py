@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from engine_adapter.sim.protocol import RequestError, generated_token
+from engine_adapter.sim.protocol import RequestError, generated_token, lax_bool
 from engine_adapter.sim.tokenizer import render_chat, tokenize
 
 #: (reads, writes) as the engine reports them, or ``None`` when it drops them.
@@ -73,10 +73,7 @@ def parse(raw: bytes, api: str, model: str, default_max_tokens: int) -> ApiReque
         prompt = tokenize(render_chat(messages))
     except (TypeError, ValueError) as exc:
         raise RequestError(str(exc)) from None
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise RequestError("`stream` must be a boolean", param="stream")
-    return ApiRequest(api, model, prompt, max_tokens, limit, stream)
+    return ApiRequest(api, model, prompt, max_tokens, limit, lax_bool(body.get("stream"), "stream"))
 
 
 def _event(kind: str, payload: dict[str, Any]) -> bytes:
