@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.load import report
+from tests.otlp_receiver import Receiver, otlp_receiver
 from tests.servers import Pace, measure_pace, running_server, tracebacks_in_vllm_log
 
 
@@ -43,7 +44,20 @@ def vllm_server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path) -> Iterator[str]:
+def vllm_otlp() -> Iterator[Receiver]:
+    """The OTLP collector the shared vLLM server exports its spans to (tests/test_vllm_hostile_billing.py)."""
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+#: The shared vLLM server's tenant header and the tenants it names; a request without the
+#: header is ``default``, as on a server without one.
+VLLM_TENANT_HEADER = "x-tenant"
+VLLM_TENANTS = ("acme", "globex")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver) -> Iterator[str]:
     """`cachetally serve` on the default model with two API server processes (usage records on).
 
     ``--api-server-count 2``, so every real-engine test on it also runs where vLLM goes
@@ -51,12 +65,18 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path) -> Iterator[str]:
     the metrics are summed through prometheus_client's multiprocess mode. The one-process
     default is what tests/test_engine_death.py and tests/test_fleet.py's replicas run.
     Debug level: one stats line per request, naming its process.
+
+    Billing as it runs in production: usage records in a directory and OTLP spans to a
+    collector (``vllm_otlp``), in an environment whose OpenTelemetry sampler drops every
+    trace (which must not drop a span of ours), and a trusted tenant header.
     """
     log = vllm_server_log
-    # Usage records on, as billing runs it.
     args = ["-m", "proxy.cli", "serve", "--log-level", "debug", "--usage-dir", str(vllm_usage_dir),
-            "--usage-flush-interval", "0.2", "--", "--api-server-count", "2"]
-    with running_server(args, timeout_s=600, log_path=log) as (url, proc):
+            "--usage-flush-interval", "0.2", "--otlp-endpoint", vllm_otlp.url,
+            "--tenant-header", VLLM_TENANT_HEADER, "--tenants", ",".join(VLLM_TENANTS),
+            "--", "--api-server-count", "2"]
+    env = {"OTEL_TRACES_SAMPLER": "always_off"}
+    with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "the engine core runs in a child process"
         yield url
