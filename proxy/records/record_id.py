@@ -13,13 +13,15 @@ pipeline (``cachetally report`` included) deduplicates on. Python's :mod:`uuid` 
 - 2 bits variant (``10``), then the counter's low 30 bits and 32 fresh random bits.
 
 Across processes uniqueness rests on the random bits: 73 of them (41 of the counter's
-seed, 32 per id) for two ids minted in the same millisecond. A forked child starts a
+seed, 32 per id) for two ids minted in the same millisecond, drawn from a generator each
+process seeds with 256 bits from the OS. A forked child starts a
 fresh counter, so it never continues its parent's sequence.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 import uuid
@@ -30,39 +32,47 @@ _COUNTER_MAX = (1 << _COUNTER_BITS) - 1
 _lock = threading.Lock()
 _last_ms = 0
 _counter = 0
+#: The random bits: a generator seeded from the OS once per process (and again in a forked
+#: child), so that minting costs no system call. Ids need to be unique, not unguessable.
+_random = random.Random(os.urandom(32))
 
 
 def _reset() -> None:
     global _last_ms, _counter
     _last_ms, _counter = 0, 0
+    _random.seed(os.urandom(32))
 
 
 os.register_at_fork(after_in_child=_reset)
 
 
-def uuid7() -> uuid.UUID:
-    """A new UUIDv7; later than every one this process minted before."""
+def _uuid7_int() -> int:
     global _last_ms, _counter
     with _lock:
         now_ms = time.time_ns() // 1_000_000
         if now_ms > _last_ms:
-            _counter = int.from_bytes(os.urandom(6)) >> 7  # 41 random bits: top bit clear
+            _counter = _random.getrandbits(41)  # the top bit of the 42-bit counter clear
         else:
             # Same millisecond, or the clock stepped back: keep counting from the last id.
             now_ms = _last_ms
             _counter += 1
             if _counter > _COUNTER_MAX:  # 2**41 ids in one millisecond: borrow the next one
                 now_ms += 1
-                _counter = int.from_bytes(os.urandom(6)) >> 7
+                _counter = _random.getrandbits(41)
         _last_ms = now_ms
         counter = _counter
-    tail = int.from_bytes(os.urandom(4))
+        tail = _random.getrandbits(32)
     value = (now_ms & 0xFFFF_FFFF_FFFF) << 80
     value |= 0x7 << 76 | (counter >> 30) << 64  # version, counter's high 12 bits
-    value |= 0b10 << 62 | (counter & 0x3FFF_FFFF) << 32 | tail  # variant, low 30 bits, random
-    return uuid.UUID(int=value)
+    return value | 0b10 << 62 | (counter & 0x3FFF_FFFF) << 32 | tail  # variant, low 30 bits, random
+
+
+def uuid7() -> uuid.UUID:
+    """A new UUIDv7; later than every one this process minted before."""
+    return uuid.UUID(int=_uuid7_int())
 
 
 def new_record_id() -> str:
-    """A record id: a UUIDv7 in its canonical 36-character form."""
-    return str(uuid7())
+    """A record id: a UUIDv7 in its canonical 36-character form (what ``str(uuid7())`` gives)."""
+    h = f"{_uuid7_int():032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
