@@ -18,14 +18,14 @@ tiers on request; request ids; tenants and usage records; OpenAI error JSON for 
 and for a dead engine (503 at once; vLLM's own watchdog then stops the server).
 
 Settings come from the default TOML file and ``CACHETALLY_*`` environment variables
-(:func:`proxy.settings.load_settings`), the only channel that reaches every API server
+(:func:`proxy.server.settings.load_settings`), the only channel that reaches every API server
 process. vLLM's ``--enable-prompt-tokens-details`` stays off: the numbers come from the tap.
 
 Routes: ``/stats`` is served here; ``/metrics`` and ``/health`` are vLLM's own. The
 ``cachetally_*`` series are registered in prometheus_client's default registry, which
 vLLM's ``/metrics`` exposes with one API server; with several, vLLM sets
 ``PROMETHEUS_MULTIPROC_DIR`` and its ``/metrics`` sums every process's files, ours included
-(they are native prometheus_client series: :mod:`proxy.metrics`). ``/stats`` is computed
+(they are native prometheus_client series: :mod:`proxy.accounting.metrics`). ``/stats`` is computed
 from those same collected counters, so it agrees with ``/metrics`` whichever process answers.
 """
 
@@ -41,11 +41,11 @@ import orjson
 
 from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.vllm.tap import EngineTap
-from proxy.accounting import Accounting
-from proxy.errors import send_error
-from proxy.logs import configure_logging
-from proxy.middleware import DEFAULT_ROUTES
-from proxy.settings import load_settings
+from proxy.server.instance import Accounting
+from proxy.asgi.errors import send_error
+from proxy.server.logs import configure_logging
+from proxy.patching.middleware import DEFAULT_ROUTES
+from proxy.server.settings import load_settings
 
 logger = logging.getLogger("cachetally.vllm")
 
@@ -110,7 +110,7 @@ class CachetallyMiddleware:
     def _spoofable_tenants(self, app: Any) -> str | None:
         """Why the server must not start, if a tenant header sits beside vLLM's own ``--api-key``
         (or ``VLLM_API_KEY``): that key is a credential whose tenant is ``default``, and with
-        the header any holder of it could bill any tenant (:mod:`proxy.tenants`)."""
+        the header any holder of it could bill any tenant (:mod:`proxy.accounting.tenants`)."""
         keys = getattr(getattr(getattr(app, "state", None), "args", None), "api_key", None)
         keys = [keys] if isinstance(keys, str) else keys or [os.environ.get("VLLM_API_KEY")]
         if any(keys) and self.accounting.tenancy.header is not None:

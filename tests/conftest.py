@@ -54,7 +54,7 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path) -> Iterator[str]:
     """
     log = vllm_server_log
     # Usage records on, as billing runs it.
-    args = ["-m", "proxy.cli", "serve", "--log-level", "debug", "--usage-dir", str(vllm_usage_dir),
+    args = ["-m", "proxy.server.cli", "serve", "--log-level", "debug", "--usage-dir", str(vllm_usage_dir),
             "--usage-flush-interval", "0.2", "--", "--api-server-count", "2"]
     with running_server(args, timeout_s=600, log_path=log) as (url, proc):
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -79,7 +79,7 @@ def vllm_pace(vllm_server: str) -> Pace:
 @pytest.fixture(scope="session")
 def sim_server() -> Iterator[str]:
     """`cachetally serve --engine sim` on loopback, shared by the tests that only add to it."""
-    args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"]
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"]
     with running_server(args) as (url, _):
         yield url
 

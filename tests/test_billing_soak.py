@@ -33,7 +33,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.records.report import PriceList
+from proxy.accounting.records.report import PriceList
 from tests.load import DROP_POINTS, count, gauge_reader, log_failures, prepend, report, request_body, run_mix, settle
 from tests.servers import ROOT, metric_value, running_server
 
@@ -74,7 +74,7 @@ def expected_tenant(i: int) -> str:
 @contextlib.contextmanager
 def accounting_server(mode: str, usage: Path, logs: Path) -> Iterator[str]:
     with contextlib.ExitStack() as stack:
-        args = ["-m", "proxy.cli", "serve", "--log-level", "warning", "--usage-dir", str(usage), *ACCOUNTING]
+        args = ["-m", "proxy.server.cli", "serve", "--log-level", "warning", "--usage-dir", str(usage), *ACCOUNTING]
         env = {}
         if mode == "sim":
             args += ["--engine", "sim"]
@@ -155,7 +155,7 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
     # The report reads the same files back and agrees with the counters.
     png = tmp_path / f"usage-{mode}.png"
     prices = ROOT / "config" / "prices.example.toml"
-    cli = [sys.executable, "-m", "proxy.cli", "report", str(usage), "--json", "--plot", str(png), "--prices", str(prices)]
+    cli = [sys.executable, "-m", "proxy.server.cli", "report", str(usage), "--json", "--plot", str(png), "--prices", str(prices)]
     printed = json.loads(subprocess.run(cli, cwd=ROOT, capture_output=True, check=True, timeout=120).stdout)
     price = PriceList.load(prices).default
     assert price is not None

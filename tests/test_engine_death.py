@@ -52,7 +52,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "CACHETALLY_AUTH_EXEMPT_PATHS": "/health /metrics",
         "VLLM_LOGGING_LEVEL": "DEBUG",
     }
-    args = ["-m", "proxy.cli", "serve", "--log-level", "debug"]
+    args = ["-m", "proxy.server.cli", "serve", "--log-level", "debug"]
     with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
         model = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"]
         yield Server(url, psutil.Process(proc.pid), log, measure_pace(url, model, headers=AUTH))

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from starlette.types import Message
 
 from engine_adapter.events import Scheduled, current_request_key
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics
-from proxy.middleware import PatchConfig, UsagePatchMiddleware
-from proxy.sse import SSEPatcher
+from proxy.patching.ledger import UsageLedger
+from proxy.accounting.metrics import Metrics
+from proxy.patching.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.patching.sse import SSEPatcher
 from tests.load import count, report
 from tests.servers import ROOT
 from tests.test_sse import expected_patch, parse_event, set_seven, split_events

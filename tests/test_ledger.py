@@ -8,8 +8,8 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from engine_adapter.events import EventSink, Scheduled
-from proxy.ledger import SlotUsage, UsageLedger
-from proxy.metrics import Metrics
+from proxy.patching.ledger import SlotUsage, UsageLedger
+from proxy.accounting.metrics import Metrics
 from tests.test_middleware import DONE, ROLE, TOKEN, USAGE, Client, Harness, chat_request, sse_payloads, start
 
 

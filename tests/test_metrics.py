@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from engine_adapter.events import Scheduled
-from proxy.ledger import UsageLedger
-from proxy.metrics import _RATIO_BUCKETS, _TOKEN_BUCKETS, Metrics, RequestRecord
-from proxy.records.queue import Delivery
-from proxy.records.recorder import Recorder
-from proxy.stats import CacheStats
+from proxy.patching.ledger import UsageLedger
+from proxy.accounting.metrics import _RATIO_BUCKETS, _TOKEN_BUCKETS, Metrics, RequestRecord
+from proxy.accounting.records.queue import Delivery
+from proxy.accounting.records.recorder import Recorder
+from proxy.accounting.stats import CacheStats
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("cachetally_requests", "cachetally_prompt_tokens", "cachetally_cached_tokens_total",
@@ -176,8 +176,8 @@ def test_usage_records_written_and_dropped_reach_the_counters() -> None:
 _CHILD = """
 import json, sys
 from engine_adapter.events import Scheduled
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics, RequestRecord
+from proxy.patching.ledger import UsageLedger
+from proxy.accounting.metrics import Metrics, RequestRecord
 job = json.load(sys.stdin)
 ledger = UsageLedger()
 metrics = Metrics(ledger)

@@ -11,9 +11,9 @@ import multiprocessing
 import time
 import uuid
 
-from proxy.records.otlp import span_attributes
-from proxy.records.record import UsageRecord, dumps
-from proxy.records.record_id import new_record_id, uuid7
+from proxy.accounting.records.otlp import span_attributes
+from proxy.accounting.records.record import UsageRecord, dumps
+from proxy.accounting.records.record_id import new_record_id, uuid7
 
 
 def _mint(n: int) -> list[str]:

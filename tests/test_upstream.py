@@ -28,9 +28,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message
 
 from engine_adapter.engine import Engine
-from proxy.app import CachetallyApp
-from proxy.errors import error_body
-from proxy.settings import Settings
+from proxy.server.app import CachetallyApp
+from proxy.asgi.errors import error_body
+from proxy.server.settings import Settings
 from proxy.upstream.engine import UpstreamEngine
 from proxy.upstream.client import POOL_FULL, TIMED_OUT, UNREACHABLE, Origin, UpstreamFailure
 from proxy.upstream.forward import UpstreamBodyError

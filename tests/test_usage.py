@@ -9,8 +9,8 @@ import orjson
 import pytest
 
 from engine_adapter.events import Scheduled
-from proxy.ledger import SlotUsage
-from proxy.usage import DETAILS_KEY, Observation, UsagePatch
+from proxy.patching.ledger import SlotUsage
+from proxy.patching.usage import DETAILS_KEY, Observation, UsagePatch
 
 
 def engine(*requests: Scheduled) -> SlotUsage:

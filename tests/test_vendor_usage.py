@@ -2,7 +2,7 @@
 
 The response shapes come from each engine's serving code; the fixture files name the
 sources (``tests/fixtures/upstream/<engine>.json``). Every case is checked three ways:
-what the readers see, what :class:`~proxy.usage.UsagePatch` writes, and what a client
+what the readers see, what :class:`~proxy.patching.usage.UsagePatch` writes, and what a client
 gets from cachetally in upstream mode in front of a fake upstream sending those bytes.
 """
 
@@ -21,11 +21,11 @@ import pytest_asyncio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proxy.app import CachetallyApp
-from proxy.settings import Settings
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
 from proxy.upstream.engine import UpstreamEngine
-from proxy.usage import Observation, UsagePatch
-from proxy.vendor_usage import reported_cached_tokens
+from proxy.patching.usage import Observation, UsagePatch
+from proxy.patching.vendor_usage import reported_cached_tokens
 from tests.servers import metric_value
 from tests.upstream_fakes import AsgiClient
 

@@ -145,7 +145,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     log = tmp_path_factory.mktemp(request.param) / "vllm.log"
     with vllm_server(details, log) as upstream, contextlib.ExitStack() as proxies:
         # Entered after vLLM, so they stop before it.
-        serve = ["-m", "proxy.cli", "serve", "--upstream", upstream, "--log-level", "warning"]
+        serve = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--log-level", "warning"]
         zero, _ = proxies.enter_context(running_server(serve, timeout_s=120))
         omit, _ = proxies.enter_context(running_server([*serve, "--missing", "omit"], timeout_s=120))
         yield Stack(details, upstream, zero, omit, measure_pace(upstream, DEFAULT_MODEL_NAME))

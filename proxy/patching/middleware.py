@@ -1,0 +1,147 @@
+"""``UsagePatchMiddleware``: exact cache figures in every response of a metered route.
+
+The metered routes (chat, completions, Responses, Messages, SageMaker's invocations) and
+those refused while billing is on are listed in :mod:`proxy.patching.routes`; where each API keeps
+its usage is :mod:`proxy.patching.shapes`.
+
+Pure ASGI, shaped like Starlette's ``GZipMiddleware``: the middleware object holds only
+configuration; per-request state lives in a :class:`~proxy.patching.responder.Responder` built for each
+request, whose ``send`` is a state machine on ``message["type"]``.
+
+Per request on a patched route:
+
+1. The request id is read (or minted), made unique as a ledger key (across the
+   instance's processes too, with ``process_tag``: :func:`~proxy.accounting.request_id.process_tag`), put in
+   :data:`~engine_adapter.events.current_request_key` for engine code, forwarded to the
+   inner app as ``X-Request-Id``, and the client's id is echoed in the response.
+2. A ledger slot is opened before the inner app runs and closed in ``finally``; the
+   close is synchronous, so cancellation cannot skip it.
+3. The JSON request body is read once (size-capped) for the few options that matter,
+   and replayed to the inner app; later ``receive`` calls (disconnects) go straight
+   through. The inner app sees this route's headers rewritten by the middleware that
+   owns them: the request key, the replayed body's ``Content-Length``, and
+   ``Accept-Encoding: identity`` (the response is parsed and patched).
+4. The response is patched: a JSON body is held, patched and re-measured; an SSE stream
+   is passed on as it comes, with only usage events rewritten (``proxy.patching.sse``).
+5. On the way out, one :class:`~proxy.accounting.metrics.RequestRecord` is counted under the
+   request's tenant (:mod:`proxy.accounting.tenants`), and, when a recorder is configured, one
+   :class:`~proxy.accounting.records.record.UsageRecord` is handed to it: a queue append, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
+from engine_adapter.events import current_request_key
+from proxy.asgi.errors import send_error
+from proxy.patching.ledger import UsageLedger
+from proxy.accounting.metrics import Metrics
+from proxy.accounting.records.recorder import Recorder
+from proxy.accounting.request_id import RequestIds
+from proxy.patching.responder import Responder, without
+from proxy.patching.routes import PATCHED, REFUSED
+from proxy.patching.served_models import ServedModels
+from proxy.accounting.tenants import Tenancy
+from proxy.patching.usage import Missing
+
+DEFAULT_ROUTES: Mapping[str, str] = PATCHED
+
+
+@dataclass(frozen=True, slots=True)
+class PatchConfig:
+    routes: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROUTES))
+    missing: Missing = "zero"
+    max_request_bytes: int = 32 << 20
+    max_response_bytes: int = 64 << 20
+    max_event_bytes: int = 1 << 20
+    #: Ask the inner app for a usage chunk the client did not request, and drop it
+    #: before the client sees it, so every streamed request is counted (upstream mode).
+    ghost_usage: bool = False
+    #: Strip ``return_cached_tokens_details`` (our opt-in) before the inner app sees it.
+    #: Off in upstream mode: the field is SGLang's own, and SGLang answers it itself.
+    strip_details_flag: bool = True
+    default_model: str = "unknown"
+    tenancy: Tenancy = field(default_factory=Tenancy)
+    #: Recognize disaggregated prefill/decode legs by their ``kv_transfer_params``: the
+    #: prefill leg is counted as a leg only, the decode leg bills (:mod:`proxy.patching.pd_leg`).
+    pd_legs: bool = False
+    #: Which response model names are labels (others are ``other``).
+    models: ServedModels = field(default_factory=ServedModels)
+    #: Billing is on (tenants or usage records): refuse what would run the engine unmetered,
+    #: the ``refused`` routes (:mod:`proxy.patching.routes`) and bodies a shape cannot meter.
+    refuse_unmetered: bool = False
+    refused: frozenset[str] = REFUSED
+
+
+class UsagePatchMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        ledger: UsageLedger,
+        metrics: Metrics,
+        config: PatchConfig = PatchConfig(),
+        request_ids: RequestIds = RequestIds(),
+        recorder: Recorder | None = None,
+        process_tag: str = "",
+    ) -> None:
+        """``process_tag``: the last component of this process's keys for clients' ids, when
+        several processes serve the port (:func:`proxy.accounting.request_id.process_tag`)."""
+        self.app = app
+        self.ledger = ledger
+        self.metrics = metrics
+        self.config = config
+        self.request_ids = request_ids
+        self.recorder = recorder
+        self.process_tag = process_tag
+        self.echo_header = request_ids.header.lower().encode("latin-1")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.config.refuse_unmetered and scope["type"] in ("http", "websocket") and scope["path"] in self.config.refused:
+            await self._refuse(scope, send)
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        client_id = self.request_ids.from_headers(scope["headers"])
+        route = self.config.routes.get(scope["path"])
+        if route is None or scope["method"] != "POST":
+            echo = client_id or self.request_ids.generate()
+            await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
+            return
+        key = self.request_ids.unique_key(client_id, self._take, self.process_tag)
+        tenant = self.config.tenancy.resolve(scope["headers"])
+        responder = Responder(self, route, key, client_id or key, send, tenant)
+        self.ledger.open(key)
+        token = current_request_key.set(key)
+        try:
+            await responder.run(scope, receive)
+        finally:
+            engine_usage = self.ledger.close(key)
+            current_request_key.reset(token)
+            responder.finish(engine_usage)
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        self.metrics.refused_unmetered.labels(scope["path"]).inc()
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "not metered"})
+            return
+        await send_error(send, 403, f"{scope['path']} runs the engine unmetered: it is refused while billing is on")
+
+    def _take(self, key: str) -> bool:
+        return key not in self.ledger
+
+
+class _EchoId:
+    __slots__ = ("_send", "_header", "_value")
+
+    def __init__(self, send: Send, header: bytes, value: str) -> None:
+        self._send, self._header, self._value = send, header, value.encode("latin-1")
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [*without(message["headers"], self._header), (self._header, self._value)]
+            message = {**message, "headers": headers}
+        await self._send(message)
