@@ -44,7 +44,7 @@ from engine_adapter.vllm.tap import EngineTap
 from proxy.server.instance import Accounting
 from proxy.asgi.errors import send_error
 from proxy.server.logs import configure_logging
-from proxy.patching.middleware import DEFAULT_ROUTES
+from proxy.patching.context import DEFAULT_ROUTES
 from proxy.server.settings import load_settings
 
 logger = logging.getLogger("cachetally.vllm")

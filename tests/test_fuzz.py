@@ -27,7 +27,8 @@ from starlette.types import Message
 from engine_adapter.events import Scheduled, current_request_key
 from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics
-from proxy.patching.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.patching.context import PatchConfig
+from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.patching.sse import SSEPatcher
 from tests.load import count, report
 from tests.servers import ROOT

@@ -19,7 +19,8 @@ from starlette.types import Message, Receive, Scope, Send
 from engine_adapter.events import Scheduled, current_request_key
 from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics
-from proxy.patching.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.patching.context import PatchConfig
+from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.accounting.request_id import is_valid_request_id
 
 CHAT = "/v1/chat/completions"

@@ -22,7 +22,8 @@ from engine_adapter.engine import Message
 from engine_adapter.events import Scheduled, current_request_key
 from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics
-from proxy.patching.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.patching.context import PatchConfig
+from proxy.patching.middleware import UsagePatchMiddleware
 from tests.load import count
 from tests.test_fuzz import chunked, json_values
 from tests.test_sse import parse_event, split_events

@@ -19,3 +19,8 @@ def only_header(headers: Iterable[tuple[bytes, bytes]], lower_name: bytes) -> by
     """The value of the one header named ``lower_name``; ``None`` when it is absent or repeated."""
     values = header_values(headers, lower_name)
     return values[0] if len(values) == 1 else None
+
+
+def without(headers: list[tuple[bytes, bytes]], lower_name: bytes) -> list[tuple[bytes, bytes]]:
+    """``headers`` minus every header named ``lower_name`` (compared case-insensitively)."""
+    return [(name, value) for name, value in headers if name.lower() != lower_name]

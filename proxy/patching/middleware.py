@@ -30,9 +30,6 @@ Per request on a patched route:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
 from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.events import current_request_key
 from proxy.asgi.errors import send_error
@@ -40,40 +37,11 @@ from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.recorder import Recorder
 from proxy.accounting.request_id import RequestIds
-from proxy.patching.responder import Responder, without
-from proxy.patching.routes import PATCHED, REFUSED
-from proxy.patching.served_models import ServedModels
-from proxy.accounting.tenants import Tenancy
-from proxy.patching.usage import Missing
-
-DEFAULT_ROUTES: Mapping[str, str] = PATCHED
-
-
-@dataclass(frozen=True, slots=True)
-class PatchConfig:
-    routes: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROUTES))
-    missing: Missing = "zero"
-    max_request_bytes: int = 32 << 20
-    max_response_bytes: int = 64 << 20
-    max_event_bytes: int = 1 << 20
-    #: Ask the inner app for a usage chunk the client did not request, and drop it
-    #: before the client sees it, so every streamed request is counted (upstream mode).
-    ghost_usage: bool = False
-    #: Strip ``return_cached_tokens_details`` (our opt-in) before the inner app sees it.
-    #: Off in upstream mode: the field is SGLang's own, and SGLang answers it itself.
-    strip_details_flag: bool = True
-    default_model: str = "unknown"
-    tenancy: Tenancy = field(default_factory=Tenancy)
-    #: Recognize disaggregated prefill/decode legs by their ``kv_transfer_params``: the
-    #: prefill leg is counted as a leg only, the decode leg bills (:mod:`proxy.patching.pd_leg`).
-    pd_legs: bool = False
-    #: Which response model names are labels (others are ``other``).
-    models: ServedModels = field(default_factory=ServedModels)
-    #: Billing is on (tenants or usage records): refuse what would run the engine unmetered,
-    #: the ``refused`` routes (:mod:`proxy.patching.routes`) and bodies a shape cannot meter.
-    refuse_unmetered: bool = False
-    refused: frozenset[str] = REFUSED
-
+from proxy.asgi.headers import without
+from proxy.patching.context import PatchConfig, PatchContext
+from proxy.patching.metering import meter
+from proxy.patching.request_side import forward
+from proxy.patching.responder import Responder
 
 class UsagePatchMiddleware:
     def __init__(
@@ -97,6 +65,7 @@ class UsagePatchMiddleware:
         self.recorder = recorder
         self.process_tag = process_tag
         self.echo_header = request_ids.header.lower().encode("latin-1")
+        self.context = PatchContext(app, config, ledger, metrics, recorder, self.echo_header)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.config.refuse_unmetered and scope["type"] in ("http", "websocket") and scope["path"] in self.config.refused:
@@ -113,15 +82,15 @@ class UsagePatchMiddleware:
             return
         key = self.request_ids.unique_key(client_id, self._take, self.process_tag)
         tenant = self.config.tenancy.resolve(scope["headers"])
-        responder = Responder(self, route, key, client_id or key, send, tenant)
+        responder = Responder(self.context, route, key, client_id or key, send, tenant)
         self.ledger.open(key)
         token = current_request_key.set(key)
         try:
-            await responder.run(scope, receive)
+            await forward(responder, scope, receive)
         finally:
             engine_usage = self.ledger.close(key)
             current_request_key.reset(token)
-            responder.finish(engine_usage)
+            meter(responder, engine_usage)
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
         self.metrics.refused_unmetered.labels(scope["path"]).inc()

@@ -26,7 +26,8 @@ from proxy.accounting.auth import ApiKeyGuard
 from proxy.asgi.error_guard import ErrorGuard
 from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics, multiprocess_dir
-from proxy.patching.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.patching.context import PatchConfig
+from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.accounting.records.recorder import Recorder, recorder_from_settings
 from proxy.accounting.request_id import process_tag
 from proxy.patching.served_models import ServedModels, UpstreamModels
