@@ -114,8 +114,9 @@ def _is_token_ids(value: Any) -> bool:
     )
 
 
-def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -> SimRequest:
-    """Validate a request body; raise :class:`RequestError` with vLLM's status and wording."""
+def request_object(raw: bytes, model: str) -> dict[str, Any]:
+    """The body as a JSON object for ``model``; :class:`RequestError` with vLLM's status and
+    wording when it is not JSON, not an object, or names another model."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -127,6 +128,12 @@ def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -
         raise RequestError(
             f"The model `{requested}` does not exist.", 404, "NotFoundError", "model"
         )
+    return body
+
+
+def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -> SimRequest:
+    """Validate a request body; raise :class:`RequestError` with vLLM's status and wording."""
+    body = request_object(raw, model)
     if kind == "chat":
         if "messages" not in body:
             raise RequestError("Field required: `messages`", param="messages")
