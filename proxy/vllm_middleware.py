@@ -37,14 +37,14 @@ import os
 import time
 from typing import Any
 
-import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.vllm.tap import EngineTap
-from proxy.server.instance import Accounting
 from proxy.asgi.errors import send_error
-from proxy.server.logs import configure_logging
 from proxy.patching.context import DEFAULT_ROUTES
+from proxy.server.instance import Accounting
+from proxy.server.logs import configure_logging
+from proxy.server.own_routes import read_only, ready_line, send_stats
 from proxy.server.settings import load_settings
 
 logger = logging.getLogger("cachetally.vllm")
@@ -74,10 +74,7 @@ class CachetallyMiddleware:
             return
         path = scope.get("path")
         if kind == "http" and path == "/stats":
-            if scope["method"] in ("GET", "HEAD"):
-                await self._stats(send)
-            else:
-                await send_error(send, 405, "Method Not Allowed", [(b"allow", b"GET, HEAD")])
+            await read_only(scope, send, self._stats)
         elif kind == "http" and path in DEFAULT_ROUTES and getattr(self._client, "errored", False):
             await send_error(send, 503, "the vllm engine is not healthy")
         else:
@@ -100,7 +97,7 @@ class CachetallyMiddleware:
 
             async def lifespan_send(message: Message) -> None:
                 if message["type"] == "lifespan.startup.complete":
-                    logger.info("cachetally ready on %s", _describe(app))
+                    logger.info(ready_line(*_describe(app)))
                 elif message["type"].startswith("lifespan.shutdown."):
                     await stack.aclose()  # tap removed, records drained, before vLLM says done
                 await send(message)
@@ -128,14 +125,11 @@ class CachetallyMiddleware:
         stack.callback(setattr, self, "_client", None)
 
     async def _stats(self, send: Send) -> None:
-        body = orjson.dumps(self.accounting.metrics.stats_dict())  # every process's, as /metrics
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_stats(send, self.accounting.metrics.stats_dict())  # every process's, as /metrics
 
 
-def _describe(app: Any) -> str:
-    """``http://HOST:PORT: engine vllm (model M, dtype D, cpu), started in S s`` for the ready line."""
+def _describe(app: Any) -> tuple[str, str, str, float]:
+    """Where vLLM listens, the engine, what runs and how long the start took: the ready line's parts."""
     import psutil  # vLLM's own dependency
     import torch
 
@@ -149,5 +143,5 @@ def _describe(app: Any) -> str:
     servers = getattr(args, "api_server_count", 1) or 1
     which = f", API server pid {os.getpid()} of {servers}" if servers > 1 else ""
     started = time.time() - psutil.Process().create_time()
-    return (f"http://{args.host or '0.0.0.0'}:{args.port}: engine vllm (model {name}, dtype {dtype}, "
-            f"{device}{which}), started in {started:.1f} s")
+    where = f"http://{args.host or '0.0.0.0'}:{args.port}"
+    return where, "vllm", f"model {name}, dtype {dtype}, {device}{which}", started

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from starlette.types import Message
 
 from engine_adapter.events import Scheduled, current_request_key
-from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics
 from proxy.patching.context import PatchConfig
+from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.patching.sse import SSEPatcher
 from tests.load import count, report

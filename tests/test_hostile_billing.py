@@ -41,9 +41,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from proxy.accounting.records.report import read
 from proxy.patching import served_models
 from proxy.server.app import CachetallyApp
-from proxy.accounting.records.report import read
 from proxy.server.settings import Settings, SettingsError
 from tests.servers import ROOT, free_port
 

@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_
 
 from engine_adapter.sim.protocol import RequestError
 from engine_adapter.sim.protocol import lax_bool as sim_lax_bool
-from proxy.server.app import CachetallyApp
 from proxy.patching.request_body import lax_bool, optional_bool, parse_request, stream_options_of
+from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
 from tests.servers import running_server
 from tests.test_upstream import events, fresh_prompt, serve_in_thread

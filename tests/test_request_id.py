@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.server.app import CachetallyApp
 from proxy.accounting.request_id import RequestIds, is_valid_request_id, process_tag
+from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
 from tests.test_upstream import serve_in_thread
 

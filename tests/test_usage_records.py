@@ -21,14 +21,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.server.app import CachetallyApp
-from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics
-from proxy.patching.context import PatchConfig
-from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.accounting.records.jsonl import JsonlSink
 from proxy.accounting.records.queue import Delivery, DropCounts, SinkWorker
 from proxy.accounting.records.record import UsageRecord
+from proxy.patching.context import PatchConfig
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.middleware import UsagePatchMiddleware
+from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
 from tests.servers import metric_value
 

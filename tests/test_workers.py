@@ -105,11 +105,11 @@ def test_two_workers_sum_into_metrics_and_stats(upstream: str, tmp_path: Path) -
 
 
 _STALE = """
+from proxy.accounting.metrics import Metrics, MeteredRequest
 from proxy.patching.ledger import UsageLedger
-from proxy.accounting.metrics import Metrics, RequestRecord
 metrics = Metrics(UsageLedger())
 for _ in range(1000):
-    metrics.record(RequestRecord("sim-model", "chat", False, prompt_tokens=100, cached_tokens=50))
+    metrics.record(MeteredRequest("sim-model", "chat", False, prompt_tokens=100, cached_tokens=50))
 """
 
 
@@ -132,8 +132,8 @@ def test_a_preset_multiprocess_dir_is_wiped_at_start(upstream: str, tmp_path: Pa
 
 
 _OPEN_SLOTS = """
-from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics
+from proxy.patching.ledger import UsageLedger
 ledger = UsageLedger()
 metrics = Metrics(ledger)
 for i in range(3):

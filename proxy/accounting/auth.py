@@ -21,8 +21,8 @@ from collections.abc import Iterable
 
 from starlette.types import Scope, Send
 
-from proxy.asgi.errors import send_error
 from proxy.accounting.tenants import KeyTable, bearer_token
+from proxy.asgi.errors import send_error
 
 #: Path prefixes that need a key: vLLM's own (``vllm.entrypoints.serve.middleware.authenticate``).
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")

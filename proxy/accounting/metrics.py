@@ -9,8 +9,7 @@ is right in both of prometheus_client's modes:
 - **Several processes** (``PROMETHEUS_MULTIPROC_DIR`` set: ``vllm serve --api-server-count N``,
   ``cachetally serve --workers N``): every value lives in per-pid mmap files in that
   directory, whatever registry holds the object, and ``MultiProcessCollector`` sums them.
-  Custom collectors and ``Gauge.set_function`` are invisible there, which is why the
-  per-request dicts behind a collector that this module used to have are gone.
+  Custom collectors and ``Gauge.set_function`` are invisible there.
   ``cachetally_ledger_open_slots`` is a ``livesum`` gauge: the sum over live processes
   (``cachetally serve --workers`` drops a dead worker's files: :mod:`proxy.server.workers`).
 
@@ -21,21 +20,9 @@ the hooks the ledger and the recorder offer (``UsageLedger.observer``, ``DropCou
 process only: in multiprocess mode another process answers the scrape, and an eviction in
 an idle process would stay invisible until that process's next request.
 
-Cost per request, measured side by side with the collector design this replaced
-(``python -m proxy.bench.metrics_cost --baseline fe6c923 --rounds 9``: open and close a
-ledger slot, then record a streamed hit with one tier, the seven series updates; medians
-of 9 alternating rounds of 20,000 requests; 2 shared cores at load average 5):
-
-- one process: 8.0 us with the collector, 20.2 us native;
-- multiprocess: 9.2 us with the collector, 51.0 us native.
-
-Over six such runs the native series added 11-20 us in one process and 26-42 us in
-multiprocess mode, where each of the eleven value updates (two of them the open-slot
-gauge, four the histograms' sum and bucket) is an mmap write under prometheus_client's
-lock. Label children are looked up once and kept (``_Children``). Against the 380 us of
-proxy CPU a proxied request takes on this machine (docs/PERFORMANCE.md), and the
-milliseconds of an engine request, this is the price of counts that are right with
-several processes; the old design's figures were right in one process only.
+Each request's updates are a few series writes (an mmap write each in multiprocess mode);
+label children are looked up once and kept (``_Children``). What that costs per request,
+in one process and in multiprocess mode: docs/PERFORMANCE.md.
 
 The token and request counters carry a ``tenant`` label, bounded by :mod:`proxy.accounting.tenants`;
 the per-request histograms do not (a histogram per tenant and model is too many series).
@@ -51,9 +38,9 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from proxy.accounting.stats import CacheStats, collected_stats
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.pd_leg import LegMetrics
-from proxy.accounting.stats import CacheStats, collected_stats
 
 if TYPE_CHECKING:
     from proxy.accounting.records.recorder import Recorder
@@ -68,7 +55,7 @@ def multiprocess_dir() -> str | None:
 
 
 @dataclass(slots=True)
-class RequestRecord:
+class MeteredRequest:
     """One finished request of a metered route (proxy.patching.routes), as the proxy saw it."""
 
     model: str
@@ -197,12 +184,12 @@ class Metrics:
             "inc",
         )
 
-    def count_completion(self, rec: RequestRecord) -> None:
+    def count_completion(self, rec: MeteredRequest) -> None:
         """Only the completion tokens of a request that is not counted otherwise."""
         if rec.completion_tokens:
             self._completion[rec.model, rec.tenant](rec.completion_tokens)
 
-    def record(self, rec: RequestRecord) -> None:
+    def record(self, rec: MeteredRequest) -> None:
         model, tenant = rec.model, rec.tenant
         self._requests[model, rec.route, "true" if rec.stream else "false", rec.cache, tenant](1)
         if rec.mismatches:

@@ -48,7 +48,7 @@ def measure(rev: str, rounds: int, requests: int) -> dict[str, float]:
     def one_round(module: types.ModuleType) -> float:
         ledger = UsageLedger()
         metrics = module.Metrics(ledger)
-        rec = module.RequestRecord(
+        rec = module.MeteredRequest(
             model="m", route="chat", stream=True, prompt_tokens=1200, cached_tokens=960, source="engine",
             local_cached_tokens=960, tenant="default", completion_tokens=16,
         )

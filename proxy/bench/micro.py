@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 
 from engine_adapter.sim.protocol import sse, stream_choice, usage
-from proxy.patching.ledger import SlotUsage
+from proxy.patching.ledger import EngineUsage
 from proxy.patching.sse import SSEPatcher
-from proxy.patching.usage import Observation, UsagePatch
+from proxy.patching.usage import ResponseUsage, UsagePatch
 
 _HEAD = {"id": "chatcmpl-0123456789abcdef0123456789abcdef", "object": "chat.completion.chunk",
          "created": 1_700_000_000, "model": "sim-model"}
@@ -35,9 +35,9 @@ def _per_event_us(events: int, loop: Callable[[int], None]) -> float:
 
 
 def micro(events: int) -> dict[str, float]:
-    slot = SlotUsage(prompt_tokens=120, cached_tokens=96)
-    seen = Observation()
-    patcher = SSEPatcher(lambda payload: UsagePatch(engine=slot).apply(payload, seen))
+    slot = EngineUsage(prompt_tokens=120, cached_tokens=96)
+    in_response = ResponseUsage()
+    patcher = SSEPatcher(lambda payload: UsagePatch(engine=slot).apply(payload, in_response))
     half = len(TOKEN_EVENT) // 2
     head, tail = TOKEN_EVENT[:half], TOKEN_EVENT[half:]
 

@@ -38,7 +38,7 @@ from engine_adapter.events import Scheduled
 
 
 @dataclass(slots=True)
-class SlotUsage:
+class EngineUsage:
     """What the engine reported for one HTTP request, summed over its engine requests."""
 
     prompt_tokens: int = 0
@@ -91,7 +91,7 @@ class _Slot:
     opened_at: float
     #: The task serving the request, weakly: the slot is its request's as long as it runs.
     owner: weakref.ref[asyncio.Task[object]] | None = None
-    usage: SlotUsage = field(default_factory=SlotUsage)
+    usage: EngineUsage = field(default_factory=EngineUsage)
 
     def ended(self) -> bool:
         """The request that opened it is over (or unknown): its ``finally`` cannot close it now."""
@@ -173,7 +173,7 @@ class UsageLedger:
         self._slots[key] = _Slot(opened_at=self._clock(), owner=_current_task())
         self.observer.open_slots(len(self._slots))
 
-    def close(self, key: str) -> SlotUsage | None:
+    def close(self, key: str) -> EngineUsage | None:
         """Drop the slot; return its usage if any event arrived. No await: safe in ``finally``."""
         slot = self._slots.pop(key, None)
         self.observer.open_slots(len(self._slots))
@@ -188,7 +188,7 @@ class UsageLedger:
         finally:
             self.close(key)
 
-    def usage(self, key: str) -> SlotUsage | None:
+    def usage(self, key: str) -> EngineUsage | None:
         """The engine's figures for ``key``, or ``None`` if no event arrived (yet)."""
         slot = self._slots.get(key)
         if slot is None or slot.usage.events == 0:

@@ -9,31 +9,31 @@ from __future__ import annotations
 
 import re
 
-from proxy.accounting.metrics import RequestRecord
+from proxy.accounting.metrics import MeteredRequest
 from proxy.accounting.records.record import UsageRecord
 from proxy.asgi.headers import only_header
-from proxy.patching.ledger import SlotUsage
+from proxy.patching.ledger import EngineUsage
 from proxy.patching.pd_leg import DECODE, PREFILL
 from proxy.patching.responder import Responder
 
 _TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
-def meter(r: Responder, engine: SlotUsage | None) -> None:
+def meter(r: Responder, engine: EngineUsage | None) -> None:
     """Count this request once and submit its usage record. Synchronous: runs in the
     middleware's ``finally``. A prefill leg is counted as a leg only (:mod:`proxy.patching.pd_leg`)."""
     if r.leg == PREFILL:
         r.ctx.metrics.legs.count(PREFILL, r.notes.outcome(r.status), engine)
         return
-    seen = r.seen
+    in_response = r.in_response
     # A model the engine serves, never a name a client made up: labels must stay bounded.
-    model = r.ctx.config.models.label(seen.model) if seen.model else r.ctx.config.default_model
+    model = r.ctx.config.models.label(in_response.model) if in_response.model else r.ctx.config.default_model
     completion, completion_source = r.notes.completion(r.stream)
-    record = RequestRecord(
+    record = MeteredRequest(
         model=model,
         route=r.route,
         stream=r.stream,
-        mismatches=seen.mismatches,
+        mismatches=in_response.mismatches,
         tenant=r.tenant,
         completion_tokens=completion,
     )
@@ -46,15 +46,15 @@ def meter(r: Responder, engine: SlotUsage | None) -> None:
         record.local_cached_tokens = engine.local_cached_tokens
         record.external_cached_tokens = engine.external_cached_tokens
         record.cache_write_tokens = engine.cache_creation_tokens
-    elif seen.source == "upstream":
+    elif in_response.source == "upstream":
         record.prompt_tokens, record.cached_tokens, record.source = (
-            seen.prompt_tokens,
-            seen.cached_tokens,
+            in_response.prompt_tokens,
+            in_response.cached_tokens,
             "upstream",
         )
     else:
-        record.prompt_tokens = seen.prompt_tokens
-    if engine is None and seen.prompt_tokens is None and not r.completed:
+        record.prompt_tokens = in_response.prompt_tokens
+    if engine is None and in_response.prompt_tokens is None and not r.completed:
         # Rejected (4xx), failed or abandoned before the engine saw it: not a counted
         # request, but the tokens it streamed still count, as its usage record does.
         r.ctx.metrics.count_completion(record)
@@ -67,7 +67,7 @@ def meter(r: Responder, engine: SlotUsage | None) -> None:
         recorder.submit(_usage_record(r, record, engine, completion_source))
 
 
-def _usage_record(r: Responder, rec: RequestRecord, engine: SlotUsage | None, completion_source: str) -> UsageRecord:
+def _usage_record(r: Responder, rec: MeteredRequest, engine: EngineUsage | None, completion_source: str) -> UsageRecord:
     options = r.options
     return r.notes.record(
         request_id=r.key,

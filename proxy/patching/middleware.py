@@ -23,24 +23,25 @@ Per request on a patched route:
    ``Accept-Encoding: identity`` (the response is parsed and patched).
 4. The response is patched: a JSON body is held, patched and re-measured; an SSE stream
    is passed on as it comes, with only usage events rewritten (``proxy.patching.sse``).
-5. On the way out, one :class:`~proxy.accounting.metrics.RequestRecord` is counted under the
+5. On the way out, one :class:`~proxy.accounting.metrics.MeteredRequest` is counted under the
    request's tenant (:mod:`proxy.accounting.tenants`), and, when a recorder is configured, one
    :class:`~proxy.accounting.records.record.UsageRecord` is handed to it: a queue append, no I/O.
 """
 
 from __future__ import annotations
 
-from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from engine_adapter.events import current_request_key
-from proxy.asgi.errors import send_error
-from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.recorder import Recorder
 from proxy.accounting.request_id import RequestIds
+from proxy.asgi.errors import send_error
 from proxy.asgi.headers import without
 from proxy.patching.context import PatchConfig, PatchContext
+from proxy.patching.ledger import UsageLedger
 from proxy.patching.metering import meter
-from proxy.patching.request_side import forward
+from proxy.patching.request_side import run_patched
 from proxy.patching.responder import Responder
 
 class UsagePatchMiddleware:
@@ -86,7 +87,7 @@ class UsagePatchMiddleware:
         self.ledger.open(key)
         token = current_request_key.set(key)
         try:
-            await forward(responder, scope, receive)
+            await run_patched(responder, scope, receive)
         finally:
             engine_usage = self.ledger.close(key)
             current_request_key.reset(token)

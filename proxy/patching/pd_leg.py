@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.patching.ledger import SlotUsage
+from proxy.patching.ledger import EngineUsage
 
 Leg = Literal["prefill", "decode"]
 PREFILL: Leg = "prefill"
@@ -78,7 +78,7 @@ class LegMetrics:
             registry=registry,
         ).inc
 
-    def count(self, leg: Leg, outcome: str, engine: SlotUsage | None) -> None:
+    def count(self, leg: Leg, outcome: str, engine: EngineUsage | None) -> None:
         self._legs.labels(leg, outcome).inc()
         if engine is None or not engine.events:
             return

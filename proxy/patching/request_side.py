@@ -30,7 +30,7 @@ from proxy.patching.responder import Responder
 _REPLACED = (b"x-request-id", b"content-length", b"accept-encoding")
 
 
-async def forward(r: Responder, scope: Scope, receive: Receive) -> None:
+async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     """Read the request body once, refuse what cannot be metered, rewrite the body and the
     headers this route owns, and run the inner app with ``r`` patching its response."""
     config = r.ctx.config
@@ -90,5 +90,5 @@ def _rewrite(r: Responder, payload: dict[str, Any], body: bytes) -> bytes:
     if config.ghost_usage and r.shape is None and options.stream and not options.include_usage:
         # continuous_usage_stats only applies with include_usage; keep it off.
         payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
-        r.ghost = changed = True
+        r.ghost_asked = changed = True
     return orjson.dumps(payload) if changed else body

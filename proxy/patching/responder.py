@@ -2,7 +2,7 @@
 :class:`~proxy.patching.middleware.UsagePatchMiddleware`.
 
 Built per request with the middleware's :class:`~proxy.patching.context.PatchContext`.
-:func:`proxy.patching.request_side.forward` reads and rewrites the request and replays it
+:func:`proxy.patching.request_side.run_patched` reads and rewrites the request and replays it
 to the inner app with this responder's :meth:`Responder.send`, which patches the response
 (a JSON body held and re-measured; an SSE stream passed on as it comes, usage events
 rewritten). :func:`proxy.patching.metering.meter` then counts the request once from what
@@ -26,7 +26,7 @@ from proxy.patching.pd_leg import Leg
 from proxy.patching.request_body import RequestOptions
 from proxy.patching.shapes import shape_for
 from proxy.patching.sse import SSEPatcher
-from proxy.patching.usage import Observation, UsagePatch
+from proxy.patching.usage import ResponseUsage, UsagePatch
 
 #: The response's own ``"model"`` field, read from the first SSE bytes of a stream whose
 #: usage chunk never comes (the client did not ask for it), so it is labelled like the rest.
@@ -58,10 +58,10 @@ class Responder:
         self._send = send
         self.options: RequestOptions | None = None
         self.leg: Leg | None = None  # a disaggregated prefill/decode leg (proxy.patching.pd_leg)
-        self.seen = Observation()
+        self.in_response = ResponseUsage()
         self.mode = Mode.PASS
         self.stream = False
-        self.ghost = False
+        self.ghost_asked = False  # asked for a usage chunk the client did not (proxy.patching.ghost)
         self.completed = False  # a 200 response went out in full
         self._sniff_chunks = _MODEL_SNIFF_CHUNKS
         self.status: int | None = None
@@ -104,7 +104,7 @@ class Responder:
             self._skip("encoded")
         elif content_type.startswith(b"text/event-stream"):
             self.mode, self.stream = Mode.SSE, True
-            if self.ghost:
+            if self.ghost_asked:
                 self._hold = GhostHold()
             message["headers"] = without(headers, b"content-length")
             self._sse = SSEPatcher(
@@ -128,11 +128,11 @@ class Responder:
         self.notes.body(body, more)
         if self.mode is Mode.SSE:
             assert self._sse is not None
-            if self.seen.model is None and self._sniff_chunks and body:
+            if self.in_response.model is None and self._sniff_chunks and body:
                 self._sniff_chunks -= 1
                 self.notes.sniff_id(body)
                 if match := _MODEL_FIELD.search(body):
-                    self.seen.model = match.group(1).decode("utf-8", "replace")
+                    self.in_response.model = match.group(1).decode("utf-8", "replace")
             out = self._sse.feed(body) if body else b""
             if not more:
                 out += self._sse.flush()
@@ -191,11 +191,12 @@ class Responder:
             engine=self.ctx.ledger.usage(self.key),
             missing=self.ctx.config.missing,
             details=options.want_details,
-        ).apply(payload, self.seen)
+        ).apply(payload, self.in_response)
 
     def _patch_shape(self, payload: dict[str, Any]) -> bool | None:
         assert self.shape is not None
-        changed, whole = self.shape.patch(payload, self.ctx.ledger.usage(self.key), self.ctx.config.missing, self.seen)
+        engine = self.ctx.ledger.usage(self.key)
+        changed, whole = self.shape.patch(payload, engine, self.ctx.config.missing, self.in_response)
         if whole is not None and self.mode is Mode.SSE:
             self.notes.whole_usage(whole)  # a JSON body's usage was noted as it arrived
         return changed
@@ -215,7 +216,7 @@ class Responder:
         if options.want_details and payload.get("choices"):
             # Tier details belong to the final usage chunk only, not continuous ones.
             return UsagePatch(self.ctx.ledger.usage(self.key), self.ctx.config.missing).apply(
-                payload, self.seen
+                payload, self.in_response
             )
         return self._patch(payload)
 

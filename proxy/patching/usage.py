@@ -1,4 +1,4 @@
-"""What number is written into ``usage.prompt_tokens_details.cached_tokens`` (DESIGN.md).
+"""What number is written into ``usage.prompt_tokens_details.cached_tokens``, and where it comes from.
 
 1. An engine event exists: its value is exact and wins. A different value already in the
    response is overwritten and counted as a mismatch.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.patching.ledger import SlotUsage
+from proxy.patching.ledger import EngineUsage
 from proxy.patching.vendor_usage import reported_cached_tokens
 
 Missing = Literal["zero", "omit"]
@@ -29,8 +29,9 @@ WRITES_KEY = "created_cache_tokens"  # vLLM's name in prompt_tokens_details
 
 
 @dataclass(slots=True)
-class Observation:
-    """What one response told us, for metrics; the last usage object seen wins."""
+class ResponseUsage:
+    """What the response itself said: its model and usage figures, and how often the engine's
+    figure overwrote them; the last usage object read wins."""
 
     model: str | None = None
     prompt_tokens: int | None = None
@@ -43,15 +44,15 @@ class Observation:
 class UsagePatch:
     """Per-request patching context; ``apply`` is called on every JSON payload."""
 
-    engine: SlotUsage | None
+    engine: EngineUsage | None
     missing: Missing = "zero"
     details: bool = False
 
-    def apply(self, payload: dict[str, Any], seen: Observation) -> bool | None:
+    def apply(self, payload: dict[str, Any], in_response: ResponseUsage) -> bool | None:
         """Patch ``payload`` in place. ``True`` if changed, ``None`` if untouched."""
         model = payload.get("model")
         if isinstance(model, str):
-            seen.model = model
+            in_response.model = model
         usage = payload.get("usage")
         if not isinstance(usage, dict):
             return None
@@ -59,10 +60,10 @@ class UsagePatch:
         reported = reported_cached_tokens(payload)
         value, source = self._resolve(prompt_tokens, reported)
         if self.engine is not None and reported is not None and reported != value:
-            seen.mismatches += 1
+            in_response.mismatches += 1
         if isinstance(prompt_tokens, int):
-            seen.prompt_tokens = prompt_tokens
-        seen.cached_tokens, seen.source = value, source
+            in_response.prompt_tokens = prompt_tokens
+        in_response.cached_tokens, in_response.source = value, source
         changed = False
         if value is not None:
             details = usage.get("prompt_tokens_details")

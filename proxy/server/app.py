@@ -31,10 +31,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_adapter.engine import Engine
 from engine_adapter.events import EventSink
-from proxy.server.instance import Accounting
 from proxy.asgi.errors import send_error
-from proxy.server.own_routes import read_only, ready_line, send_stats
 from proxy.asgi.replies import send_body
+from proxy.server.instance import Accounting
+from proxy.server.own_routes import read_only, ready_line, send_stats
 from proxy.server.settings import Settings
 
 logger = logging.getLogger("cachetally.app")

@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
+from proxy.accounting.records.report_cli import add_report_parser
 from proxy.server.heap import settle_heap
 from proxy.server.logs import configure_logging
-from proxy.accounting.records.report_cli import add_report_parser
 from proxy.server.serve_flags import add_serve_parser, serve_settings
 from proxy.server.settings import Settings, SettingsError, settings_environment
 from proxy.server.workers import multiprocess_dir_for

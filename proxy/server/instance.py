@@ -20,19 +20,19 @@ import logging
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp
 
-from engine_adapter.engine import ASGIApp
 from proxy.accounting.auth import ApiKeyGuard
-from proxy.asgi.error_guard import ErrorGuard
-from proxy.patching.ledger import UsageLedger
 from proxy.accounting.metrics import Metrics, multiprocess_dir
-from proxy.patching.context import PatchConfig
-from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.accounting.records.recorder import Recorder, recorder_from_settings
 from proxy.accounting.request_id import process_tag
+from proxy.accounting.tenants import tenancy_from_settings
+from proxy.asgi.error_guard import ErrorGuard
+from proxy.patching.context import PatchConfig
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.patching.served_models import ServedModels, UpstreamModels
 from proxy.server.settings import Settings
-from proxy.accounting.tenants import tenancy_from_settings
 
 logger = logging.getLogger("cachetally.app")
 

@@ -163,15 +163,15 @@ class Report:
     records: int = 0
     skipped_lines: int = 0
     duplicates: int = 0
-    _seen: set[str] = field(default_factory=set, repr=False)
+    _record_ids: set[str] = field(default_factory=set, repr=False)
 
     def add(self, record: dict[str, Any]) -> None:
         record_id = record.get("record_id")
         if isinstance(record_id, str):
-            if record_id in self._seen:
+            if record_id in self._record_ids:
                 self.duplicates += 1
                 return
-            self._seen.add(record_id)
+            self._record_ids.add(record_id)
         key = (str(record.get("tenant", "default")), str(record.get("model", "unknown")))
         totals = self.rows.get(key)
         if totals is None:

@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
-from proxy.patching.ledger import SlotUsage
-from proxy.patching.usage import Missing, Observation
+from proxy.patching.ledger import EngineUsage
+from proxy.patching.usage import Missing, ResponseUsage
 
 
 def count(value: Any) -> int | None:
@@ -66,7 +66,7 @@ class Shape:
         raise NotImplementedError
 
     def patch(
-        self, payload: dict[str, Any], engine: SlotUsage | None, missing: Missing, seen: Observation
+        self, payload: dict[str, Any], engine: EngineUsage | None, missing: Missing, in_response: ResponseUsage
     ) -> tuple[bool | None, dict[str, Any] | None]:
         """Patch ``payload`` in place: (``True`` if changed else ``None``, the final holder
         when this payload's usage covers the whole request)."""
@@ -75,23 +75,23 @@ class Shape:
             return None, None
         model = holder.get("model")
         if isinstance(model, str):
-            seen.model = model
+            in_response.model = model
         usage = holder.get("usage")
         if not isinstance(usage, dict):
             return None, None
         reported = self.read(usage)
         figures = resolve(engine, missing, reported)
         if engine is not None and reported.reads is not None and reported.reads != figures.reads:
-            seen.mismatches += 1
+            in_response.mismatches += 1
         if figures.prompt is not None:
-            seen.prompt_tokens = figures.prompt
-        seen.cached_tokens, seen.source = figures.reads, figures.source
+            in_response.prompt_tokens = figures.prompt
+        in_response.cached_tokens, in_response.source = figures.reads, figures.source
         before = orjson.dumps(usage)
         self.write(usage, figures)
         return (True if orjson.dumps(usage) != before else None), (holder if final else None)
 
 
-def resolve(engine: SlotUsage | None, missing: Missing, reported: Reported) -> Figures:
+def resolve(engine: EngineUsage | None, missing: Missing, reported: Reported) -> Figures:
     if engine is not None:
         reads = engine.cached_for(reported.prompt)
         if reads is not None:
