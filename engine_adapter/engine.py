@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-# The ASGI types are Starlette's, a dependency of both packages. Message, Receive, Scope
-# and Send are not this module's business: proxy.accounting, proxy.middleware,
-# proxy.responder and proxy.vllm_middleware still import them from here.
-from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: F401
+from starlette.types import ASGIApp
 
 
 class Engine(Protocol):

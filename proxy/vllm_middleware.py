@@ -22,14 +22,14 @@ tiers on request; request ids; tenants and usage records; OpenAI error JSON for 
 and for a dead engine (503 at once; vLLM's own watchdog then stops the server).
 
 Settings come from the default TOML file and ``CACHETALLY_*`` environment variables
-(:func:`proxy.settings.load_settings`), the only channel that reaches every API server
+(:func:`proxy.server.settings.load_settings`), the only channel that reaches every API server
 process. vLLM's ``--enable-prompt-tokens-details`` stays off: the numbers come from the tap.
 
 Routes: ``/stats`` is served here; ``/metrics`` and ``/health`` are vLLM's own. The
 ``cachetally_*`` series are registered in prometheus_client's default registry, which
 vLLM's ``/metrics`` exposes with one API server; with several, vLLM sets
 ``PROMETHEUS_MULTIPROC_DIR`` and its ``/metrics`` sums every process's files, ours included
-(they are native prometheus_client series: :mod:`proxy.metrics`). ``/stats`` is computed
+(they are native prometheus_client series: :mod:`proxy.accounting.metrics`). ``/stats`` is computed
 from those same collected counters, so it agrees with ``/metrics`` whichever process answers.
 """
 
@@ -41,16 +41,16 @@ import os
 import time
 from typing import Any
 
-import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_adapter.engine import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.vllm import compat
 from engine_adapter.vllm.tap import EngineTap
-from proxy.accounting import Accounting
-from proxy.errors import send_error
-from proxy.logs import configure_logging
-from proxy.middleware import DEFAULT_ROUTES
-from proxy.settings import load_settings
+from proxy.asgi.errors import send_error
+from proxy.patching.context import DEFAULT_ROUTES
+from proxy.server.instance import Accounting
+from proxy.server.logs import configure_logging
+from proxy.server.own_routes import read_only, ready_line, send_stats
+from proxy.server.settings import load_settings
 
 logger = logging.getLogger("cachetally.vllm")
 
@@ -85,10 +85,7 @@ class CachetallyMiddleware:
         kind = scope["type"]
         path = scope.get("path")
         if kind == "http" and path == "/stats":
-            if scope["method"] in ("GET", "HEAD"):
-                await self._stats(send)
-            else:
-                await send_error(send, 405, "Method Not Allowed", [(b"allow", b"GET, HEAD")])
+            await read_only(scope, send, self._stats)
         elif kind == "http" and path in DEFAULT_ROUTES and getattr(self._client, "errored", False):
             await send_error(send, 503, "the vllm engine is not healthy")
         else:
@@ -112,7 +109,7 @@ class CachetallyMiddleware:
 
             async def lifespan_send(message: Message) -> None:
                 if message["type"] == "lifespan.startup.complete":
-                    logger.info("cachetally ready on %s", _describe(app))
+                    logger.info(ready_line(*_describe(app)))
                 elif message["type"].startswith("lifespan.shutdown."):
                     await stack.aclose()  # tap removed, records drained, before vLLM says done
                 await send(message)
@@ -122,7 +119,7 @@ class CachetallyMiddleware:
     def _spoofable_tenants(self, app: Any) -> str | None:
         """Why the server must not start, if a tenant header sits beside vLLM's own ``--api-key``
         (or ``VLLM_API_KEY``): that key is a credential whose tenant is ``default``, and with
-        the header any holder of it could bill any tenant (:mod:`proxy.tenants`)."""
+        the header any holder of it could bill any tenant (:mod:`proxy.accounting.tenants`)."""
         keys = getattr(getattr(getattr(app, "state", None), "args", None), "api_key", None)
         keys = [keys] if isinstance(keys, str) else keys or [os.environ.get("VLLM_API_KEY")]
         if any(keys) and self.accounting.tenancy.header is not None:
@@ -140,10 +137,7 @@ class CachetallyMiddleware:
         stack.callback(setattr, self, "_client", None)
 
     async def _stats(self, send: Send) -> None:
-        body = orjson.dumps(self.accounting.metrics.stats_dict())  # every process's, as /metrics
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_stats(send, self.accounting.metrics.stats_dict())  # every process's, as /metrics
 
 
 def behind_vllm_auth(app: Any, inner: ASGIApp) -> ASGIApp:
@@ -163,8 +157,8 @@ def behind_vllm_auth(app: Any, inner: ASGIApp) -> ASGIApp:
     return inner
 
 
-def _describe(app: Any) -> str:
-    """``http://HOST:PORT: engine vllm (model M, dtype D, cpu), started in S s`` for the ready line."""
+def _describe(app: Any) -> tuple[str, str, str, float]:
+    """Where vLLM listens, the engine, what runs and how long the start took: the ready line's parts."""
     import psutil  # vLLM's own dependency
     import torch
 
@@ -178,5 +172,5 @@ def _describe(app: Any) -> str:
     servers = getattr(args, "api_server_count", 1) or 1
     which = f", API server pid {os.getpid()} of {servers}" if servers > 1 else ""
     started = time.time() - psutil.Process().create_time()
-    return (f"http://{args.host or '0.0.0.0'}:{args.port}: engine vllm (model {name}, dtype {dtype}, "
-            f"{device}{which}), started in {started:.1f} s")
+    where = f"http://{args.host or '0.0.0.0'}:{args.port}"
+    return where, "vllm", f"model {name}, dtype {dtype}, {device}{which}", started

@@ -71,7 +71,7 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
     trace (which must not drop a span of ours), and a trusted tenant header.
     """
     log = vllm_server_log
-    args = ["-m", "proxy.cli", "serve", "--log-level", "debug", "--usage-dir", str(vllm_usage_dir),
+    args = ["-m", "proxy.server.cli", "serve", "--log-level", "debug", "--usage-dir", str(vllm_usage_dir),
             "--usage-flush-interval", "0.2", "--otlp-endpoint", vllm_otlp.url,
             "--tenant-header", VLLM_TENANT_HEADER, "--tenants", ",".join(VLLM_TENANTS),
             "--", "--api-server-count", "2"]
@@ -99,7 +99,7 @@ def vllm_pace(vllm_server: str) -> Pace:
 @pytest.fixture(scope="session")
 def sim_server() -> Iterator[str]:
     """`cachetally serve --engine sim` on loopback, shared by the tests that only add to it."""
-    args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"]
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"]
     with running_server(args) as (url, _):
         yield url
 

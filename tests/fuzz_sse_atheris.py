@@ -1,4 +1,4 @@
-"""Coverage-guided fuzzing of ``proxy.sse`` with atheris (run by ``test_fuzz``).
+"""Coverage-guided fuzzing of ``proxy.patching.sse`` with atheris (run by ``test_fuzz``).
 
 ``python tests/fuzz_sse_atheris.py -runs=100000``. The input's first byte picks the
 event cap, the next few the chunk cuts; the rest is the stream. Any exception, or an
@@ -15,7 +15,7 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 with atheris.instrument_imports():
-    from proxy.sse import SSEPatcher
+    from proxy.patching.sse import SSEPatcher
 
 from tests.test_fuzz import assert_only_usage_patches, chunked  # noqa: E402
 from tests.test_sse import set_seven  # noqa: E402

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import orjson
 
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics
-from proxy.records.record import UsageRecord
-from proxy.records.recorder import Recorder
+from proxy.accounting.metrics import Metrics
+from proxy.accounting.records.record import UsageRecord
+from proxy.accounting.records.recorder import Recorder
+from proxy.patching.ledger import UsageLedger
 from tests.servers import metric_value
 
 

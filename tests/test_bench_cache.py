@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from proxy.bench.cache import api_base, matplotlib_missing
-from proxy.cli import main
+from proxy.server.cli import main
 from tests.servers import running_server
 
 pytestmark = pytest.mark.loopback
@@ -23,7 +23,7 @@ BLOCK = 16  # the sim's default block size
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with running_server(["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"]) as (url, _):
+    with running_server(["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"]) as (url, _):
         yield url
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from proxy.bench import report
 from proxy.bench.micro import micro
-from proxy.cli import main
+from proxy.server.cli import main
 
 pytestmark = pytest.mark.loopback
 

@@ -117,7 +117,7 @@ def stream_meant(raw: bytes) -> bool:
 @contextlib.contextmanager
 def accounting_server(mode: str, usage: Path, logs: Path, otlp: str) -> Iterator[str]:
     with contextlib.ExitStack() as stack:
-        args = ["-m", "proxy.cli", "serve", "--log-level", "warning", "--usage-dir", str(usage),
+        args = ["-m", "proxy.server.cli", "serve", "--log-level", "warning", "--usage-dir", str(usage),
                 "--otlp-endpoint", otlp, *ACCOUNTING]
         env = {"OTEL_TRACES_SAMPLER": "parentbased_always_off"}
         if mode == "sim":
@@ -243,7 +243,7 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
     # The report reads the same files back and agrees with the counters.
     png = tmp_path / f"usage-{mode}.png"
     prices = ROOT / "config" / "prices.example.toml"
-    cli = [sys.executable, "-m", "proxy.cli", "report", str(usage), "--json", "--plot", str(png), "--prices", str(prices)]
+    cli = [sys.executable, "-m", "proxy.server.cli", "report", str(usage), "--json", "--plot", str(png), "--prices", str(prices)]
     printed = json.loads(subprocess.run(cli, cwd=ROOT, capture_output=True, check=True, timeout=120).stdout)
     price = tomllib.loads(prices.read_text())["default"]  # read here, not by the report's own loader
     for tenant, totals in printed["tenants"].items():

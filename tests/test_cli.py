@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from proxy.cli import build_parser, main
-from proxy.serve_flags import serve_settings
+from proxy.server.cli import build_parser, main
+from proxy.server.serve_flags import serve_settings
 
 
 def serve(*argv: str):
@@ -37,7 +37,7 @@ def test_vllm_engine_runs_vllm_serve_with_the_middleware_and_the_users_flags_las
     import os
 
     from engine_adapter.vllm import serve as vllm_serve_module
-    from proxy.settings import load_settings
+    from proxy.server.settings import load_settings
 
     calls: list[list[str]] = []
     monkeypatch.setattr(vllm_serve_module, "vllm_serve", calls.append)
@@ -86,7 +86,7 @@ def test_bad_settings_exit_2_with_a_message(monkeypatch: pytest.MonkeyPatch, cap
 )
 def test_help_explains_each_command(argv: list[str], says: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", *argv, "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "proxy.server.cli", *argv, "--help"], capture_output=True, text=True, check=True
     )
     assert says in out.stdout
 
@@ -97,8 +97,8 @@ async def test_on_started_runs_once_after_a_successful_startup_only(engine_start
     import asyncio
 
     from engine_adapter.sim import SimConfig, SimEngine
-    from proxy.app import CachetallyApp
-    from proxy.settings import Settings
+    from proxy.server.app import CachetallyApp
+    from proxy.server.settings import Settings
 
     class Failing(SimEngine):
         async def start(self):  # type: ignore[no-untyped-def]
@@ -128,7 +128,7 @@ async def test_on_started_runs_once_after_a_successful_startup_only(engine_start
 
 def test_settle_heap_freezes_what_startup_left_and_raises_the_young_threshold() -> None:
     code = (
-        "import gc; from proxy.heap import settle_heap, GC_GEN0_THRESHOLD; before = gc.get_threshold(); "
+        "import gc; from proxy.server.heap import settle_heap, GC_GEN0_THRESHOLD; before = gc.get_threshold(); "
         "settle_heap(); after = gc.get_threshold(); "
         "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); "
         "assert after == (GC_GEN0_THRESHOLD, *before[1:]), (before, after)"
@@ -140,9 +140,9 @@ def test_settle_heap_freezes_what_startup_left_and_raises_the_young_threshold() 
     ("argv", "loads_bench"),
     [
         (["-c", "import proxy.vllm_middleware"], False),
-        (["-m", "proxy.cli", "serve", "--help"], False),
-        (["-m", "proxy.cli", "--help"], False),
-        (["-m", "proxy.cli", "bench", "--help"], True),
+        (["-m", "proxy.server.cli", "serve", "--help"], False),
+        (["-m", "proxy.server.cli", "--help"], False),
+        (["-m", "proxy.server.cli", "bench", "--help"], True),
     ],
     ids=["vllm-middleware", "serve-help", "help", "bench-help"],
 )
@@ -151,5 +151,5 @@ def test_only_the_bench_command_loads_the_benchmark_harness(argv: list[str], loa
     run = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     loaded = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
-    assert "proxy.settings" in loaded  # the report names this checkout's modules
+    assert "proxy.server.settings" in loaded  # the report names this checkout's modules
     assert any(name.startswith("proxy.bench") for name in loaded) is loads_bench

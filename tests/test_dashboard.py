@@ -95,7 +95,7 @@ def test_every_query_follows_the_instance_variable_and_a_row_splits_by_instance(
 @pytest.fixture(scope="module")
 def live_names() -> set[str]:
     """Every series name a live sim server exports, with each family's suffixed forms."""
-    args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"]
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"]
     with running_server(args) as (url, _):
         text = uuid.uuid4().hex + " a b c" * 20
         for _ in range(2):  # labelled children only appear once something was counted

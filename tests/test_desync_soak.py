@@ -80,7 +80,7 @@ async def test_chat_requests_get_their_own_marker_among_aborted_early_answered_u
     outcomes: dict[str, int] = {}
     early_seen: dict[str, int] = {}
     async with upstream.serving() as upstream_port:
-        args = ["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{upstream_port}",
+        args = ["-m", "proxy.server.cli", "serve", "--upstream", f"http://127.0.0.1:{upstream_port}",
                 "--log-level", "warning"]
         async with running_server_beside(args, log_path=log) as (url, _):
             port = int(url.rsplit(":", 1)[1])
@@ -103,7 +103,7 @@ async def test_chat_requests_get_their_own_marker_among_aborted_early_answered_u
             elapsed = time.monotonic() - started
             checked_out = await settle(gauge_reader(url, "cachetally_upstream_connections_checked_out"), 0)
     chats = plan.count("chat")
-    # cachetally's own GET /v1/models (proxy.served_models) is no client's request.
+    # cachetally's own GET /v1/models (proxy.patching.served_models) is no client's request.
     forwarded = [r for r in upstream.requests if r.target != b"/v1/models"]
     parsed_chats = sum(1 for r in forwarded if r.target == b"/v1/chat/completions")
     figures = dict(

@@ -54,7 +54,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("engine-death") / "server.log"
     usage = tmp_path_factory.mktemp("engine-death-usage")
     env = {"VLLM_LOGGING_LEVEL": "DEBUG"}
-    args = ["-m", "proxy.cli", "serve", "--log-level", "debug", "--usage-dir", str(usage),
+    args = ["-m", "proxy.server.cli", "serve", "--log-level", "debug", "--usage-dir", str(usage),
             "--usage-flush-interval", "0.2", "--", "--api-key", KEY]
     with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
         model = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"]

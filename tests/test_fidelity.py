@@ -49,11 +49,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         )
         upstream_sim, _ = stack.enter_context(running_server([*SIM, "--report-cached-tokens"]))
         upstream, _ = stack.enter_context(
-            running_server(["-m", "proxy.cli", "serve", "--upstream", upstream_sim, "--log-level", "warning"])
+            running_server(["-m", "proxy.server.cli", "serve", "--upstream", upstream_sim, "--log-level", "warning"])
         )
         embedded, _ = stack.enter_context(
             running_server(
-                ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"],
+                ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"],
                 env={"CACHETALLY_SIM_TOKEN_DELAY_S": "0.005"},
             )
         )

@@ -25,10 +25,11 @@ from hypothesis import strategies as st
 from starlette.types import Message
 
 from engine_adapter.events import Scheduled, current_request_key
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics
-from proxy.middleware import PatchConfig, UsagePatchMiddleware
-from proxy.sse import SSEPatcher
+from proxy.accounting.metrics import Metrics
+from proxy.patching.context import PatchConfig
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.middleware import UsagePatchMiddleware
+from proxy.patching.sse import SSEPatcher
 from tests.load import count, report
 from tests.servers import ROOT
 from tests.test_sse import expected_patch, parse_event, set_seven, split_events

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.types import Receive, Scope, Send
 
-from proxy.middleware import PatchConfig
+from proxy.patching.context import PatchConfig
 from tests.test_middleware import DONE, GHOST_USAGE, ROLE, Client, Harness, chat_request, finishing, start
 
 

@@ -24,8 +24,8 @@ import orjson
 import pytest
 from starlette.types import Message
 
-from proxy.app import CachetallyApp
-from proxy.settings import Settings, load_settings
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings, load_settings
 from proxy.upstream.engine import UpstreamEngine
 from tests.load import count, log_failures, report
 from tests.servers import running_server
@@ -61,7 +61,7 @@ def other_sim() -> Iterator[str]:
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("hostile") / f"{request.param}.log"
     env = {"CACHETALLY_API_KEY": KEY, "CACHETALLY_AUTH_EXEMPT_PATHS": "/health /metrics"}
-    serve = ["-m", "proxy.cli", "serve", "--log-level", "debug"]
+    serve = ["-m", "proxy.server.cli", "serve", "--log-level", "debug"]
     with contextlib.ExitStack() as stack:
         if request.param == "sim":
             args = [*serve, "--engine", "sim"]
@@ -359,7 +359,7 @@ def test_api_key_comes_from_env_or_flag_and_is_never_printed() -> None:
     assert flags.api_key == "from-flag"
     assert load_settings(env={"CACHETALLY_API_KEY": ""}).api_key is None
 
-    from proxy.cli import build_parser
+    from proxy.server.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--api-key", "k", "--auth-exempt-path", "/health"])
     assert (args.api_key, args.auth_exempt_path) == ("k", ["/health"])

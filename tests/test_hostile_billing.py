@@ -41,10 +41,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from proxy import served_models
-from proxy.app import CachetallyApp
-from proxy.records.report import read
-from proxy.settings import Settings, SettingsError
+from proxy.accounting.records.report import read
+from proxy.patching import served_models
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings, SettingsError
 from tests.servers import ROOT, free_port
 
 pytestmark = pytest.mark.loopback
@@ -202,7 +202,7 @@ def test_a_tenant_header_beside_keys_is_refused(keys: dict[str, str]) -> None:
 
 def test_the_spoofable_configuration_does_not_start(tmp_path: Path) -> None:
     """The configuration in which a shared key plus ``x-tenant: globex`` billed globex."""
-    argv = ["-m", "proxy.cli", "serve", "--upstream", "http://127.0.0.1:9",
+    argv = ["-m", "proxy.server.cli", "serve", "--upstream", "http://127.0.0.1:9",
             "--api-key", SHARED, "--api-keys", str(keys_file(tmp_path)), "--tenant-header", "x-tenant",
             "--port", str(free_port())]
     run = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=30)
@@ -300,7 +300,7 @@ def test_an_upstream_listing_endless_models_mints_a_bounded_set() -> None:
 
 
 def test_no_record_field_grows_with_what_a_peer_sends() -> None:
-    from proxy.records.record import UsageRecord, dumps
+    from proxy.accounting.records.record import UsageRecord, dumps
 
     huge = "x" * (1 << 20)
     record = UsageRecord(request_id="r", tenant="t", route="chat", stream=False, start_unix=0.0,

@@ -27,7 +27,7 @@ DROP_SHARE = 0.3
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"]
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"]
     with running_server(args, env={"CACHETALLY_SIM_TOKEN_DELAY_S": "0.002"}) as (url, _):
         yield url
 

@@ -8,8 +8,8 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from engine_adapter.events import EventSink, Scheduled
-from proxy.ledger import SlotUsage, UsageLedger
-from proxy.metrics import Metrics
+from proxy.accounting.metrics import Metrics
+from proxy.patching.ledger import EngineUsage, UsageLedger
 from tests.test_middleware import DONE, ROLE, TOKEN, USAGE, Client, Harness, chat_request, sse_payloads, start
 
 
@@ -175,8 +175,8 @@ def test_max_slots_must_be_positive() -> None:
         UsageLedger(max_slots=0)
 
 
-def _usage(*requests: tuple[int, int]) -> SlotUsage:
-    usage = SlotUsage()
+def _usage(*requests: tuple[int, int]) -> EngineUsage:
+    usage = EngineUsage()
     for prompt, cached in requests:
         usage.add(Scheduled("k", prompt, cached))
     return usage
@@ -214,7 +214,7 @@ async def test_the_sweep_never_takes_a_live_requests_slot() -> None:
     ledger = UsageLedger(ttl_s=60.0, clock=clock)
     release = asyncio.Event()
 
-    async def long_request() -> SlotUsage | None:
+    async def long_request() -> EngineUsage | None:
         with ledger.slot("live"):
             ledger.publish(Scheduled("live", 100, 64))
             await release.wait()

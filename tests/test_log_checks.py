@@ -34,5 +34,5 @@ def test_the_same_lines_before_that_process_shut_down_are_not() -> None:
 def test_any_other_traceback_is_reported() -> None:
     other = [line.replace("EngineDeadError", "ValueError") for line in _RACE]
     text = log(f"{_A} {_CLIENT_DOWN}", *(f"{_A} {x}" for x in other),
-               "Traceback (most recent call last):", '  File "proxy/responder.py", line 1', "KeyError: 'x'")
+               "Traceback (most recent call last):", '  File "proxy/patching/responder.py", line 1', "KeyError: 'x'")
     assert tracebacks_in_vllm_log(text) == [f"{_A} {other[1]}", "Traceback (most recent call last):"]

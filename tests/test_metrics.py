@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from engine_adapter.events import Scheduled
-from proxy.ledger import UsageLedger
-from proxy.metrics import _RATIO_BUCKETS, _TOKEN_BUCKETS, Metrics, RequestRecord
-from proxy.records.queue import Delivery
-from proxy.records.recorder import Recorder
+from proxy.accounting.metrics import _RATIO_BUCKETS, _TOKEN_BUCKETS, Metrics, MeteredRequest
+from proxy.accounting.records.queue import Delivery
+from proxy.accounting.records.recorder import Recorder
+from proxy.patching.ledger import UsageLedger
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("cachetally_requests", "cachetally_prompt_tokens", "cachetally_cached_tokens_total",
@@ -42,7 +42,7 @@ def samples(text: bytes, prefix: str) -> dict[str, float]:
     return out
 
 
-def cache_of(rec: RequestRecord) -> str:
+def cache_of(rec: MeteredRequest) -> str:
     """The ``cache`` label as docs/ACCOUNTING.md defines it: unknown without both figures,
     else hit when any prompt token was cached."""
     if rec.prompt_tokens is None or rec.cached_tokens is None:
@@ -50,7 +50,7 @@ def cache_of(rec: RequestRecord) -> str:
     return "hit" if rec.cached_tokens > 0 else "miss"
 
 
-def reference(recs: list[RequestRecord]) -> bytes:
+def reference(recs: list[MeteredRequest]) -> bytes:
     """The exposition prometheus_client's own Counter and Histogram give for ``recs``."""
     registry = CollectorRegistry()
     requests = Counter("cachetally_requests", "", ["model", "route", "stream", "cache", "tenant"], registry=registry)
@@ -82,7 +82,7 @@ def reference(recs: list[RequestRecord]) -> bytes:
     return generate_latest(registry)
 
 
-def expected_stats(recs: list[RequestRecord]) -> dict[str, int | float]:
+def expected_stats(recs: list[MeteredRequest]) -> dict[str, int | float]:
     """``/stats`` for ``recs``, written out here rather than taken from the code that serves
     it: hit rates over the requests and prompt tokens whose cache is known."""
     known = [rec for rec in recs if cache_of(rec) != "unknown"]
@@ -102,7 +102,7 @@ def expected_stats(recs: list[RequestRecord]) -> dict[str, int | float]:
 
 
 records = st.builds(
-    RequestRecord,
+    MeteredRequest,
     model=st.sampled_from(["m1", "m2"]),
     route=st.sampled_from(["chat", "completions"]),
     stream=st.booleans(),
@@ -119,7 +119,7 @@ records = st.builds(
 
 @settings(deadline=None)  # a pass/fail test, not a timing: the machine is shared
 @given(st.lists(records, max_size=30))
-def test_series_match_prometheus_client_counters_and_histograms(recs: list[RequestRecord]) -> None:
+def test_series_match_prometheus_client_counters_and_histograms(recs: list[MeteredRequest]) -> None:
     metrics = Metrics(UsageLedger())
     for rec in recs:
         metrics.record(rec)
@@ -131,7 +131,7 @@ def test_series_match_prometheus_client_counters_and_histograms(recs: list[Reque
 
 def test_each_metrics_has_its_own_registry() -> None:
     one, two = Metrics(UsageLedger()), Metrics(UsageLedger())
-    one.record(RequestRecord("m", "chat", False, prompt_tokens=10, cached_tokens=4))
+    one.record(MeteredRequest("m", "chat", False, prompt_tokens=10, cached_tokens=4))
     assert one.stats_dict()["total_requests"] == 1
     assert two.stats_dict()["total_requests"] == 0
 
@@ -195,13 +195,13 @@ def test_usage_records_written_and_dropped_reach_the_counters() -> None:
 _CHILD = """
 import json, sys
 from engine_adapter.events import Scheduled
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics, RequestRecord
+from proxy.accounting.metrics import Metrics, MeteredRequest
+from proxy.patching.ledger import UsageLedger
 job = json.load(sys.stdin)
 ledger = UsageLedger()
 metrics = Metrics(ledger)
 for rec in job["records"]:
-    metrics.record(RequestRecord(**rec))
+    metrics.record(MeteredRequest(**rec))
 for i in range(job["open"]):
     ledger.open(f"slot-{i}")
 ledger.publish(Scheduled("nobody", prompt_tokens=1, cached_tokens=0))
@@ -210,12 +210,12 @@ print(metrics.stats.line())
 """
 
 
-def _random_records(rng: random.Random, n: int) -> list[RequestRecord]:
+def _random_records(rng: random.Random, n: int) -> list[MeteredRequest]:
     out = []
     for _ in range(n):
         prompt = rng.choice([None, 0, rng.randrange(1, 300_000)])
         cached = None if rng.random() < 0.1 else rng.randrange(0, 1 + (prompt or 0))
-        out.append(RequestRecord(
+        out.append(MeteredRequest(
             model=rng.choice(["m1", "m2"]), route=rng.choice(["chat", "completions"]), stream=rng.random() < 0.5,
             prompt_tokens=prompt, cached_tokens=cached, source=rng.choice([None, "engine", "upstream"]),
             local_cached_tokens=rng.choice([None, rng.randrange(100)]), mismatches=rng.randrange(2),

@@ -17,10 +17,11 @@ import pytest
 from starlette.types import Message, Receive, Scope, Send
 
 from engine_adapter.events import Scheduled, current_request_key
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics
-from proxy.middleware import PatchConfig, UsagePatchMiddleware
-from proxy.request_id import is_valid_request_id
+from proxy.accounting.metrics import Metrics
+from proxy.accounting.request_id import is_valid_request_id
+from proxy.patching.context import PatchConfig
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.middleware import UsagePatchMiddleware
 
 CHAT = "/v1/chat/completions"
 InnerApp = Callable[[Scope, Receive, Send], Awaitable[None]]

@@ -71,7 +71,7 @@ class Sequence:
 @pytest.fixture(scope="module")
 def sequence(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sequence]:
     log_path = tmp_path_factory.mktemp("observability") / "serve.log"
-    args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "debug"]
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "debug"]
     with (
         running_server(args, log_path=log_path) as (url, _),
         openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
@@ -277,7 +277,7 @@ def test_upstream_mode_logs_one_stats_line_per_request_and_no_prompt_text(tmp_pa
     log_path = tmp_path / "proxy.log"
     sim = ["-m", "engine_adapter.sim", "--report-cached-tokens", "--log-level", "warning"]
     with running_server(sim) as (upstream, _):
-        serve = ["-m", "proxy.cli", "serve", "--upstream", upstream, "--log-level", "debug"]
+        serve = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--log-level", "debug"]
         with (
             running_server(serve, log_path=log_path) as (url, _),
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,

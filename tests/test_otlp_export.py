@@ -16,9 +16,9 @@ import uuid
 import httpx
 import pytest
 
-from proxy.records.otlp import MAX_BATCH, OtlpSink
-from proxy.records.record import UsageRecord
-from proxy.records.recorder import Recorder
+from proxy.accounting.records.otlp import MAX_BATCH, OtlpSink
+from proxy.accounting.records.record import UsageRecord
+from proxy.accounting.records.recorder import Recorder
 from tests.otlp_receiver import Receiver, otlp_receiver
 from tests.servers import metric_value, running_server
 from tests.sink_counts import counters, watched
@@ -117,7 +117,7 @@ def test_a_client_sending_an_unsampled_traceparent_is_still_billed_in_its_trace(
     trace, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     env = {"OTEL_TRACES_SAMPLER": "always_off"}
     with otlp_receiver() as receiver:
-        args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning",
+        args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning",
                 "--usage-flush-interval", "0.1", "--otlp-endpoint", receiver.url]
         with running_server(args, env=env) as (url, _), httpx.Client(base_url=url, timeout=30) as client:
             answers = []

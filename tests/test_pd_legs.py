@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode, counted once across the fleet (proxy.pd_leg).
+"""Disaggregated prefill/decode, counted once across the fleet (proxy.patching.pd_leg).
 
 Two real ``cachetally serve --engine sim`` instances on loopback, a prefill one and a decode
 one, each with usage records, and in the test the two legs a P/D router sends for each
@@ -35,7 +35,7 @@ def pd_fleet(tmp_path: Path, *, pd_legs: bool = True) -> Iterator[tuple[str, str
     """(prefill URL, decode URL); both stopped, their records drained, on exit."""
     specs = []
     for name in ("prefill", "decode"):
-        args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning",
+        args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning",
                 "--usage-dir", str(tmp_path / name), "--usage-flush-interval", "0.2"]
         env = {"CACHETALLY_PD_LEGS": "true" if pd_legs else "false", "CACHETALLY_SIM_TOKEN_DELAY_S": "0.005"}
         specs.append((args, env, None))
@@ -155,7 +155,7 @@ def test_without_pd_legs_a_body_claiming_to_be_a_prefill_leg_is_billed(tmp_path:
     ],
 )
 def test_the_leg_is_read_from_kv_transfer_params_only(params: Any, leg: str | None) -> None:
-    from proxy.pd_leg import leg_of
+    from proxy.patching.pd_leg import leg_of
 
     assert leg_of({"max_tokens": 1, "kv_transfer_params": params}) == leg
     assert leg_of({"max_tokens": 1}) is None
@@ -163,7 +163,7 @@ def test_the_leg_is_read_from_kv_transfer_params_only(params: Any, leg: str | No
 
 @pytest.mark.parametrize(("value", "expected"), [("true", True), ("1", True), ("False", False), ("", False)])
 def test_pd_legs_from_the_environment(value: str, expected: bool) -> None:
-    from proxy.settings import Settings, load_settings, settings_environment
+    from proxy.server.settings import Settings, load_settings, settings_environment
 
     settings = load_settings(env={"CACHETALLY_PD_LEGS": value})
     assert settings.pd_legs is expected
@@ -173,7 +173,7 @@ def test_pd_legs_from_the_environment(value: str, expected: bool) -> None:
 
 
 def test_a_pd_legs_value_that_is_no_boolean_is_refused() -> None:
-    from proxy.settings import SettingsError, load_settings
+    from proxy.server.settings import SettingsError, load_settings
 
     with pytest.raises(SettingsError, match="pd_legs"):
         load_settings(env={"CACHETALLY_PD_LEGS": "prefill"})

@@ -9,7 +9,7 @@ the client's request with ``do_remote_prefill`` and the prefill's block ids to t
 instance, which pulls the KV instead of computing it. vLLM's decode reports the prefill's
 hits as ``cached_tokens`` (``remote_prefill_cached_tokens``), while its own
 ``vllm:prompt_tokens_cached_total`` counts the whole transferred prompt. What must hold
-(proxy.pd_leg, docs/ACCOUNTING.md): every response reports exactly what the prefill
+(proxy.patching.pd_leg, docs/ACCOUNTING.md): every response reports exactly what the prefill
 instance's scheduler found (0 cold), and across both instances cachetally counts and
 records each client request once, with those figures.
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.records.jsonl import JsonlSink
-from proxy.records.otlp import OtlpSink
-from proxy.records.record import UsageRecord
-from proxy.records.record_id import new_record_id, uuid7
-from proxy.records.recorder import Recorder
+from proxy.accounting.records.jsonl import JsonlSink
+from proxy.accounting.records.otlp import OtlpSink
+from proxy.accounting.records.record import UsageRecord
+from proxy.accounting.records.record_id import new_record_id, uuid7
+from proxy.accounting.records.recorder import Recorder
 from tests.otlp_receiver import otlp_receiver
 
 

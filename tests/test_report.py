@@ -9,8 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.cli import main
-from proxy.records.report import PriceList
+from proxy.accounting.records.report import PriceList
+from proxy.server.cli import main
 
 
 def write(path: Path, records: list[dict], tail: bytes = b"") -> Path:

@@ -4,7 +4,7 @@ vLLM's request models (``chat_completion/protocol.py``, ``completion/protocol.py
 ``generate/base/protocol.py``: ``stream: bool | None = False``, ``stream_options:
 StreamOptions | None``, ``include_usage`` and ``continuous_usage_stats`` as ``bool | None``,
 and a raw "options need a stream" check before parsing) are mirrored below as pydantic
-models; :mod:`proxy.request_body` and the sim's parser are held against them over arbitrary
+models; :mod:`proxy.patching.request_body` and the sim's parser are held against them over arbitrary
 JSON values. Then, through real HTTP in upstream mode, a client sending ``"stream": "true"``
 gets exactly the stream it asked for and its usage record carries the upstream's figures.
 """
@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_
 
 from engine_adapter.sim.protocol import RequestError
 from engine_adapter.sim.protocol import lax_bool as sim_lax_bool
-from proxy.app import CachetallyApp
-from proxy.request_body import lax_bool, optional_bool, parse_request, stream_options_of
-from proxy.settings import Settings
+from proxy.patching.request_body import lax_bool, optional_bool, parse_request, stream_options_of
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
 from tests.servers import running_server
 from tests.test_upstream import events, fresh_prompt, serve_in_thread
 

@@ -1,7 +1,7 @@
 """Request-id keys: unique among in-flight requests of every process, with nothing that can fail.
 
 Several processes behind one port keep one ledger each; a client's id gets the process's
-tag as its last key component (:func:`proxy.request_id.process_tag`), so no shared state
+tag as its last key component (:func:`proxy.accounting.request_id.process_tag`), so no shared state
 (no claims directory, no I/O) is needed. The keys are held unique across processes for
 arbitrary ids by Hypothesis, and through real HTTP a server whose multiprocess directory
 suffers a full disk, no file descriptors left, or a tmp cleaner answers every request.
@@ -22,9 +22,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.app import CachetallyApp
-from proxy.request_id import RequestIds, is_valid_request_id, process_tag
-from proxy.settings import Settings
+from proxy.accounting.request_id import RequestIds, is_valid_request_id, process_tag
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
 from tests.test_upstream import serve_in_thread
 
 _IDS = st.from_regex(r"[A-Za-z0-9._:-]{1,128}", fullmatch=True)

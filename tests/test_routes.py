@@ -1,4 +1,4 @@
-"""The route table (:mod:`proxy.routes`) classifies every route of every supported vLLM.
+"""The route table (:mod:`proxy.patching.routes`) classifies every route of every supported vLLM.
 
 The installed vLLM's real app is built (every task, every optional router) and its
 ``app.routes`` walked; the 0.33.0 wheel, which cannot be installed here, and the installed
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.routes import PATCHED, kind
+from proxy.patching.routes import PATCHED, kind
 from tests.test_vllm_wheel_033 import installed_site_packages, vllm_033_wheel
 from tests.vllm_routes import declared_paths
 

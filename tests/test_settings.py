@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.settings import DEFAULT_CONFIG, Settings, SettingsError, load_settings
+from proxy.server.settings import DEFAULT_CONFIG, Settings, SettingsError, load_settings
 
 
 def toml(tmp_path: Path, text: str) -> Path:

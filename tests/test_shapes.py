@@ -38,7 +38,7 @@ def usage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def billed(usage_dir: Path) -> Iterator[str]:
-    args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning",
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning",
             "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
     with running_server(args) as (url, _):
         yield url
@@ -101,7 +101,7 @@ def test_background_responses_are_refused_while_billing(billed: str) -> None:
 
 
 def test_without_billing_unmetered_routes_pass_through() -> None:
-    args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"]
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"]
     with running_server(args) as (url, _):
         assert httpx.post(f"{url}/v1/embeddings", json={"input": "hello"}).status_code == 404  # the sim's own
 
@@ -111,7 +111,7 @@ def upstream_pair() -> Iterator[tuple[str, str]]:
     """(the sim alone, reporting its figures; cachetally --upstream in front of it)."""
     sim = ["-m", "engine_adapter.sim", "--log-level", "warning", "--report-cached-tokens"]
     with running_server(sim) as (engine, _):
-        proxy = ["-m", "proxy.cli", "serve", "--upstream", engine, "--log-level", "warning"]
+        proxy = ["-m", "proxy.server.cli", "serve", "--upstream", engine, "--log-level", "warning"]
         with running_server(proxy) as (front, _):
             yield engine, front
 
@@ -145,7 +145,7 @@ async def test_a_cut_stream_counts_only_its_token_events(api: str) -> None:
     """A stream cut before its final usage is billed for the tokens it delivered: in these
     shapes the framing events (``message_start``, ``response.created``, ...) are no tokens."""
     from engine_adapter.sim import apis as sim_apis
-    from proxy.records.notes import RequestNotes
+    from proxy.accounting.records.notes import RequestNotes
 
     req = sim_apis.ApiRequest(api, MODEL, list(range(40)), 7, True, True)
     stream = sim_apis.messages_stream if api == "messages" else sim_apis.responses_stream

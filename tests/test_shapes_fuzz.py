@@ -17,12 +17,13 @@ from typing import Any
 import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.types import Message
 
-from engine_adapter.engine import Message
 from engine_adapter.events import Scheduled, current_request_key
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics
-from proxy.middleware import PatchConfig, UsagePatchMiddleware
+from proxy.accounting.metrics import Metrics
+from proxy.patching.context import PatchConfig
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.middleware import UsagePatchMiddleware
 from tests.load import count
 from tests.test_fuzz import chunked, json_values
 from tests.test_sse import parse_event, split_events

@@ -31,9 +31,9 @@ from typing import Any
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from proxy.records import jsonl, otlp
-from proxy.records.jsonl import JsonlSink
-from proxy.records.recorder import Recorder
+from proxy.accounting.records import jsonl, otlp
+from proxy.accounting.records.jsonl import JsonlSink
+from proxy.accounting.records.recorder import Recorder
 from tests.sink_counts import counters, ids_in_files, usage, watched
 
 FAULTS = ("ok", "ok", "ok", "ok", "enospc", "eio", "short", "eperm")

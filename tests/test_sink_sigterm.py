@@ -31,7 +31,7 @@ pytestmark = pytest.mark.loopback
 LIMITED = (
     "import resource, runpy, sys; limit = int(sys.argv.pop(1)); "
     "resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); "
-    "sys.argv[0] = 'cachetally'; runpy.run_module('proxy.cli', run_name='__main__')"
+    "sys.argv[0] = 'cachetally'; runpy.run_module('proxy.server.cli', run_name='__main__')"
 )
 
 
@@ -64,7 +64,7 @@ def test_sigterm_at_a_random_moment_loses_no_record_silently_and_writes_none_twi
     serve = ["serve", "--engine", "sim", "--log-level", "warning", "--usage-dir", str(usage),
              "--usage-flush-interval", "0.05", "--usage-max-file-bytes", str(1 << 20)]
     if disk == "healthy":
-        args = ["-m", "proxy.cli", *serve]
+        args = ["-m", "proxy.server.cli", *serve]
     else:  # and a small queue, so that it fills while the writes fail
         args = ["-c", LIMITED, str(16 << 10), *serve, "--usage-queue-size", "64"]
     sent: list[str] = []

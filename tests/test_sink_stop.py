@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from proxy.records.queue import Delivery, DropCounts, SinkWorker
-from proxy.records.record import UsageRecord
+from proxy.accounting.records.queue import Delivery, DropCounts, SinkWorker
+from proxy.accounting.records.record import UsageRecord
 from tests.sink_counts import usage
 
 

@@ -48,7 +48,7 @@ def serve(stack: contextlib.ExitStack, args: list[str], log: Path | None, **env:
 def sim_mode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("soak") / "sim.log"
     with contextlib.ExitStack() as stack:
-        args = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning"]
+        args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"]
         url, pid = serve(stack, args, log, CACHETALLY_SIM_TOKEN_DELAY_S=TOKEN_DELAY)
         yield Server(url, pid, log, "sim")
 
@@ -59,7 +59,7 @@ def upstream_mode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with contextlib.ExitStack() as stack:
         sim = ["-m", "engine_adapter.sim", "--log-level", "warning", "--token-delay-s", TOKEN_DELAY]
         sim_url, _ = serve(stack, sim, logs / "upstream-sim.log")
-        args = ["-m", "proxy.cli", "serve", "--upstream", sim_url, "--log-level", "warning"]
+        args = ["-m", "proxy.server.cli", "serve", "--upstream", sim_url, "--log-level", "warning"]
         url, pid = serve(stack, args, logs / "upstream-proxy.log")
         yield Server(url, pid, logs / "upstream-proxy.log", "upstream")
 

@@ -1,7 +1,7 @@
 """SSEPatcher and patch_event: byte-exact passthrough, exact usage patches, any chunking.
 
 The expected side is computed with a small SSE splitter written here from the spec
-(WHATWG HTML, "Server-sent events", event stream interpretation), not with proxy.sse.
+(WHATWG HTML, "Server-sent events", event stream interpretation), not with proxy.patching.sse.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.sse import SSEPatcher, patch_event
+from proxy.patching.sse import SSEPatcher, patch_event
 
 # -- an independent, spec-following SSE splitter ---------------------------------------
 

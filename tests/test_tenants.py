@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.app import CachetallyApp
-from proxy.auth import ApiKeyGuard
-from proxy.cli import build_parser
-from proxy.serve_flags import serve_settings
-from proxy.settings import Settings, SettingsError, load_settings
-from proxy.tenants import KeyTable, Tenancy
+from proxy.accounting.auth import ApiKeyGuard
+from proxy.accounting.tenants import KeyTable, Tenancy
+from proxy.server.app import CachetallyApp
+from proxy.server.cli import build_parser
+from proxy.server.serve_flags import serve_settings
+from proxy.server.settings import Settings, SettingsError, load_settings
 from tests.servers import metric_value
 
 BODY = {"prompt": "the same words every time", "max_tokens": 3}

@@ -28,11 +28,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message
 
 from engine_adapter.engine import Engine
-from proxy.app import CachetallyApp
-from proxy.errors import error_body
-from proxy.settings import Settings
-from proxy.upstream.engine import UpstreamEngine
+from proxy.asgi.errors import error_body
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
 from proxy.upstream.client import POOL_FULL, TIMED_OUT, UNREACHABLE, Origin, UpstreamFailure
+from proxy.upstream.engine import UpstreamEngine
 from proxy.upstream.forward import UpstreamBodyError
 from proxy.upstream.hop_headers import declared_length, request_headers, response_headers
 from proxy.upstream.pool import Http1Pool

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import trustme
 
-from proxy.settings import SettingsError, load_settings
+from proxy.server.settings import SettingsError, load_settings
 from proxy.upstream.client import Origin, UpstreamFailure
 from proxy.upstream.pool import Http1Pool
 from tests.h11_upstream import H11Upstream
@@ -99,7 +99,7 @@ def test_upstream_ca_is_checked_at_startup(ca_file: str, tmp_path: Path) -> None
 async def test_the_proxy_reaches_an_https_upstream_with_upstream_ca(ca: trustme.CA, ca_file: str) -> None:
     upstream = H11Upstream()
     async with upstream.serving(ssl=server_context(ca, "127.0.0.1")) as port:
-        args = ["-m", "proxy.cli", "serve", "--upstream", f"https://127.0.0.1:{port}", "--upstream-ca", ca_file,
+        args = ["-m", "proxy.server.cli", "serve", "--upstream", f"https://127.0.0.1:{port}", "--upstream-ca", ca_file,
                 "--log-level", "warning"]
         async with running_server_beside(args) as (url, _):
             async with httpx.AsyncClient(timeout=10) as client:

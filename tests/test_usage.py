@@ -9,12 +9,12 @@ import orjson
 import pytest
 
 from engine_adapter.events import Scheduled
-from proxy.ledger import SlotUsage
-from proxy.usage import DETAILS_KEY, Observation, UsagePatch
+from proxy.patching.ledger import EngineUsage
+from proxy.patching.usage import DETAILS_KEY, ResponseUsage, UsagePatch
 
 
-def engine(*requests: Scheduled) -> SlotUsage:
-    usage = SlotUsage()
+def engine(*requests: Scheduled) -> EngineUsage:
+    usage = EngineUsage()
     for event in requests:
         usage.add(event)
     return usage
@@ -35,7 +35,7 @@ NO_TIERS = {"local": None, "external": None, "created": None}
 
 def test_engine_value_is_written() -> None:
     payload = body()
-    seen = Observation()
+    seen = ResponseUsage()
     assert UsagePatch(ENGINE_48).apply(payload, seen) is True
     assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
     assert (seen.model, seen.prompt_tokens, seen.cached_tokens, seen.source) == ("m", 64, 48, "engine")
@@ -44,7 +44,7 @@ def test_engine_value_is_written() -> None:
 
 def test_engine_value_overwrites_a_different_reported_value_and_counts_a_mismatch() -> None:
     payload = body(prompt_tokens_details={"cached_tokens": 32})
-    seen = Observation()
+    seen = ResponseUsage()
     assert UsagePatch(ENGINE_48).apply(payload, seen) is True
     assert payload["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
     assert seen.mismatches == 1
@@ -54,7 +54,7 @@ def test_engine_value_overwrites_a_different_reported_value_and_counts_a_mismatc
 def test_engine_value_equal_to_the_reported_one_changes_nothing() -> None:
     payload = body(prompt_tokens_details={"cached_tokens": 48})
     before = copy.deepcopy(payload)
-    seen = Observation()
+    seen = ResponseUsage()
     assert UsagePatch(ENGINE_48).apply(payload, seen) is None
     assert payload == before
     assert seen.mismatches == 0
@@ -63,7 +63,7 @@ def test_engine_value_equal_to_the_reported_one_changes_nothing() -> None:
 
 def test_engine_value_overrides_llama_cpp_timings_and_counts_a_mismatch() -> None:
     payload = {**body(), "timings": {"cache_n": 10, "prompt_n": 54}}
-    seen = Observation()
+    seen = ResponseUsage()
     UsagePatch(ENGINE_48).apply(payload, seen)
     assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
     assert payload["timings"] == {"cache_n": 10, "prompt_n": 54}  # vendor fields untouched
@@ -73,7 +73,7 @@ def test_engine_value_overrides_llama_cpp_timings_and_counts_a_mismatch() -> Non
 def test_no_engine_event_keeps_the_reported_standard_value_as_upstream() -> None:
     payload = body(prompt_tokens_details={"cached_tokens": 32})
     before = copy.deepcopy(payload)
-    seen = Observation()
+    seen = ResponseUsage()
     assert UsagePatch(None).apply(payload, seen) is None
     assert payload == before
     assert (seen.cached_tokens, seen.source, seen.mismatches) == (32, "upstream", 0)
@@ -81,7 +81,7 @@ def test_no_engine_event_keeps_the_reported_standard_value_as_upstream() -> None
 
 def test_no_engine_event_normalizes_llama_cpp_cache_n_into_the_standard_field() -> None:
     payload = {**body(), "timings": {"cache_n": 17, "prompt_n": 47}}
-    seen = Observation()
+    seen = ResponseUsage()
     assert UsagePatch(None).apply(payload, seen) is True
     assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 17}
     assert (seen.cached_tokens, seen.source) == (17, "upstream")
@@ -89,7 +89,7 @@ def test_no_engine_event_normalizes_llama_cpp_cache_n_into_the_standard_field() 
 
 def test_reported_zero_is_kept_as_zero() -> None:
     payload = body(prompt_tokens_details={"cached_tokens": 0})
-    seen = Observation()
+    seen = ResponseUsage()
     assert UsagePatch(None, missing="omit").apply(payload, seen) is None
     assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert (seen.cached_tokens, seen.source) == (0, "upstream")
@@ -97,7 +97,7 @@ def test_reported_zero_is_kept_as_zero() -> None:
 
 def test_neither_with_zero_policy_writes_zero() -> None:
     payload = body()
-    seen = Observation()
+    seen = ResponseUsage()
     assert UsagePatch(None, missing="zero").apply(payload, seen) is True
     assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert (seen.cached_tokens, seen.source) == (0, None)
@@ -107,7 +107,7 @@ def test_neither_with_omit_policy_leaves_the_body_unchanged() -> None:
     bodies = (body(), body(prompt_tokens_details=None), body(prompt_tokens_details={"audio_tokens": 0}))
     for payload in bodies:
         before = copy.deepcopy(payload)
-        seen = Observation()
+        seen = ResponseUsage()
         assert UsagePatch(None, missing="omit").apply(payload, seen) is None
         assert payload == before
         assert (seen.cached_tokens, seen.source) == (None, None)
@@ -115,27 +115,27 @@ def test_neither_with_omit_policy_leaves_the_body_unchanged() -> None:
 
 def test_engine_zero_is_written_as_zero_not_omitted_or_null() -> None:
     payload = body()
-    UsagePatch(engine(Scheduled("k", 64, 0)), missing="omit").apply(payload, Observation())
+    UsagePatch(engine(Scheduled("k", 64, 0)), missing="omit").apply(payload, ResponseUsage())
     assert b'"prompt_tokens_details":{"cached_tokens":0}' in orjson.dumps(payload)
 
 
 def test_engine_zero_replaces_a_reported_null_or_false() -> None:
     for reported in (None, False):
         payload = body(prompt_tokens_details={"cached_tokens": reported})
-        assert UsagePatch(engine(Scheduled("k", 64, 0))).apply(payload, Observation()) is True
+        assert UsagePatch(engine(Scheduled("k", 64, 0))).apply(payload, ResponseUsage()) is True
         cached = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == 0 and type(cached) is int
 
 
 def test_null_prompt_tokens_details_is_replaced_by_an_object() -> None:
     payload = body(prompt_tokens_details=None)
-    assert UsagePatch(ENGINE_48).apply(payload, Observation()) is True
+    assert UsagePatch(ENGINE_48).apply(payload, ResponseUsage()) is True
     assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
 
 
 def test_other_prompt_tokens_details_keys_are_untouched() -> None:
     payload = body(prompt_tokens_details={"audio_tokens": 3, "cached_tokens": 1, "x": [1, None]})
-    UsagePatch(ENGINE_48).apply(payload, Observation())
+    UsagePatch(ENGINE_48).apply(payload, ResponseUsage())
     details = payload["usage"]["prompt_tokens_details"]
     assert details == {"audio_tokens": 3, "cached_tokens": 48, "x": [1, None]}
     assert payload["usage"]["prompt_tokens"] == 64  # the standard fields stay the engine's own
@@ -145,7 +145,7 @@ def test_other_prompt_tokens_details_keys_are_untouched() -> None:
 def test_payload_without_a_usage_object_is_left_alone() -> None:
     for payload in ({"choices": [{"delta": {"content": "x"}}], "usage": None}, {"choices": []}):
         before = copy.deepcopy(payload)
-        seen = Observation()
+        seen = ResponseUsage()
         assert UsagePatch(ENGINE_48, details=True).apply(payload, seen) is None
         assert payload == before
         assert seen.source is None
@@ -154,23 +154,23 @@ def test_payload_without_a_usage_object_is_left_alone() -> None:
 def test_per_prompt_usage_object_gets_its_own_engine_request() -> None:
     two = engine(Scheduled("k", 40, 32), Scheduled("k", 24, 16))
     per_prompt = {"choices": [{"index": 1, "text": "x"}], "usage": {"prompt_tokens": 24}}
-    UsagePatch(two).apply(per_prompt, Observation())
+    UsagePatch(two).apply(per_prompt, ResponseUsage())
     assert per_prompt["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
     whole = {"choices": [], "usage": {"prompt_tokens": 64}}
-    UsagePatch(two).apply(whole, Observation())
+    UsagePatch(two).apply(whole, ResponseUsage())
     assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
 
 
 def test_ambiguous_per_prompt_usage_falls_back_to_reported_then_policy() -> None:
     twins = engine(Scheduled("k", 40, 32), Scheduled("k", 40, 0))
     reported = {"choices": [], "usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 5}}}
-    seen = Observation()
+    seen = ResponseUsage()
     UsagePatch(twins).apply(reported, seen)
     assert reported["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
     assert (seen.source, seen.mismatches) == ("upstream", 0)
 
     unreported = {"choices": [], "usage": {"prompt_tokens": 40}}
-    UsagePatch(twins, missing="omit").apply(unreported, Observation())
+    UsagePatch(twins, missing="omit").apply(unreported, ResponseUsage())
     assert unreported == {"choices": [], "usage": {"prompt_tokens": 40}}
 
 
@@ -180,7 +180,7 @@ def test_details_adds_the_tier_object_from_the_engine() -> None:
         Scheduled("k", 24, 16, local_cached_tokens=16, external_cached_tokens=0, cache_creation_tokens=8),
     )
     payload = body()
-    assert UsagePatch(tiers, details=True).apply(payload, Observation()) is True
+    assert UsagePatch(tiers, details=True).apply(payload, ResponseUsage()) is True
     assert payload[DETAILS_KEY] == {"local": 32, "external": 16, "created": 16, "source": "engine"}
     # The standard fields are the same as without details.
     assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 48, "created_cache_tokens": 16}
@@ -200,13 +200,13 @@ def test_details_adds_the_tier_object_from_the_engine() -> None:
 )
 def test_details_source(patch: UsagePatch, usage: dict[str, Any], want: dict[str, Any]) -> None:
     payload = body(**usage)
-    patch.apply(payload, Observation())
+    patch.apply(payload, ResponseUsage())
     assert payload[DETAILS_KEY] == want
 
 
 def test_no_details_by_default() -> None:
     payload = body()
-    UsagePatch(ENGINE_48).apply(payload, Observation())
+    UsagePatch(ENGINE_48).apply(payload, ResponseUsage())
     assert DETAILS_KEY not in payload
 
 
@@ -219,8 +219,8 @@ def test_cache_writes_go_in_vllms_field_for_the_whole_request_only() -> None:
         Scheduled("k", 24, 0, cache_creation_tokens=16),
     )
     whole = body()
-    assert UsagePatch(writes).apply(whole, Observation()) is True
+    assert UsagePatch(writes).apply(whole, ResponseUsage()) is True
     assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 32, "created_cache_tokens": 16}
     per_prompt = body(prompt_tokens=24)
-    UsagePatch(writes).apply(per_prompt, Observation())
+    UsagePatch(writes).apply(per_prompt, ResponseUsage())
     assert per_prompt["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

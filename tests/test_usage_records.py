@@ -21,14 +21,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.app import CachetallyApp
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics
-from proxy.middleware import PatchConfig, UsagePatchMiddleware
-from proxy.records.jsonl import JsonlSink
-from proxy.records.queue import Delivery, DropCounts, SinkWorker
-from proxy.records.record import UsageRecord
-from proxy.settings import Settings
+from proxy.accounting.metrics import Metrics
+from proxy.accounting.records.jsonl import JsonlSink
+from proxy.accounting.records.queue import Delivery, DropCounts, SinkWorker
+from proxy.accounting.records.record import UsageRecord
+from proxy.patching.context import PatchConfig
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.middleware import UsagePatchMiddleware
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
 from tests.servers import metric_value
 
 
@@ -187,7 +188,7 @@ def test_a_failed_write_is_cut_back_and_retried_never_duplicated(tmp_path: Path,
 
     drops = DropCounts()
     worker = SinkWorker(JsonlSink(tmp_path), drops, max_queued=100, interval_s=0.01)
-    monkeypatch.setattr("proxy.records.jsonl.os.write", flaky)
+    monkeypatch.setattr("proxy.accounting.records.jsonl.os.write", flaky)
     worker.submit(record(1))
     worker.submit(record(2))
     worker.start()

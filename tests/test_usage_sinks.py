@@ -25,7 +25,7 @@ from tests.servers import metric_value, running_server
 
 pytestmark = pytest.mark.loopback
 
-SERVE = ["-m", "proxy.cli", "serve", "--engine", "sim", "--log-level", "warning", "--usage-flush-interval", "0.2"]
+SERVE = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning", "--usage-flush-interval", "0.2"]
 
 
 def test_one_span_per_request_with_the_responses_usage() -> None:

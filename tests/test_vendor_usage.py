@@ -2,7 +2,7 @@
 
 The response shapes come from each engine's serving code; the fixture files name the
 sources (``tests/fixtures/upstream/<engine>.json``). Every case is checked three ways:
-what the readers see, what :class:`~proxy.usage.UsagePatch` writes, and what a client
+what the readers see, what :class:`~proxy.patching.usage.UsagePatch` writes, and what a client
 gets from cachetally in upstream mode in front of a fake upstream sending those bytes.
 """
 
@@ -21,11 +21,11 @@ import pytest_asyncio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proxy.app import CachetallyApp
-from proxy.settings import Settings
+from proxy.patching.usage import ResponseUsage, UsagePatch
+from proxy.patching.vendor_usage import reported_cached_tokens
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
 from proxy.upstream.engine import UpstreamEngine
-from proxy.usage import Observation, UsagePatch
-from proxy.vendor_usage import reported_cached_tokens
 from tests.servers import metric_value
 from tests.upstream_fakes import AsgiClient
 
@@ -79,7 +79,7 @@ def test_readers_see_the_engines_own_number(engine: str, case: dict[str, Any]) -
 
 @pytest.mark.parametrize(("engine", "case"), CASES)
 def test_patch_writes_the_standard_field(engine: str, case: dict[str, Any]) -> None:
-    seen = Observation()
+    seen = ResponseUsage()
     objects = with_usage(payloads(case))
     for payload in objects:
         UsagePatch(engine=None, missing="zero").apply(payload, seen)
@@ -96,7 +96,7 @@ def test_missing_omit_leaves_unreported_bodies_alone(engine: str) -> None:
         if case["source"] is not None or "json" not in case:
             continue
         body = copy.deepcopy(case["json"])
-        assert UsagePatch(engine=None, missing="omit").apply(body, Observation()) is None
+        assert UsagePatch(engine=None, missing="omit").apply(body, ResponseUsage()) is None
         assert body == case["json"]
 
 

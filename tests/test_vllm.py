@@ -231,7 +231,7 @@ def test_bench_cache_against_the_embedded_engine(server, pace) -> None:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "bench", "cache", "--url", server, "--repeats", "2", "--json"],
+        [sys.executable, "-m", "proxy.server.cli", "bench", "cache", "--url", server, "--repeats", "2", "--json"],
         capture_output=True,
         check=True,
         timeout=pace.timeout(20),  # six ~1,000-token requests and a warm-up

@@ -41,7 +41,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.records.report import read
+from proxy.accounting.records.report import read
 from tests.clients import fresh_prompt
 from tests.conftest import VLLM_TENANT_HEADER, VLLM_TENANTS
 from tests.otlp_receiver import Receiver, ReceivedSpan

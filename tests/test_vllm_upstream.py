@@ -37,8 +37,8 @@ import orjson
 import psutil
 import pytest
 
-from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
 from engine_adapter.vllm.cpu import machine_flags
+from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
 from tests import test_vllm_apis as apis
 from tests.servers import ROOT, Pace, free_port, measure_pace, metric_value, running_server, stop
 
@@ -145,7 +145,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     log = tmp_path_factory.mktemp(request.param) / "vllm.log"
     with vllm_server(details, log) as upstream, contextlib.ExitStack() as proxies:
         # Entered after vLLM, so they stop before it.
-        serve = ["-m", "proxy.cli", "serve", "--upstream", upstream, "--log-level", "warning"]
+        serve = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--log-level", "warning"]
         zero, _ = proxies.enter_context(running_server(serve, timeout_s=120))
         omit, _ = proxies.enter_context(running_server([*serve, "--missing", "omit"], timeout_s=120))
         yield Stack(details, upstream, zero, omit, measure_pace(upstream, DEFAULT_MODEL_NAME))

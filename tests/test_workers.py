@@ -21,7 +21,7 @@ import httpx
 import orjson
 import pytest
 
-from proxy.workers import forget_dead_workers
+from proxy.server.workers import forget_dead_workers
 from tests.clients import expected_stats
 from tests.servers import ROOT, metric_value, running_server
 
@@ -40,7 +40,7 @@ def upstream() -> Iterator[str]:
 def serve_workers(
     upstream: str, log: Path, env: dict[str, str] | None = None
 ) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen[bytes]]]:
-    args = ["-m", "proxy.cli", "serve", "--upstream", upstream, "--workers", "2", "--log-level", "debug"]
+    args = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--workers", "2", "--log-level", "debug"]
     return running_server(args, env=env, timeout_s=60, log_path=log)
 
 
@@ -105,11 +105,11 @@ def test_two_workers_sum_into_metrics_and_stats(upstream: str, tmp_path: Path) -
 
 
 _STALE = """
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics, RequestRecord
+from proxy.accounting.metrics import Metrics, MeteredRequest
+from proxy.patching.ledger import UsageLedger
 metrics = Metrics(UsageLedger())
 for _ in range(1000):
-    metrics.record(RequestRecord("sim-model", "chat", False, prompt_tokens=100, cached_tokens=50))
+    metrics.record(MeteredRequest("sim-model", "chat", False, prompt_tokens=100, cached_tokens=50))
 """
 
 
@@ -132,8 +132,8 @@ def test_a_preset_multiprocess_dir_is_wiped_at_start(upstream: str, tmp_path: Pa
 
 
 _OPEN_SLOTS = """
-from proxy.ledger import UsageLedger
-from proxy.metrics import Metrics
+from proxy.accounting.metrics import Metrics
+from proxy.patching.ledger import UsageLedger
 ledger = UsageLedger()
 metrics = Metrics(ledger)
 for i in range(3):
@@ -157,7 +157,7 @@ def test_a_dead_workers_open_slots_leave_the_gauge(tmp_path: Path) -> None:
 
 def test_workers_are_refused_with_vllm() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "serve", "--workers", "2"], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "proxy.server.cli", "serve", "--workers", "2"], cwd=ROOT, capture_output=True, text=True,
         timeout=60,
     )
     assert result.returncode == 2
@@ -205,7 +205,7 @@ def test_one_request_id_in_flight_on_both_workers_leaves_distinct_records(tmp_pa
     n = 16
     with (
         running_server([*SIM, "--token-delay-s", "0.05"], timeout_s=20) as (slow, _),
-        running_server(["-m", "proxy.cli", "serve", "--upstream", slow, "--workers", "2", "--log-level", "info",
+        running_server(["-m", "proxy.server.cli", "serve", "--upstream", slow, "--workers", "2", "--log-level", "info",
                         "--usage-dir", str(usage), "--usage-flush-interval", "0.2"],
                        timeout_s=60, log_path=log) as (url, _),
     ):

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from engine_adapter.sim.protocol import RequestError, generated_token, lax_bool
+from engine_adapter.sim.protocol import RequestError, generated_token, lax_bool, request_object
 from engine_adapter.sim.tokenizer import render_chat, tokenize
 
 #: (reads, writes) as the engine reports them, or ``None`` when it drops them.
@@ -53,14 +53,7 @@ def _max(body: dict[str, Any], name: str, default: int | None) -> tuple[int, boo
 
 
 def parse(raw: bytes, api: str, model: str, default_max_tokens: int) -> ApiRequest:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"Invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise RequestError("Request body must be a JSON object")
-    if body.get("model") not in (None, model):
-        raise RequestError(f"The model `{body['model']}` does not exist.", 404, "NotFoundError", "model")
+    body = request_object(raw, model)
     try:
         if api == "responses":
             given = body.get("input")

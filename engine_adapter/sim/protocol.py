@@ -11,7 +11,7 @@ unless asked to (``cached`` given), like an engine that drops the number.
 
 ``stream`` and the ``stream_options`` flags are read as vLLM's pydantic models read them
 in lax mode (``"true"``, ``1``, ``"on"`` are true; ``null`` is false; anything else is a
-400). :mod:`proxy.request_body` reads them the same way, repeated here on purpose (the
+400). :mod:`proxy.patching.request_body` reads them the same way, repeated here on purpose (the
 engine adapter does not import the proxy); tests/test_request_body.py holds both against
 pydantic.
 """
@@ -114,8 +114,9 @@ def _is_token_ids(value: Any) -> bool:
     )
 
 
-def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -> SimRequest:
-    """Validate a request body; raise :class:`RequestError` with vLLM's status and wording."""
+def request_object(raw: bytes, model: str) -> dict[str, Any]:
+    """The body as a JSON object for ``model``; :class:`RequestError` with vLLM's status and
+    wording when it is not JSON, not an object, or names another model."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -127,6 +128,12 @@ def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -
         raise RequestError(
             f"The model `{requested}` does not exist.", 404, "NotFoundError", "model"
         )
+    return body
+
+
+def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -> SimRequest:
+    """Validate a request body; raise :class:`RequestError` with vLLM's status and wording."""
+    body = request_object(raw, model)
     if kind == "chat":
         if "messages" not in body:
             raise RequestError("Field required: `messages`", param="messages")

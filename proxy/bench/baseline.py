@@ -21,13 +21,23 @@ from typing import Any
 from proxy.bench.processes import LoadGen, Placement, Servers, cpu_s, free_port, stop, wait_healthy
 
 SIDES = ("baseline", "this")
+#: Where a checkout keeps its command line, newest layout first: a baseline may predate
+#: the package layout (docs/ARCHITECTURE.md).
+_CLI_MODULES = ("proxy.server.cli", "proxy.cli")
+
+
+def _cli_module(checkout: Path) -> str | None:
+    for module in _CLI_MODULES:
+        if (checkout / (module.replace(".", "/") + ".py")).is_file():
+            return module
+    return None
 
 
 def _start_proxy(servers: Servers, checkout: Path, upstream: int) -> tuple[int, subprocess.Popen[bytes]]:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(checkout)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{upstream}",
+        [sys.executable, "-m", _cli_module(checkout), "serve", "--upstream", f"http://127.0.0.1:{upstream}",
          "--port", str(port), "--log-level", "warning"],
         cwd=checkout, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
     )
@@ -40,8 +50,8 @@ def compare(baseline: Path, rounds: int, c64_per_conn: int = 40, c1_requests: in
     from proxy.bench.proxy import _chat, _med, _pct
 
     this = Path(__file__).resolve().parent.parent.parent
-    if not (baseline / "proxy" / "cli.py").is_file():
-        raise RuntimeError(f"{baseline} is not a checkout of cachetally (no proxy/cli.py)")
+    if _cli_module(baseline) is None:
+        raise RuntimeError(f"{baseline} is not a checkout of cachetally (no proxy/server/cli.py)")
     with Servers(Placement()) as servers:
         sim = servers.start(["-m", "engine_adapter.sim"], servers.placement.rest)
         wait_healthy(f"http://127.0.0.1:{sim[0]}", sim[1])

@@ -1,6 +1,6 @@
 """The ``cachetally bench`` command: its parser and subcommands, loaded only when it runs.
 
-``proxy.cli.main`` hands every argument after ``bench`` to :func:`main`, so neither
+``proxy.server.cli.main`` hands every argument after ``bench`` to :func:`main`, so neither
 ``cachetally serve`` nor the vLLM middleware ever imports the benchmark harness. Each
 subcommand sets ``run`` (``args.run(args) -> exit code``) with ``set_defaults``.
 """

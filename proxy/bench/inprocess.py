@@ -28,8 +28,8 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.sim import SimConfig, SimEngine
-from proxy.app import CachetallyApp
-from proxy.settings import Settings
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
 
 _BODY = orjson.dumps({"model": "sim-model", "max_tokens": 8,
                       "messages": [{"role": "user", "content": "How many of these prompt tokens were cached?"}]})

@@ -1,6 +1,6 @@
 """What counting one request costs: these metrics against another revision's, side by side.
 
-``python -m proxy.bench.metrics_cost --baseline REV`` loads ``proxy/metrics.py`` as it was
+``python -m proxy.bench.metrics_cost --baseline REV`` loads ``proxy/accounting/metrics.py`` as it was
 at ``REV`` (``git show``) beside this checkout's, and times, for each, one request's
 bookkeeping: open and close a ledger slot, then ``Metrics.record`` of a streamed hit with
 one tier (the seven series updates). Rounds alternate between the two; each figure is the
@@ -29,18 +29,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _baseline_module(rev: str) -> types.ModuleType:
     source = subprocess.run(
-        ["git", "show", f"{rev}:proxy/metrics.py"], cwd=ROOT, check=True, capture_output=True, text=True
+        ["git", "show", f"{rev}:proxy/accounting/metrics.py"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
     module = types.ModuleType(f"metrics_at_{rev}")
     sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(source, f"{rev}:proxy/metrics.py", "exec"), module.__dict__)
+    exec(compile(source, f"{rev}:proxy/accounting/metrics.py", "exec"), module.__dict__)
     return module
 
 
 def measure(rev: str, rounds: int, requests: int) -> dict[str, float]:
     """Microseconds per request, median over ``rounds``: {"baseline": ..., "this": ...}."""
-    import proxy.metrics as this
-    from proxy.ledger import UsageLedger
+    import proxy.accounting.metrics as this
+    from proxy.patching.ledger import UsageLedger
 
     designs = {"baseline": _baseline_module(rev), "this": this}
     timings: dict[str, list[float]] = {name: [] for name in designs}
@@ -48,7 +48,7 @@ def measure(rev: str, rounds: int, requests: int) -> dict[str, float]:
     def one_round(module: types.ModuleType) -> float:
         ledger = UsageLedger()
         metrics = module.Metrics(ledger)
-        rec = module.RequestRecord(
+        rec = module.MeteredRequest(
             model="m", route="chat", stream=True, prompt_tokens=1200, cached_tokens=960, source="engine",
             local_cached_tokens=960, tenant="default", completion_tokens=16,
         )
@@ -73,7 +73,7 @@ def measure(rev: str, rounds: int, requests: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m proxy.bench.metrics_cost", description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", required=True, metavar="REV", help="git revision whose proxy/metrics.py to compare")
+    p.add_argument("--baseline", required=True, metavar="REV", help="git revision whose proxy/accounting/metrics.py to compare")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds per design (default: 7)")
     p.add_argument("--requests", type=int, default=20_000, help="requests counted per round (default: 20000)")
     p.add_argument("--one-mode", action="store_true", help=argparse.SUPPRESS)  # the child's flag

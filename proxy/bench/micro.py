@@ -1,8 +1,8 @@
-"""The micro figures of ``cachetally bench proxy``: :class:`~proxy.sse.SSEPatcher` timed alone.
+"""The micro figures of ``cachetally bench proxy``: :class:`~proxy.patching.sse.SSEPatcher` timed alone.
 
 - a pass-through event: one token chunk per ``feed`` (the fast path), and split in two
   (the buffering path, e.g. an event cut across TCP reads);
-- a usage event: parsed, patched with :class:`~proxy.usage.UsagePatch` against an engine
+- a usage event: parsed, patched with :class:`~proxy.patching.usage.UsagePatch` against an engine
   slot, and re-serialized, as the middleware does for every final usage chunk.
 
 Each is the median of five timed loops of ``events`` feeds.
@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 
 from engine_adapter.sim.protocol import sse, stream_choice, usage
-from proxy.ledger import SlotUsage
-from proxy.sse import SSEPatcher
-from proxy.usage import Observation, UsagePatch
+from proxy.patching.ledger import EngineUsage
+from proxy.patching.sse import SSEPatcher
+from proxy.patching.usage import ResponseUsage, UsagePatch
 
 _HEAD = {"id": "chatcmpl-0123456789abcdef0123456789abcdef", "object": "chat.completion.chunk",
          "created": 1_700_000_000, "model": "sim-model"}
@@ -35,9 +35,9 @@ def _per_event_us(events: int, loop: Callable[[int], None]) -> float:
 
 
 def micro(events: int) -> dict[str, float]:
-    slot = SlotUsage(prompt_tokens=120, cached_tokens=96)
-    seen = Observation()
-    patcher = SSEPatcher(lambda payload: UsagePatch(engine=slot).apply(payload, seen))
+    slot = EngineUsage(prompt_tokens=120, cached_tokens=96)
+    in_response = ResponseUsage()
+    patcher = SSEPatcher(lambda payload: UsagePatch(engine=slot).apply(payload, in_response))
     half = len(TOKEN_EVENT) // 2
     head, tail = TOKEN_EVENT[:half], TOKEN_EVENT[half:]
 

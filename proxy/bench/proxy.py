@@ -15,7 +15,7 @@ With two or more cores the proxies and the embedded pair are pinned to one core 
 everything else to the others, so "per proxy core" means one core. Every figure comes
 from rounds that alternate direct, relay and proxied (A R B A R B ...): the figure is the
 median of the per-round medians, and each ratio or difference (against direct) is taken
-within a round, then its median. The micro figures time :class:`~proxy.sse.SSEPatcher` in this process, and
+within a round, then its median. The micro figures time :class:`~proxy.patching.sse.SSEPatcher` in this process, and
 the embedded floor (:mod:`proxy.bench.inprocess`) the sim's route called in process.
 
 At c=64 the proxy must be the limit for its figures to measure it (``loadgen_ok``): either
@@ -161,11 +161,11 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
     started = [sim, paced, bare]
     for port, proc in started:
         wait_healthy(f"http://127.0.0.1:{port}", proc)
-    proxy = servers.start(["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{sim[0]}"], place.proxy)
+    proxy = servers.start(["-m", "proxy.server.cli", "serve", "--upstream", f"http://127.0.0.1:{sim[0]}"], place.proxy)
     paced_proxy = servers.start(
-        ["-m", "proxy.cli", "serve", "--upstream", f"http://127.0.0.1:{paced[0]}"], place.proxy
+        ["-m", "proxy.server.cli", "serve", "--upstream", f"http://127.0.0.1:{paced[0]}"], place.proxy
     )
-    embedded = servers.start(["-m", "proxy.cli", "serve", "--engine", "sim"], place.proxy)
+    embedded = servers.start(["-m", "proxy.server.cli", "serve", "--engine", "sim"], place.proxy)
     relay = servers.start(["-m", "proxy.bench.relay", "--upstream", f"127.0.0.1:{sim[0]}"], place.proxy)
     paced_relay = servers.start(["-m", "proxy.bench.relay", "--upstream", f"127.0.0.1:{paced[0]}"], place.proxy)
     for port, proc in (proxy, paced_proxy, embedded, relay, paced_relay):

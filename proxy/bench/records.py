@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 
 import proxy.bench.inprocess as inprocess
-from proxy.app import CachetallyApp
-from proxy.settings import Settings
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
 
 _MESSAGES = [{"role": "user", "content": "How many of these prompt tokens were cached?"}]
 BODIES = {

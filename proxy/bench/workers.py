@@ -41,7 +41,7 @@ def compare(rounds: int, per_conn: int) -> dict[str, Any]:
         wait_healthy(f"http://127.0.0.1:{sim[0]}", sim[1])
         upstream = f"http://127.0.0.1:{sim[0]}"
         proxies = {
-            n: servers.start(["-m", "proxy.cli", "serve", "--upstream", upstream, "--workers", n], None)
+            n: servers.start(["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--workers", n], None)
             for n in SIDES
         }
         for port, proc in proxies.values():

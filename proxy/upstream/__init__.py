@@ -13,6 +13,6 @@ One entry point, :class:`proxy.upstream.engine.UpstreamEngine`. Inside, one modu
 - ``resend.py``: when a request may be sent a second time;
 - ``wire.py``: every byte written upstream, validated.
 
-The package imports nothing itself, so :mod:`proxy.settings` can check an upstream URL
+The package imports nothing itself, so :mod:`proxy.server.settings` can check an upstream URL
 with :class:`~proxy.upstream.client.Origin` while ``engine.py`` reads the settings.
 """

@@ -3,7 +3,7 @@
 Every route is forwarded to ``settings.upstream`` + path + query; the middleware patches
 chat and completions on the way back, everything else (``/v1/models``, ``/tokenize``,
 errors) passes through byte for byte. The engine publishes no events: usage comes from
-the upstream's own report (``proxy.vendor_usage``, ``source=upstream``).
+the upstream's own report (``proxy.patching.vendor_usage``, ``source=upstream``).
 
 The upstream URL is parsed once, into an :class:`~proxy.upstream.client.Origin`, when
 the engine is built; each request's target is the origin's path + the request's raw path
@@ -16,7 +16,7 @@ The pool is sized for about a thousand concurrent streams; a request that finds 
 ``connect_timeout_s``, then gets 503. The per-request work is in
 :mod:`proxy.upstream.forward`. Which headers the upstream sees for the patched routes
 (``Accept-Encoding: identity``, the rewritten body's ``Content-Length``) is the
-middleware's business (:mod:`proxy.responder`), not this engine's.
+middleware's business (:mod:`proxy.patching.responder`), not this engine's.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from urllib.parse import quote
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.errors import send_error
-from proxy.settings import Settings
+from proxy.asgi.errors import send_error
+from proxy.server.settings import Settings
 from proxy.upstream.client import Origin, UpstreamClient
 from proxy.upstream.forward import Forward
 from proxy.upstream.pool import Http1Pool

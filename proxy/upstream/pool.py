@@ -45,10 +45,10 @@ from proxy.upstream.response import Http1Response
 from proxy.upstream.wire import LengthCheck, framing_for, request_head
 
 #: Handed to a waiter instead of a connection: a place under the limit, to connect itself.
-_SLOT = object()
+_ROOM_TO_CONNECT = object()
 
-#: What a waiter is handed: a connection, ``_SLOT``, or ``None`` when the pool closes.
-Handed = Connection | object | None
+#: What a waiter is handed: a connection, ``_ROOM_TO_CONNECT``, or ``None`` when the pool closes.
+WaiterGets = Connection | object | None
 
 
 class Http1Pool:
@@ -67,8 +67,8 @@ class Http1Pool:
         self._write_timeout_s = write_timeout_s
         self._tls = ssl.create_default_context(cafile=ca_file) if origin.tls else None
         self._idle: list[Connection] = []
-        self._slots = 0  # connections open or opening (or a place handed to a waiter)
-        self._waiters: deque[asyncio.Future[Handed]] = deque()
+        self._places = 0  # connections open or opening (or a place handed to a waiter)
+        self._waiters: deque[asyncio.Future[WaiterGets]] = deque()
         self._closed = False
 
     # -- UpstreamClient --------------------------------------------------------------------
@@ -160,21 +160,21 @@ class Http1Pool:
                 conn.close()
             if self._closed:
                 raise UpstreamFailure(UNREACHABLE, "ClientClosed")
-            if self._slots < self.max_connections and not self._waiters:
-                self._slots += 1
+            if self._places < self.max_connections and not self._waiters:
+                self._places += 1
                 return await self._connect(deadline)
             handed = await self._wait(deadline)
             if handed is None:
                 continue  # the pool closed
-            if handed is _SLOT:
+            if handed is _ROOM_TO_CONNECT:
                 return await self._connect(deadline)
             assert isinstance(handed, Connection)
             if not handed.closed:
                 return handed
             # closed between hand-over and wake-up: its place was freed, so queue again
 
-    async def _wait(self, deadline: float) -> Handed:
-        waiter: asyncio.Future[Handed] = self.loop.create_future()
+    async def _wait(self, deadline: float) -> WaiterGets:
+        waiter: asyncio.Future[WaiterGets] = self.loop.create_future()
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout_at(deadline):
@@ -192,7 +192,7 @@ class Http1Pool:
                 raise UpstreamFailure(POOL_FULL, "PoolTimeout") from None
             raise
 
-    def _hand(self, handed: Handed) -> bool:
+    def _hand(self, handed: WaiterGets) -> bool:
         """Give ``handed`` to the first waiter still waiting; False if there is none."""
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -201,16 +201,16 @@ class Http1Pool:
                 return True
         return False
 
-    def _pass_on(self, handed: Handed) -> None:
-        if handed is _SLOT:
+    def _pass_on(self, handed: WaiterGets) -> None:
+        if handed is _ROOM_TO_CONNECT:
             self._free_slot()
         elif handed is not None:
             assert isinstance(handed, Connection)
             self._pool(handed)
 
     def _free_slot(self) -> None:
-        if self._closed or not self._hand(_SLOT):
-            self._slots -= 1
+        if self._closed or not self._hand(_ROOM_TO_CONNECT):
+            self._places -= 1
 
     async def _connect(self, deadline: float) -> Connection:
         """Open a connection in a place (slot) the caller holds; the place is freed if it fails."""
@@ -264,7 +264,7 @@ class Http1Pool:
 
     def pool_state(self) -> tuple[int, int, int, int]:
         idle = sum(1 for conn in self._idle if not conn.closed)
-        return self._slots, idle, self._slots - idle, len(self._waiters)
+        return self._places, idle, self._places - idle, len(self._waiters)
 
     def _close_idle(self) -> None:
         for conn in list(self._idle):

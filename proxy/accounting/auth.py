@@ -1,0 +1,57 @@
+"""Optional API keys on the proxy itself (``--api-key``, ``--api-keys FILE``).
+
+Which routes need a key follows vLLM's own ``--api-key``: paths under ``/v1``, ``/v2``,
+``/inference`` and ``/cohere`` (after the ``root_path``), every method but ``OPTIONS``
+(CORS preflights carry no credentials). ``/health``, ``/metrics`` and ``/stats`` stay open,
+so a Kubernetes probe or a Prometheus scrape needs no key; paths in ``auth_exempt_paths``
+(exact match) are opened as well. A guarded request must carry exactly one
+``Authorization: Bearer <key>`` header naming a key of the table (:class:`KeyTable`: the
+single ``--api-key`` and the ``--api-keys`` file), looked up by SHA-256 digest, so neither
+the time taken nor anything else tells how much of a guess was right or how long a key
+is. A refusal is a 401 in OpenAI error JSON (a WebSocket is closed with 1008). Neither the
+key nor the header is ever logged.
+
+The client's ``Authorization`` header still reaches the engine unchanged: in upstream
+mode the upstream may check the same key itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from starlette.types import Scope, Send
+
+from proxy.accounting.tenants import KeyTable, bearer_token
+from proxy.asgi.errors import send_error
+
+#: Path prefixes that need a key: vLLM's own (``vllm.entrypoints.serve.middleware.authenticate``).
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+class ApiKeyGuard:
+    def __init__(self, keys: KeyTable, exempt_paths: Iterable[str] = ()) -> None:
+        if not keys:
+            raise ValueError("an API key guard needs at least one key")
+        self._keys = keys
+        self._exempt = frozenset(exempt_paths)
+
+    def guards(self, scope: Scope) -> bool:
+        """Whether ``scope`` needs a key (module docstring)."""
+        if scope.get("method") == "OPTIONS":
+            return False
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        return path.startswith(GUARDED_PREFIXES) and path not in self._exempt
+
+    def allows(self, scope: Scope) -> bool:
+        if not self.guards(scope):
+            return True
+        token = bearer_token(scope["headers"])
+        return token is not None and self._keys.tenant_for(token) is not None
+
+    async def refuse(self, scope: Scope, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})  # policy violation
+            return
+        await send_error(
+            send, 401, "Missing or invalid API key", headers=[(b"www-authenticate", b"Bearer")]
+        )

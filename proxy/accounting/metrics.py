@@ -1,0 +1,234 @@
+"""Prometheus metrics (prefix ``cachetally_``) and the per-request record they count.
+
+Every series is a native prometheus_client ``Counter``, ``Histogram`` or ``Gauge``, so it
+is right in both of prometheus_client's modes:
+
+- **One process**: the metrics live in the registry they are registered in. ``registry=None``
+  gives each :class:`Metrics` a private ``CollectorRegistry``, so several apps in one process
+  (tests, benchmarks) never share counters; vLLM's middleware passes ``prometheus_client.REGISTRY``.
+- **Several processes** (``PROMETHEUS_MULTIPROC_DIR`` set: ``vllm serve --api-server-count N``,
+  ``cachetally serve --workers N``): every value lives in per-pid mmap files in that
+  directory, whatever registry holds the object, and ``MultiProcessCollector`` sums them.
+  Custom collectors and ``Gauge.set_function`` are invisible there.
+  ``cachetally_ledger_open_slots`` is a ``livesum`` gauge: the sum over live processes
+  (``cachetally serve --workers`` drops a dead worker's files: :mod:`proxy.server.workers`).
+
+Counts that happen outside a request (ledger evictions and unmatched events, usage records
+written or dropped by a sink thread) are counters incremented where the event happens, via
+the hooks the ledger and the recorder offer (``UsageLedger.observer``, ``DropCounts.listener``,
+``SinkWorker.on_written``). Syncing a source's own counters on scrape would be exact in one
+process only: in multiprocess mode another process answers the scrape, and an eviction in
+an idle process would stay invisible until that process's next request.
+
+Each request's updates are a few series writes (an mmap write each in multiprocess mode);
+label children are looked up once and kept (``_Children``). What that costs per request,
+in one process and in multiprocess mode: docs/PERFORMANCE.md.
+
+The token and request counters carry a ``tenant`` label, bounded by :mod:`proxy.accounting.tenants`;
+the per-request histograms do not (a histogram per tenant and model is too many series).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from proxy.accounting.stats import CacheStats, collected_stats
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.pd_leg import LegMetrics
+
+if TYPE_CHECKING:
+    from proxy.accounting.records.recorder import Recorder
+
+_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+def multiprocess_dir() -> str | None:
+    """prometheus_client's multiprocess directory, when that mode is on."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+@dataclass(slots=True)
+class MeteredRequest:
+    """One finished request of a metered route (proxy.patching.routes), as the proxy saw it."""
+
+    model: str
+    route: str  # chat | completions | responses | messages | invocations
+    stream: bool
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    source: str | None = None  # engine | upstream | None when unknown
+    local_cached_tokens: int | None = None
+    external_cached_tokens: int | None = None
+    cache_write_tokens: int | None = None  # prompt tokens the engine wrote to its prefix cache
+    mismatches: int = 0
+    tenant: str = "default"
+    completion_tokens: int = 0
+
+    @property
+    def cache(self) -> str:
+        if self.cached_tokens is None or self.prompt_tokens is None:
+            return "unknown"
+        return "hit" if self.cached_tokens > 0 else "miss"
+
+
+class _Children(dict[tuple[str, ...], Callable[[float], None]]):
+    """A labelled metric's ``inc`` or ``observe`` per label values, each looked up once.
+
+    A dict, so that a lookup after the first is a plain C-level ``dict[...]``.
+    """
+
+    def __init__(self, metric: Counter | Histogram, method: str) -> None:
+        super().__init__()
+        self._metric, self._method = metric, method
+
+    def __missing__(self, labels: tuple[str, ...]) -> Callable[[float], None]:
+        bound = self[labels] = getattr(self._metric.labels(*labels), self._method)
+        return bound
+
+
+class _LedgerMetrics:
+    """The ledger's observer (:class:`proxy.patching.ledger.LedgerObserver`): gauge and counters."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.open_slots = Gauge(
+            "cachetally_ledger_open_slots", "Open ledger slots", registry=registry, multiprocess_mode="livesum"
+        ).set
+        evicted = Counter(
+            "cachetally_ledger_evicted", "Slots evicted by the second line of defence", ["reason"], registry=registry
+        )
+        self._evicted = {reason: evicted.labels(reason).inc for reason in ("ttl", "cap")}
+        self.unmatched = Counter(
+            "cachetally_events_unmatched", "Engine events for keys with no open slot (dropped)", registry=registry
+        ).inc
+
+    def evicted(self, reason: str, n: int) -> None:
+        self._evicted[reason](n)
+
+
+class Metrics:
+    def __init__(self, ledger: UsageLedger, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry = CollectorRegistry() if registry is None else registry
+        mp_dir = multiprocess_dir()
+        if mp_dir is None:
+            #: What ``/metrics`` and ``/stats`` read: this registry, or every process's files.
+            self.scrape_registry = registry
+        else:
+            self.scrape_registry = CollectorRegistry()
+            MultiProcessCollector(self.scrape_registry, mp_dir)
+        #: Per process; feeds the debug stats line (which then names its pid).
+        self.stats = CacheStats(pid=os.getpid() if mp_dir else None)
+        self.patch_skipped = Counter(
+            "cachetally_patch_skipped", "Responses or events passed through unpatched", ["reason"], registry=registry
+        )
+        self.legs = LegMetrics(registry)
+        #: Requests that would have run the engine unmetered, refused (proxy.patching.routes).
+        self.refused_unmetered = Counter(
+            "cachetally_refused_unmetered", "Requests refused because the engine would run unmetered", ["route"],
+            registry=registry,
+        )
+        ledger.observer = _LedgerMetrics(registry)
+        ledger.observer.open_slots(len(ledger))
+
+        def counter(name: str, doc: str, labels: list[str]) -> _Children:
+            return _Children(Counter(name, doc, labels, registry=registry), "inc")
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Children:
+            return _Children(Histogram(name, doc, ["model"], buckets=buckets, registry=registry), "observe")
+
+        self._prompt = counter("cachetally_prompt_tokens", "Prompt tokens of counted requests", ["model", "tenant"])
+        self._cached = counter(
+            "cachetally_cached_tokens", "Prompt tokens served from the prefix cache",
+            ["model", "source", "tier", "tenant"],
+        )
+        self._cache_write = counter(
+            "cachetally_cache_write_tokens", "Prompt tokens the engine wrote to its prefix cache",
+            ["model", "source", "tenant"],
+        )
+        self._completion = counter(
+            "cachetally_completion_tokens",
+            "Completion tokens, counted up to the disconnect when a client left early",
+            ["model", "tenant"],
+        )
+        self._requests = counter(
+            "cachetally_requests", "Requests of the metered routes by cache outcome",
+            ["model", "route", "stream", "cache", "tenant"],
+        )
+        self._request_cached = histogram(
+            "cachetally_request_cached_tokens", "Cached prompt tokens per request", _TOKEN_BUCKETS
+        )
+        self._request_ratio = histogram(
+            "cachetally_request_cache_hit_ratio", "cached_tokens / prompt_tokens per request", _RATIO_BUCKETS
+        )
+        self._mismatch = Counter(
+            "cachetally_cached_tokens_mismatch",
+            "Responses whose own cached_tokens differed from the engine's",
+            registry=registry,
+        ).inc
+        self._records_written = Counter(
+            "cachetally_usage_records_written", "Usage records a sink wrote or exported", ["sink"], registry=registry
+        )
+        self._records_dropped = _Children(
+            Counter(
+                "cachetally_usage_records_dropped",
+                "Usage records a sink could not take or write (queue full, write or export failed)",
+                ["sink", "reason"],
+                registry=registry,
+            ),
+            "inc",
+        )
+
+    def count_completion(self, rec: MeteredRequest) -> None:
+        """Only the completion tokens of a request that is not counted otherwise."""
+        if rec.completion_tokens:
+            self._completion[rec.model, rec.tenant](rec.completion_tokens)
+
+    def record(self, rec: MeteredRequest) -> None:
+        model, tenant = rec.model, rec.tenant
+        self._requests[model, rec.route, "true" if rec.stream else "false", rec.cache, tenant](1)
+        if rec.mismatches:
+            self._mismatch(rec.mismatches)
+        self.count_completion(rec)
+        prompt, cached = rec.prompt_tokens, rec.cached_tokens
+        self.stats.add(prompt, cached)
+        if prompt is None or cached is None:
+            return  # cache=unknown: not in the token counters, so the hit rate is not diluted
+        source = rec.source or "upstream"
+        self._prompt[model, tenant](prompt)
+        self._cached[model, source, "all", tenant](cached)
+        if rec.local_cached_tokens is not None:
+            self._cached[model, source, "local", tenant](rec.local_cached_tokens)
+        if rec.external_cached_tokens is not None:
+            self._cached[model, source, "external", tenant](rec.external_cached_tokens)
+        if rec.cache_write_tokens:
+            self._cache_write[model, source, tenant](rec.cache_write_tokens)
+        self._request_cached[(model,)](cached)
+        if prompt:
+            self._request_ratio[(model,)](cached / prompt)
+
+    def watch_recorder(self, recorder: Recorder) -> None:
+        """Count ``cachetally_usage_records_{written,dropped}_total`` for ``recorder``.
+
+        Call it before ``recorder.start()``: the hooks count from then on.
+        """
+        for worker in recorder.workers:
+            worker.on_written = self._records_written.labels(worker.sink.name).inc
+        dropped = self._records_dropped
+        recorder.drops.listener = lambda sink, reason, n: dropped[sink, reason](n)
+
+    def exposition(self) -> bytes:
+        """The ``/metrics`` text: every process's series in multiprocess mode."""
+        return generate_latest(self.scrape_registry)
+
+    def stats_dict(self, registry: CollectorRegistry | None = None) -> dict[str, int | float]:
+        """``/stats``, from the collected counters of ``registry`` (default: what ``/metrics`` reads).
+
+        vLLM's middleware passes ``vllm.v1.metrics.prometheus.get_prometheus_registry()``.
+        """
+        return collected_stats(self.scrape_registry if registry is None else registry).as_dict()

@@ -1,0 +1,124 @@
+"""What the responder notes about one request for its usage record, at no parsing cost.
+
+- whether the client disconnected: a ``receive`` that returned ``http.disconnect`` before
+  the response was complete (every mode's inner app listens for it);
+- when the first response body bytes went out (``ttft_s``) and the response id;
+- a stream's token events: ``data: {`` line starts, counted with ``bytes.count`` (a JSON
+  string cannot hold a raw line break, so generated text never matches) in what the SSE
+  patcher passes on, which is whole events however the engine's bytes were cut, less
+  the chat role events and the usage-only event the client gets. They give
+  ``completion_tokens`` when a stream is cut before its usage chunk
+  (:mod:`proxy.accounting.records.record`). The Messages and Responses streams frame their tokens
+  with other events, so there only their token events count, by ``event:`` line:
+  ``content_block_delta`` and ``response.*delta``;
+- the completion tokens and id of a usage object that covers the whole request (a JSON
+  body, or a stream's usage-only chunk), which the responder parses anyway.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from proxy.accounting.records.record import UsageRecord
+
+_ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
+_FIRST_EVENT = (b"data: {", b"data:{")
+_LINE_ENDS = (b"\n", b"\r")
+#: Token events of the streams whose events are named (``event:`` lines), by route.
+_TOKEN_EVENTS = {
+    "messages": re.compile(rb"event: ?content_block_delta[\r\n]"),
+    "responses": re.compile(rb"event: ?response\.[\w.]*delta[\r\n]"),
+}
+
+
+class RequestNotes:
+    __slots__ = (
+        "started", "_t0", "ttft_s", "response_id", "disconnected", "response_done",
+        "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
+        "_usage_events", "_token_events",
+    )
+
+    def __init__(self, route: str) -> None:
+        self.started = time.time()
+        self._t0 = time.monotonic()
+        self.ttft_s: float | None = None
+        self.response_id: str | None = None
+        self.disconnected = False
+        self.response_done = False  # the last body message went out
+        self.usage_completion: int | None = None
+        self._roles_pending = route == "chat"
+        self._cr: bool | None = None
+        self._line_start = True  # the next byte of the stream starts a line
+        self._events = self._role_events = self._usage_events = 0
+        self._token_events = _TOKEN_EVENTS.get(route)
+
+    def body(self, body: bytes, more: bool) -> None:
+        if not more:
+            self.response_done = True
+        if self.ttft_s is None and body:
+            self.ttft_s = time.monotonic() - self._t0
+
+    def sse_events(self, events: bytes) -> None:
+        """Count in whole events (the patcher's output); runs for every chunk of every
+        stream, so a few ``bytes.count``, written out."""
+        if self._token_events is not None:
+            self._events += len(self._token_events.findall(events))
+            return
+        count = events.count(b"\ndata: {") + events.count(b"\ndata:{")
+        if events.startswith(_FIRST_EVENT) and self._line_start:
+            count += 1
+        if self._cr is None:
+            self._cr = b"\r" in events  # a stream keeps the line ends it starts with
+        if self._cr:
+            count += events.count(b"\rdata: {") + events.count(b"\rdata:{")
+        self._events += count
+        self._line_start = events.endswith(_LINE_ENDS)
+        if self._roles_pending:  # role events open a chat stream, one per choice, then stop
+            roles = events.count(b'"role"')
+            self._role_events += roles
+            self._roles_pending = roles > 0
+
+    def sniff_id(self, body: bytes) -> None:
+        if self.response_id is None and (match := _ID_FIELD.search(body)):
+            self.response_id = match.group(1).decode("utf-8", "replace")
+
+    def client_left(self) -> None:
+        if not self.response_done:
+            self.disconnected = True
+
+    def whole_usage(self, payload: dict[str, Any], *, event: bool = False) -> None:
+        """``payload``'s usage covers the whole request (``event``: an SSE usage-only chunk
+        the client gets, so counted among the stream's events)."""
+        self._usage_events += event
+        usage = payload.get("usage")
+        completion = (  # OpenAI chat and completions, else Responses and Messages
+            usage.get("completion_tokens", usage.get("output_tokens")) if isinstance(usage, dict) else None
+        )
+        if type(completion) is int and completion >= 0:  # a peer's -1 or true is not a count
+            self.usage_completion = completion
+        response_id = payload.get("id")
+        if isinstance(response_id, str):
+            self.response_id = response_id
+
+    def completion(self, stream: bool) -> tuple[int, str]:
+        if self.usage_completion is not None:
+            return self.usage_completion, "usage"
+        if stream:
+            return max(0, self._events - self._role_events - self._usage_events), "stream"
+        return 0, "none"
+
+    def outcome(self, status: int | None) -> str:
+        if self.response_done:
+            return "completed" if status is not None and status < 400 else "error"
+        return "disconnected" if self.disconnected else "error"
+
+    def record(self, **fields: Any) -> UsageRecord:
+        return UsageRecord(
+            start_unix=self.started,
+            end_unix=self.started + (time.monotonic() - self._t0),
+            response_id=self.response_id,
+            ttft_s=self.ttft_s,
+            **fields,
+        )

@@ -1,0 +1,151 @@
+"""OTLP sink: one span per request, exported with the OpenTelemetry SDK's OTLP/HTTP exporter.
+
+Needs the ``otlp`` extra (``pip install 'cachetally[otlp]'``). Spans follow the GenAI
+semantic conventions: named ``"{operation} {model}"`` (``chat``, ``text_completion``), with
+``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.response.model``,
+``gen_ai.response.id``, ``gen_ai.usage.input_tokens`` (all prompt tokens, cached ones
+included, as the convention defines it), ``gen_ai.usage.cache_read.input_tokens``,
+``gen_ai.usage.cache_write.input_tokens`` (prompt tokens written to the prefix cache) and
+``gen_ai.usage.output_tokens``. What the convention has no name for is under
+``cachetally.*``: the tenant, our request id, the outcome, the sources of the numbers.
+Kind ``SERVER``: the span is the proxy serving one HTTP request. When the client sent a
+W3C ``traceparent``, the span is its child, so usage joins the caller's trace.
+
+Departures from the SDK's usual wiring, because a usage record is billing data, not a
+trace sample:
+
+- No ``TracerProvider``, sampler or span limits: each span is built directly as the SDK's
+  ``ReadableSpan`` from the finished record (start and end times given explicitly). A
+  sampler would follow the caller's ``traceparent`` flags (``-00``: not sampled), and
+  ``OTEL_SDK_DISABLED``, ``OTEL_TRACES_SAMPLER`` or ``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`` in
+  the environment would drop spans or attributes: a client or an environment variable
+  could make its usage vanish. Every record is exported, flagged sampled, keeping the
+  caller's trace id and span id (as parent) whatever their flags.
+- No ``BatchSpanProcessor``: it drops spans when its queue is full and the exporter's
+  failures stay inside it, so neither could be counted in
+  ``cachetally_usage_records_dropped_total``. This sink's thread exports batches of at
+  most :data:`MAX_BATCH` spans and counts what the exporter did not confirm; the exporter
+  retries within ``timeout_s``, then the rest of the batch is dropped and counted.
+
+The exporter's own per-failure log lines are silenced: the recorder's once-a-minute line
+says the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from proxy.accounting.records.queue import Delivery
+from proxy.accounting.records.record import UsageRecord
+
+MAX_BATCH = 512
+_OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat", "messages": "chat"}
+
+
+def _package_version() -> str:
+    try:
+        return version("cachetally")
+    except PackageNotFoundError:
+        return "0"
+
+
+def span_attributes(record: UsageRecord) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": _OPERATIONS.get(record.route, record.route),
+        "gen_ai.request.model": record.request_model or record.model,
+        "gen_ai.response.model": record.model,
+        "gen_ai.usage.output_tokens": record.completion_tokens,
+        "cachetally.tenant": record.tenant,
+        "cachetally.record_id": record.record_id,
+        "cachetally.request_id": record.request_id,
+        "cachetally.outcome": record.outcome,
+        "cachetally.stream": record.stream,
+        "cachetally.completion_tokens.source": record.completion_source,
+    }
+    optional = {
+        "gen_ai.response.id": record.response_id,
+        "gen_ai.usage.input_tokens": record.prompt_tokens,
+        "gen_ai.usage.cache_read.input_tokens": record.cached_tokens,
+        "gen_ai.usage.cache_write.input_tokens": record.cache_creation_tokens,
+        "cachetally.cached_tokens.source": record.source,
+        "http.response.status_code": record.status,
+    }
+    attrs.update({k: v for k, v in optional.items() if v is not None})
+    return attrs
+
+
+class OtlpSink:
+    name = "otlp"
+    failure = "export_failed"
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0) -> None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.sdk.trace.export import SpanExportResult
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, get_current_span
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.CRITICAL)
+        self._exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)
+        self._span, self._context = ReadableSpan, SpanContext
+        self._resource = Resource.create({"service.name": "cachetally"})
+        self._scope = InstrumentationScope("cachetally", _package_version())
+        self._ids = RandomIdGenerator()
+        self._sampled = TraceFlags(TraceFlags.SAMPLED)
+        self._success = SpanExportResult.SUCCESS
+        self._server = SpanKind.SERVER
+        self._ok, self._error = Status(StatusCode.UNSET), Status(StatusCode.ERROR)
+        self._propagator, self._current = TraceContextTextMapPropagator(), get_current_span
+
+    def _parent(self, traceparent: str | None) -> Any:
+        """The caller's span context, whatever its sampled flag; ``None`` if absent or invalid."""
+        if not traceparent:
+            return None
+        parent = self._current(self._propagator.extract({"traceparent": traceparent})).get_span_context()
+        return parent if parent.is_valid else None
+
+    def span(self, record: UsageRecord) -> Any:
+        """The record's span: the caller's trace id and parent span id when it sent a valid
+        ``traceparent``, a new trace otherwise; always flagged sampled, since it is exported."""
+        attrs = span_attributes(record)
+        parent = self._parent(record.traceparent)
+        trace_id = parent.trace_id if parent is not None else self._ids.generate_trace_id()
+        return self._span(
+            f"{attrs['gen_ai.operation.name']} {record.model}",
+            context=self._context(trace_id, self._ids.generate_span_id(), False, self._sampled),
+            parent=parent,
+            resource=self._resource,
+            attributes=attrs,
+            kind=self._server,
+            instrumentation_scope=self._scope,
+            status=self._error if record.outcome == "error" else self._ok,
+            start_time=int(record.start_unix * 1e9),
+            end_time=int(record.end_unix * 1e9),
+        )
+
+    def write(self, batch: list[UsageRecord]) -> Delivery:
+        """Export ``batch`` in chunks of :data:`MAX_BATCH`; what the exporter did not confirm
+        (it retried within its timeout already, or raised) is lost. After a failed chunk the
+        rest is not tried, so a dead collector costs one timeout per flush, not one per
+        chunk."""
+        exported, detail = 0, ""
+        for start in range(0, len(batch), MAX_BATCH):
+            try:
+                spans = [self.span(record) for record in batch[start : start + MAX_BATCH]]
+                result = self._exporter.export(spans)
+            except Exception as exc:  # the exporter's own errors: this chunk is not delivered
+                detail = f"export raised {type(exc).__name__}"
+                break
+            if result is not self._success:
+                detail = "export failed"
+                break
+            exported += len(spans)
+        return Delivery(written=exported, lost=len(batch) - exported, detail=detail)
+
+    def close(self) -> None:
+        self._exporter.shutdown()

@@ -1,0 +1,244 @@
+"""Totals of usage records per tenant x model, and what they cost (``cachetally report``).
+
+Reads the JSONL files the recorder writes. A line that is not a JSON object (a torn last
+line after a failed write) is skipped and counted, never guessed at. A record whose
+``record_id`` was already read (the same file given twice, copies gathered from several
+places) is counted once; the client's ``request_id`` is never a key, since clients reuse
+it. Records written before ``record_id`` existed (schema 1) have none and each counts. A record with no
+``prompt_tokens`` (refused or abandoned before the engine saw it) adds a request and its
+completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
+billed as uncached input. Cache writes (``cache_creation_tokens``: uncached prompt tokens
+the engine wrote to its prefix cache) are part of the uncached input, priced at
+``cache_write_input`` when a price table sets it (Anthropic prices writes above fresh
+input), else at ``input``.
+
+Prices (``--prices FILE``, TOML) are per million tokens, with a ``[default]`` table and
+optional per-model tables that override it::
+
+    [default]
+    input = 0.50          # uncached input
+    cached_input = 0.05
+    cache_write_input = 0.625   # optional; uncached tokens written to the cache
+    output = 1.50
+
+    [models."my-model"]
+    input = 0.20
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+PRICE_KEYS = ("input", "cached_input", "output")
+OPTIONAL_PRICE_KEYS = ("cache_write_input",)
+
+
+@dataclass(slots=True)
+class Totals:
+    requests: int = 0
+    disconnected: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0  # of the uncached tokens
+    completion_tokens: int = 0
+    cost: float | None = None
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.requests += 1
+        self.disconnected += record.get("outcome") == "disconnected"
+        prompt = record.get("prompt_tokens")
+        if isinstance(prompt, int):
+            self.prompt_tokens += prompt
+            cached = record.get("cached_tokens")
+            cached = cached if isinstance(cached, int) else 0
+            self.cached_tokens += cached
+            writes = record.get("cache_creation_tokens")
+            if isinstance(writes, int) and writes > 0:
+                self.cache_write_tokens += min(writes, max(0, prompt - cached))
+        completion = record.get("completion_tokens")
+        self.completion_tokens += completion if isinstance(completion, int) else 0
+
+    def merge(self, other: Totals) -> None:
+        self.requests += other.requests
+        self.disconnected += other.disconnected
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.cache_write_tokens += other.cache_write_tokens
+        self.completion_tokens += other.completion_tokens
+        if other.cost is not None:
+            self.cost = (self.cost or 0.0) + other.cost
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "disconnected": self.disconnected,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "uncached_tokens": self.uncached_tokens,
+            "cache_write_tokens": self.cache_write_tokens,
+            "completion_tokens": self.completion_tokens,
+            "hit_ratio": round(self.hit_ratio, 4),
+            "cost": None if self.cost is None else round(self.cost, 6),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    """Per million tokens: uncached input, cached input, output; cache writes (``None``: as input)."""
+
+    input: float
+    cached_input: float
+    output: float
+    cache_write_input: float | None = None
+
+    def cost(self, t: Totals) -> float:
+        write = self.input if self.cache_write_input is None else self.cache_write_input
+        fresh = t.uncached_tokens - t.cache_write_tokens
+        return (fresh * self.input + t.cache_write_tokens * write + t.cached_tokens * self.cached_input
+                + t.completion_tokens * self.output) / 1e6
+
+
+@dataclass(slots=True)
+class PriceList:
+    default: Prices | None
+    models: dict[str, Prices] = field(default_factory=dict)
+
+    def for_model(self, model: str) -> Prices | None:
+        return self.models.get(model, self.default)
+
+    @classmethod
+    def load(cls, path: Path) -> PriceList:
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"cannot read prices {path}: {exc}") from None
+        unknown = set(data) - {"default", "models"}
+        if unknown:
+            raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; expected [default] and [models.NAME]")
+        default = _prices(data["default"], f"{path} [default]", None) if "default" in data else None
+        models = {
+            name: _prices(table, f"{path} [models.{name}]", default)
+            for name, table in data.get("models", {}).items()
+        }
+        if default is None and not models:
+            raise ValueError(f"{path}: no prices ([default] or [models.NAME])")
+        return cls(default, models)
+
+
+def _prices(table: Any, where: str, base: Prices | None) -> Prices:
+    if not isinstance(table, dict) or set(table) - set(PRICE_KEYS) - set(OPTIONAL_PRICE_KEYS):
+        raise ValueError(f"{where}: only {', '.join(PRICE_KEYS + OPTIONAL_PRICE_KEYS)} (per million tokens)")
+    values: dict[str, float | None] = {}
+    for key in PRICE_KEYS + OPTIONAL_PRICE_KEYS:
+        value = table.get(key, getattr(base, key) if base else None)
+        if value is None and key in OPTIONAL_PRICE_KEYS:
+            values[key] = None
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"{where}: {key} must be a number >= 0")
+        values[key] = float(value)
+    return Prices(**values)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class Report:
+    rows: dict[tuple[str, str], Totals] = field(default_factory=dict)
+    files: int = 0
+    records: int = 0
+    skipped_lines: int = 0
+    duplicates: int = 0
+    _record_ids: set[str] = field(default_factory=set, repr=False)
+
+    def add(self, record: dict[str, Any]) -> None:
+        record_id = record.get("record_id")
+        if isinstance(record_id, str):
+            if record_id in self._record_ids:
+                self.duplicates += 1
+                return
+            self._record_ids.add(record_id)
+        key = (str(record.get("tenant", "default")), str(record.get("model", "unknown")))
+        totals = self.rows.get(key)
+        if totals is None:
+            totals = self.rows[key] = Totals()
+        totals.add(record)
+        self.records += 1
+
+    def price(self, prices: PriceList) -> None:
+        for (_, model), totals in self.rows.items():
+            model_prices = prices.for_model(model)
+            totals.cost = model_prices.cost(totals) if model_prices else None
+
+    def by_tenant(self) -> dict[str, Totals]:
+        out: dict[str, Totals] = {}
+        for (tenant, _), totals in sorted(self.rows.items()):
+            out.setdefault(tenant, Totals()).merge(totals)
+        return out
+
+    def total(self) -> Totals:
+        out = Totals()
+        for totals in self.rows.values():
+            out.merge(totals)
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "rows": [{"tenant": t, "model": m, **v.as_json()} for (t, m), v in sorted(self.rows.items())],
+            "tenants": {t: v.as_json() for t, v in self.by_tenant().items()},
+            "total": self.total().as_json(),
+            "files": self.files,
+            "records": self.records,
+            "skipped_lines": self.skipped_lines,
+            "duplicates": self.duplicates,
+        }
+
+
+def read(
+    paths: Iterable[Path],
+    progress: Callable[[int], None] = lambda n: None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> Report:
+    """Total the records in ``paths`` that started in ``[since, until)`` (aware datetimes);
+    ``progress`` is called with the bytes read."""
+    report = Report()
+    window = since is not None or until is not None
+    for path in paths:
+        report.files += 1
+        with path.open("rb") as fh:
+            for line in fh:
+                progress(len(line))
+                if not line.strip():
+                    continue
+                try:
+                    record = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    record = None
+                if not isinstance(record, dict):
+                    report.skipped_lines += 1
+                elif not window or _within(record, since, until):
+                    report.add(record)
+    return report
+
+
+def _within(record: dict[str, Any], since: datetime | None, until: datetime | None) -> bool:
+    try:
+        started = datetime.fromisoformat(record["start_time"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return (since is None or started >= since) and (until is None or started < until)

@@ -1,0 +1,148 @@
+"""``cachetally report FILE...``: usage-record totals per tenant x model, as a table,
+JSON (``--json``) or a bar chart (``--plot FILE.png``). A directory stands for the
+``*.jsonl`` files in it. Inputs over :data:`PROGRESS_BYTES` get a progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import orjson
+
+from proxy.accounting.records.report import PriceList, Report, Totals, read
+
+PROGRESS_BYTES = 16 << 20
+
+_EPILOG = """\
+prices file (TOML, per million tokens; per-model tables override [default]):
+  [default]
+  input = 0.50          # uncached input
+  cached_input = 0.05
+  cache_write_input = 0.625   # optional, else as input: uncached tokens written to the cache
+  output = 1.50
+  [models."sim-model"]
+  input = 0.20
+
+examples:
+  cachetally report /var/lib/cachetally/usage
+  cachetally report usage/*.jsonl --prices prices.toml --json
+  cachetally report usage --prices prices.toml --plot usage.png
+  cachetally report usage --since 2026-11-01 --until 2026-12-01 --json   one month (UTC)
+"""
+
+
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="total usage records per tenant and model (tokens, hit ratio, cost)",
+        description="Total the usage records written with --usage-dir, per tenant x model: "
+        "requests, prompt, cached and completion tokens, hit ratio and, with --prices, cost. "
+        "A record read twice (same record_id, e.g. a file given twice) counts once.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="usage JSONL files, or directories of them")
+    p.add_argument("--prices", type=Path, metavar="FILE", help="TOML prices per million tokens (see below)")
+    p.add_argument("--since", type=_utc, metavar="TIME",
+                   help="only requests that started at or after TIME (ISO 8601, UTC unless it says, e.g. 2026-11-01)")
+    p.add_argument("--until", type=_utc, metavar="TIME", help="only requests that started before TIME")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw cached vs uncached input tokens (and cost) per tenant")
+    p.set_defaults(run=run)
+
+
+def _utc(text: str) -> datetime:
+    when = datetime.fromisoformat(text)
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when
+
+
+def _expand(paths: list[Path]) -> list[Path]:
+    out: list[Path] = []
+    for path in paths:
+        out.extend(sorted(path.glob("*.jsonl")) if path.is_dir() else [path])
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    try:
+        prices = PriceList.load(args.prices) if args.prices else None
+        paths = _expand(args.files)
+        size = sum(p.stat().st_size for p in paths)
+    except (OSError, ValueError) as exc:
+        print(f"cachetally report: {exc}", file=sys.stderr)
+        return 2
+    with tqdm(total=size, unit="B", unit_scale=True, desc="reading", disable=size < PROGRESS_BYTES or None) as bar:
+        report = read(paths, bar.update, since=args.since, until=args.until)
+    if prices is not None:
+        report.price(prices)
+    if report.skipped_lines:
+        print(f"cachetally report: skipped {report.skipped_lines} line(s) that are not records", file=sys.stderr)
+    if report.duplicates:
+        print(f"cachetally report: counted once {report.duplicates} record(s) read twice (same record_id)",
+              file=sys.stderr)
+    if args.json:
+        sys.stdout.write(orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        sys.stdout.write(table(report))
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+def table(report: Report) -> str:
+    priced = any(t.cost is not None for t in report.rows.values())
+    head = ["tenant", "model", "requests", "disconnected", "prompt", "cached", "completion", "hit_ratio"]
+    head += ["cost"] if priced else []
+
+    def cells(tenant: str, model: str, t: Totals) -> list[str]:
+        row = [tenant, model, str(t.requests), str(t.disconnected), str(t.prompt_tokens), str(t.cached_tokens),
+               str(t.completion_tokens), f"{t.hit_ratio:.4f}"]
+        return row + ([f"{t.cost:.6f}" if t.cost is not None else "-"] if priced else [])
+
+    rows = [cells(tenant, model, t) for (tenant, model), t in sorted(report.rows.items())]
+    rows.append(cells("TOTAL", "", report.total()))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in [head, *rows]]
+    return "\n".join(line.rstrip() for line in lines) + f"\n{report.records} records in {report.files} file(s)\n"
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    tenants = report.by_tenant()
+    names = list(tenants)
+    cached = [tenants[n].cached_tokens for n in names]
+    uncached = [tenants[n].uncached_tokens for n in names]
+    costs = [tenants[n].cost for n in names]
+    priced = any(c is not None for c in costs)
+    fig, axes = plt.subplots(1, 2 if priced else 1, figsize=(12 if priced else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    ax.bar(names, cached, label="cached input", color="#2a9d8f")
+    ax.bar(names, uncached, bottom=cached, label="uncached input", color="#e9c46a")
+    for x, (c, u) in enumerate(zip(cached, uncached, strict=True)):
+        if c + u:
+            ax.annotate(f"{c / (c + u):.0%} cached", (x, c + u), ha="center", va="bottom", fontsize=8)
+    ax.set_title("Input tokens per tenant")
+    ax.set_ylabel("tokens")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.legend()
+    if priced:
+        cost_ax = axes[0][1]
+        bars = cost_ax.bar(names, [c or 0.0 for c in costs], color="#264653")
+        cost_ax.bar_label(bars, fmt="%.4g", fontsize=8)
+        cost_ax.set_title("Cost per tenant")
+        cost_ax.set_ylabel("cost (price units)")
+    fig.suptitle(f"cachetally usage: {report.records} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

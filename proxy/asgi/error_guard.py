@@ -1,0 +1,92 @@
+"""The engine app's failures in OpenAI error JSON, whatever framework wrote them.
+
+Used in front of every engine app: vLLM's (FastAPI), the sim (Starlette) and an upstream's
+patched routes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from http import HTTPStatus
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from proxy.asgi.errors import send_error
+
+logger = logging.getLogger("cachetally.app")
+
+
+class ErrorGuard:
+    """The engine app's failures in OpenAI error JSON.
+
+    - An exception before the response started becomes a 500.
+    - A 404 or 405 that is not already an OpenAI error is re-written as one, with the same
+      status and headers (``Allow`` stays). Frameworks answer unknown routes and methods
+      in their own shape: FastAPI (vLLM's app) ``{"detail": "Not Found"}``, Starlette
+      (the sim) plain text. Only those two statuses are held; every other response
+      passes through untouched. ``only_paths``: rewrite on these paths alone (upstream
+      mode: a drop-in proxy passes an upstream's other routes through byte for byte).
+    """
+
+    def __init__(self, app: ASGIApp, only_paths: Collection[str] | None = None) -> None:
+        self.app = app
+        self.only_paths = only_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rewrite = self.only_paths is None or scope.get("path") in self.only_paths
+        started = False
+        held: Message | None = None
+        chunks: list[bytes] = []
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started, held
+            kind = message["type"]
+            if kind == "http.response.start":
+                started = True
+                if rewrite and message["status"] in _REWRITTEN:
+                    held = message
+                    return
+            elif held is not None and kind == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                start, held = held, None
+                await _send_rewritten(send, start, b"".join(chunks))
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, receive, guarded_send)
+        except Exception as exc:
+            # The type only: an exception's text may quote the request.
+            logger.error("engine app failed on %s: %s", scope.get("path"), type(exc).__name__)
+            if started:
+                raise
+            await send_error(send, 500, "Internal server error")
+
+
+_REWRITTEN = frozenset((404, 405))
+_FRAMEWORK_HEADERS = frozenset((b"content-type", b"content-length"))
+
+
+async def _send_rewritten(send: Send, start: Message, body: bytes) -> None:
+    """Send a held 404/405 as an OpenAI error, unless it already is one.
+
+    The message is a framework's ``{"detail": str}`` where there is one, else the status
+    phrase (Starlette's plain-text "Not Found"); other headers (``Allow``) are kept.
+    """
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        await send(start)
+        await send({"type": "http.response.body", "body": body})
+        return
+    status = start["status"]
+    detail = parsed.get("detail") if isinstance(parsed, dict) else None
+    message = detail if isinstance(detail, str) else HTTPStatus(status).phrase
+    kept = [(k, v) for k, v in start.get("headers", []) if k.lower() not in _FRAMEWORK_HEADERS]
+    await send_error(send, status, message, kept)

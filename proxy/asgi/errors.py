@@ -1,0 +1,41 @@
+"""Errors in the OpenAI error JSON shape, as vLLM's own server writes them."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import orjson
+
+from starlette.types import Send
+
+from proxy.asgi.replies import send_body
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestEntityTooLargeError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_body(status: int, message: str) -> bytes:
+    error_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return orjson.dumps(
+        {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+    )
+
+
+def error_sse_event(status: int, message: str) -> bytes:
+    """The same error as one SSE event, for a stream that already started."""
+    return b"data: " + error_body(status, message) + b"\n\n"
+
+
+async def send_error(
+    send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send_body(send, status, error_body(status, message), b"application/json", headers or ())

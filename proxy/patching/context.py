@@ -1,0 +1,60 @@
+"""What every patched request shares: the middleware's configuration and the objects a
+request reports to (the ledger, the metrics, the recorder), handed to each
+:class:`~proxy.patching.responder.Responder` so that it depends on these and not on the
+middleware that builds it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from starlette.types import ASGIApp
+
+from proxy.accounting.metrics import Metrics
+from proxy.accounting.records.recorder import Recorder
+from proxy.accounting.tenants import Tenancy
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.routes import PATCHED, REFUSED
+from proxy.patching.served_models import ServedModels
+from proxy.patching.usage import Missing
+
+DEFAULT_ROUTES: Mapping[str, str] = PATCHED
+
+
+@dataclass(frozen=True, slots=True)
+class PatchConfig:
+    routes: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROUTES))
+    missing: Missing = "zero"
+    max_request_bytes: int = 32 << 20
+    max_response_bytes: int = 64 << 20
+    max_event_bytes: int = 1 << 20
+    #: Ask the inner app for a usage chunk the client did not request, and drop it
+    #: before the client sees it, so every streamed request is counted (upstream mode).
+    ghost_usage: bool = False
+    #: Strip ``return_cached_tokens_details`` (our opt-in) before the inner app sees it.
+    #: Off in upstream mode: the field is SGLang's own, and SGLang answers it itself.
+    strip_details_flag: bool = True
+    default_model: str = "unknown"
+    tenancy: Tenancy = field(default_factory=Tenancy)
+    #: Recognize disaggregated prefill/decode legs by their ``kv_transfer_params``: the
+    #: prefill leg is counted as a leg only, the decode leg bills (:mod:`proxy.patching.pd_leg`).
+    pd_legs: bool = False
+    #: Which response model names are labels (others are ``other``).
+    models: ServedModels = field(default_factory=ServedModels)
+    #: Billing is on (tenants or usage records): refuse what would run the engine unmetered,
+    #: the ``refused`` routes (:mod:`proxy.patching.routes`) and bodies a shape cannot meter.
+    refuse_unmetered: bool = False
+    refused: frozenset[str] = REFUSED
+
+
+@dataclass(frozen=True, slots=True)
+class PatchContext:
+    """The inner app a request is replayed to, the configuration, and where it is counted."""
+
+    app: ASGIApp
+    config: PatchConfig
+    ledger: UsageLedger
+    metrics: Metrics
+    recorder: Recorder | None
+    #: The request-id header echoed in every response, lower-case.
+    echo_header: bytes

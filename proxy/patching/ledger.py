@@ -1,0 +1,218 @@
+"""Per-request usage slots: where engine events meet the responses they describe.
+
+The middleware opens a slot under a unique key before it calls the inner app and closes
+it in ``finally``; engines publish :class:`~engine_adapter.events.Scheduled` into the
+ledger (it is an :class:`~engine_adapter.events.EventSink`). Closing is a plain dict pop
+with no ``await``, so cancellation cannot skip it.
+
+A slot aggregates every engine request of one HTTP request (a batch of prompts, or one
+request with ``n > 1``) the way the engine counts ``prompt_tokens``: each prompt once.
+
+Events for keys that are not open are counted and dropped, never stored. A TTL sweep and
+a size cap are a second line of defence against a slot that outlives its request; each
+eviction is counted. Neither should ever fire: a leak is a bug, not steady state.
+
+The sweep is for slots whose request has ended without closing them (a missed drop
+guard), so it never takes the slot of a request still running, however long it runs (a
+stream may legitimately outlive any TTL: the read timeout is *between* bytes). A slot
+remembers the asyncio task that opened it, weakly; past the TTL it is swept only once
+that task is done or gone. A slot opened outside a task has no owner to ask and is swept
+by age alone (tests/test_ledger.py::test_the_sweep_never_takes_a_live_requests_slot).
+
+The ledger knows nothing of metrics: it keeps its own counters and tells an optional
+:class:`LedgerObserver` (``proxy.accounting.metrics`` installs one) of each change as it happens, so
+metrics are exact whichever process is scraped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine_adapter.events import Scheduled
+
+
+@dataclass(slots=True)
+class EngineUsage:
+    """What the engine reported for one HTTP request, summed over its engine requests."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    local_cached_tokens: int | None = None
+    external_cached_tokens: int | None = None
+    cache_creation_tokens: int | None = None
+    transferred_tokens: int | None = None  # disaggregated decode only (Scheduled)
+    decode_local_tokens: int | None = None
+    events: int = 0
+    #: (prompt_tokens, cached_tokens) of each engine request, in publication order.
+    per_request: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, event: Scheduled) -> None:
+        self.prompt_tokens += event.prompt_tokens
+        self.cached_tokens += event.cached_tokens
+        self.local_cached_tokens = _add_optional(self.local_cached_tokens, event.local_cached_tokens)
+        self.external_cached_tokens = _add_optional(
+            self.external_cached_tokens, event.external_cached_tokens
+        )
+        self.cache_creation_tokens = _add_optional(
+            self.cache_creation_tokens, event.cache_creation_tokens
+        )
+        self.transferred_tokens = _add_optional(self.transferred_tokens, event.transferred_tokens)
+        self.decode_local_tokens = _add_optional(self.decode_local_tokens, event.decode_local_tokens)
+        self.events += 1
+        self.per_request.append((event.prompt_tokens, event.cached_tokens))
+
+    def cached_for(self, prompt_tokens: object) -> int | None:
+        """The cached tokens matching a usage object that reports ``prompt_tokens``.
+
+        A usage object for the whole request matches the aggregate. A per-prompt one (vLLM's
+        continuous usage chunks of a multi-prompt completions stream) matches the engine
+        request with that prompt length, when that is unambiguous; otherwise ``None``.
+        """
+        if not isinstance(prompt_tokens, int) or prompt_tokens == self.prompt_tokens:
+            return self.cached_tokens
+        matches = {cached for prompt, cached in self.per_request if prompt == prompt_tokens}
+        return matches.pop() if len(matches) == 1 else None
+
+
+def _add_optional(total: int | None, value: int | None) -> int | None:
+    if value is None:
+        return total
+    return value if total is None else total + value
+
+
+@dataclass(slots=True)
+class _Slot:
+    opened_at: float
+    #: The task serving the request, weakly: the slot is its request's as long as it runs.
+    owner: weakref.ref[asyncio.Task[object]] | None = None
+    usage: EngineUsage = field(default_factory=EngineUsage)
+
+    def ended(self) -> bool:
+        """The request that opened it is over (or unknown): its ``finally`` cannot close it now."""
+        task = self.owner() if self.owner is not None else None
+        return task is None or task.done()
+
+
+def _current_task() -> weakref.ref[asyncio.Task[object]] | None:
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running event loop
+        return None
+    return weakref.ref(task) if task is not None else None
+
+
+@dataclass(slots=True)
+class LedgerCounters:
+    """Second-line-of-defence counters; exported as metrics by the caller."""
+
+    evicted_ttl: int = 0
+    evicted_cap: int = 0
+    unmatched_events: int = 0
+
+
+class LedgerObserver(Protocol):
+    """Told of every change to what the ledger counts, in the thread that changed it."""
+
+    def open_slots(self, n: int) -> None: ...
+
+    def evicted(self, reason: str, n: int) -> None: ...
+
+    def unmatched(self) -> None: ...
+
+
+class _Unobserved:
+    def open_slots(self, n: int) -> None:
+        pass
+
+    def evicted(self, reason: str, n: int) -> None:
+        pass
+
+    def unmatched(self) -> None:
+        pass
+
+
+class UsageLedger:
+    """Open slots keyed by the proxy's request key. Single event loop; not thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 900.0,
+        max_slots: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_slots < 1:
+            raise ValueError("max_slots must be >= 1")
+        self._slots: dict[str, _Slot] = {}
+        self._ttl_s = ttl_s
+        self._max_slots = max_slots
+        self._clock = clock
+        self.counters = LedgerCounters()
+        self.observer: LedgerObserver = _Unobserved()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    def open(self, key: str) -> None:
+        if key in self._slots:
+            raise KeyError(f"ledger slot {key!r} is already open")
+        if len(self._slots) >= self._max_slots:
+            # dicts keep insertion order: the first slot is the oldest.
+            del self._slots[next(iter(self._slots))]
+            self.counters.evicted_cap += 1
+            self.observer.evicted("cap", 1)
+        self._slots[key] = _Slot(opened_at=self._clock(), owner=_current_task())
+        self.observer.open_slots(len(self._slots))
+
+    def close(self, key: str) -> EngineUsage | None:
+        """Drop the slot; return its usage if any event arrived. No await: safe in ``finally``."""
+        slot = self._slots.pop(key, None)
+        self.observer.open_slots(len(self._slots))
+        return None if slot is None or slot.usage.events == 0 else slot.usage
+
+    @contextmanager
+    def slot(self, key: str) -> Iterator[str]:
+        """Drop guard: the slot lives exactly as long as the ``with`` block."""
+        self.open(key)
+        try:
+            yield key
+        finally:
+            self.close(key)
+
+    def usage(self, key: str) -> EngineUsage | None:
+        """The engine's figures for ``key``, or ``None`` if no event arrived (yet)."""
+        slot = self._slots.get(key)
+        if slot is None or slot.usage.events == 0:
+            return None
+        return slot.usage
+
+    def publish(self, event: Scheduled) -> None:
+        """:class:`EventSink` entry point for engines."""
+        slot = self._slots.get(event.request_id)
+        if slot is None:
+            self.counters.unmatched_events += 1
+            self.observer.unmatched()
+            return
+        slot.usage.add(event)
+
+    def sweep(self) -> int:
+        """Evict slots older than the TTL whose request has ended; returns how many. Call it
+        periodically."""
+        deadline = self._clock() - self._ttl_s
+        stale = [key for key, slot in self._slots.items() if slot.opened_at < deadline and slot.ended()]
+        for key in stale:
+            del self._slots[key]
+        if stale:
+            self.counters.evicted_ttl += len(stale)
+            self.observer.evicted("ttl", len(stale))
+            self.observer.open_slots(len(self._slots))
+        return len(stale)

@@ -1,0 +1,117 @@
+"""``UsagePatchMiddleware``: exact cache figures in every response of a metered route.
+
+The metered routes (chat, completions, Responses, Messages, SageMaker's invocations) and
+those refused while billing is on are listed in :mod:`proxy.patching.routes`; where each API keeps
+its usage is :mod:`proxy.patching.shapes`.
+
+Pure ASGI, shaped like Starlette's ``GZipMiddleware``: the middleware object holds only
+configuration; per-request state lives in a :class:`~proxy.patching.responder.Responder` built for each
+request, whose ``send`` is a state machine on ``message["type"]``.
+
+Per request on a patched route:
+
+1. The request id is read (or minted), made unique as a ledger key (across the
+   instance's processes too, with ``process_tag``: :func:`~proxy.accounting.request_id.process_tag`), put in
+   :data:`~engine_adapter.events.current_request_key` for engine code, forwarded to the
+   inner app as ``X-Request-Id``, and the client's id is echoed in the response.
+2. A ledger slot is opened before the inner app runs and closed in ``finally``; the
+   close is synchronous, so cancellation cannot skip it.
+3. The JSON request body is read once (size-capped) for the few options that matter,
+   and replayed to the inner app; later ``receive`` calls (disconnects) go straight
+   through. The inner app sees this route's headers rewritten by the middleware that
+   owns them: the request key, the replayed body's ``Content-Length``, and
+   ``Accept-Encoding: identity`` (the response is parsed and patched).
+4. The response is patched: a JSON body is held, patched and re-measured; an SSE stream
+   is passed on as it comes, with only usage events rewritten (``proxy.patching.sse``).
+5. On the way out, one :class:`~proxy.accounting.metrics.MeteredRequest` is counted under the
+   request's tenant (:mod:`proxy.accounting.tenants`), and, when a recorder is configured, one
+   :class:`~proxy.accounting.records.record.UsageRecord` is handed to it: a queue append, no I/O.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine_adapter.events import current_request_key
+from proxy.accounting.metrics import Metrics
+from proxy.accounting.records.recorder import Recorder
+from proxy.accounting.request_id import RequestIds
+from proxy.asgi.errors import send_error
+from proxy.asgi.headers import without
+from proxy.patching.context import PatchConfig, PatchContext
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.metering import meter
+from proxy.patching.request_side import run_patched
+from proxy.patching.responder import Responder
+
+class UsagePatchMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        ledger: UsageLedger,
+        metrics: Metrics,
+        config: PatchConfig = PatchConfig(),
+        request_ids: RequestIds = RequestIds(),
+        recorder: Recorder | None = None,
+        process_tag: str = "",
+    ) -> None:
+        """``process_tag``: the last component of this process's keys for clients' ids, when
+        several processes serve the port (:func:`proxy.accounting.request_id.process_tag`)."""
+        self.app = app
+        self.ledger = ledger
+        self.metrics = metrics
+        self.config = config
+        self.request_ids = request_ids
+        self.recorder = recorder
+        self.process_tag = process_tag
+        self.echo_header = request_ids.header.lower().encode("latin-1")
+        self.context = PatchContext(app, config, ledger, metrics, recorder, self.echo_header)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.config.refuse_unmetered and scope["type"] in ("http", "websocket") and scope["path"] in self.config.refused:
+            await self._refuse(scope, send)
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        client_id = self.request_ids.from_headers(scope["headers"])
+        route = self.config.routes.get(scope["path"])
+        if route is None or scope["method"] != "POST":
+            echo = client_id or self.request_ids.generate()
+            await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
+            return
+        key = self.request_ids.unique_key(client_id, self._take, self.process_tag)
+        tenant = self.config.tenancy.resolve(scope["headers"])
+        responder = Responder(self.context, route, key, client_id or key, send, tenant)
+        self.ledger.open(key)
+        token = current_request_key.set(key)
+        try:
+            await run_patched(responder, scope, receive)
+        finally:
+            engine_usage = self.ledger.close(key)
+            current_request_key.reset(token)
+            meter(responder, engine_usage)
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        self.metrics.refused_unmetered.labels(scope["path"]).inc()
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "not metered"})
+            return
+        await send_error(send, 403, f"{scope['path']} runs the engine unmetered: it is refused while billing is on")
+
+    def _take(self, key: str) -> bool:
+        return key not in self.ledger
+
+
+class _EchoId:
+    __slots__ = ("_send", "_header", "_value")
+
+    def __init__(self, send: Send, header: bytes, value: str) -> None:
+        self._send, self._header, self._value = send, header, value.encode("latin-1")
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [*without(message["headers"], self._header), (self._header, self._value)]
+            message = {**message, "headers": headers}
+        await self._send(message)

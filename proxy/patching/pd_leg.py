@@ -1,0 +1,95 @@
+"""Disaggregated prefill/decode: which leg of a client request an HTTP request is, and
+the rule that counts and bills each client request once across the fleet.
+
+A P/D router (``vllm-router --vllm-pd-disaggregation``, llm-d, Dynamo, vLLM's own proxy
+examples) sends each client request twice, under one request id: a **prefill leg** to a
+prefill instance, whose body carries ``kv_transfer_params.do_remote_decode`` (the
+instance computes the prompt's KV and holds it for a remote decode), then a **decode leg**
+to a decode instance, whose body carries ``kv_transfer_params.do_remote_prefill`` (the
+instance pulls that KV instead of computing it) and, since vLLM 0.31, the prefill's own
+hits as ``remote_prefill_cached_tokens``. Those two markers are what vLLM's KV connector
+acts on, so the leg is read from them, and from nothing else (never from ``max_tokens``).
+
+The rule (docs/ACCOUNTING.md, "Disaggregated prefill and decode"):
+
+- the **decode leg bills**: it is the response the client gets, its ``cached_tokens`` is
+  the prefill's hits (vLLM applies ``remote_prefill_cached_tokens``), and it is counted in
+  the tenant's totals and writes the usage record, whatever its outcome (a decode that
+  fails after its prefill leaves one record, ``outcome`` error or disconnected);
+- the **prefill leg** is counted only under ``cachetally_pd_legs_total{leg="prefill"}``
+  and ``cachetally_pd_*_tokens_total{leg="prefill"}``: never in a tenant's totals, no
+  usage record.
+
+Across the fleet, prefill legs minus decode legs is the number of client requests whose
+decode leg never reached a decode instance (the router failed before sending it): the one
+case with no record, since no instance served a response.
+
+Recognition is off unless ``pd_legs`` is set (``CACHETALLY_PD_LEGS=true`` on every
+instance of the P/D fleet): on any other server a client could mark its own request as a
+prefill leg and go unbilled. In a P/D fleet the instances sit behind the router; clients
+must not reach a prefill instance directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy.patching.ledger import EngineUsage
+
+Leg = Literal["prefill", "decode"]
+PREFILL: Leg = "prefill"
+DECODE: Leg = "decode"
+
+
+def leg_of(payload: dict[str, Any]) -> Leg | None:
+    """The leg a request body marks itself as, or ``None`` for an ordinary request."""
+    params = payload.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        return None
+    remote_decode = params.get("do_remote_decode") is True
+    remote_prefill = params.get("do_remote_prefill") is True
+    if remote_decode == remote_prefill:
+        return None  # neither, or a body claiming both: an ordinary request, billed as one
+    return PREFILL if remote_decode else DECODE
+
+
+class LegMetrics:
+    """``cachetally_pd_*``: each leg under its own label, outside every tenant's totals."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._legs = Counter(
+            "cachetally_pd_legs", "Disaggregated prefill/decode legs served here, by outcome",
+            ["leg", "outcome"], registry=registry,
+        )
+        self._prompt = Counter(
+            "cachetally_pd_prompt_tokens", "Prompt tokens of the prefill/decode legs served here",
+            ["leg"], registry=registry,
+        )
+        self._cached = Counter(
+            "cachetally_pd_cached_tokens",
+            "Prompt tokens the legs served here found in this instance's caches, by tier",
+            ["leg", "tier"], registry=registry,
+        )
+        self._transferred = Counter(
+            "cachetally_pd_transferred_tokens",
+            "Prompt tokens whose KV a decode leg pulled from its prefill instance (not cache hits)",
+            registry=registry,
+        ).inc
+
+    def count(self, leg: Leg, outcome: str, engine: EngineUsage | None) -> None:
+        self._legs.labels(leg, outcome).inc()
+        if engine is None or not engine.events:
+            return
+        self._prompt.labels(leg).inc(engine.prompt_tokens)
+        if leg == DECODE:  # its cached_tokens are the prefill's hits, counted on the prefill leg
+            if engine.decode_local_tokens is not None:
+                self._cached.labels(leg, "local").inc(engine.decode_local_tokens)
+            if engine.transferred_tokens is not None:
+                self._transferred(engine.transferred_tokens)
+            return
+        self._cached.labels(leg, "all").inc(engine.cached_tokens)
+        for tier, value in (("local", engine.local_cached_tokens), ("external", engine.external_cached_tokens)):
+            if value is not None:
+                self._cached.labels(leg, tier).inc(value)

@@ -1,0 +1,228 @@
+"""One patched request's response side: the ``send`` state machine behind
+:class:`~proxy.patching.middleware.UsagePatchMiddleware`.
+
+Built per request with the middleware's :class:`~proxy.patching.context.PatchContext`.
+:func:`proxy.patching.request_side.run_patched` reads and rewrites the request and replays it
+to the inner app with this responder's :meth:`Responder.send`, which patches the response
+(a JSON body held and re-measured; an SSE stream passed on as it comes, usage events
+rewritten). :func:`proxy.patching.metering.meter` then counts the request once from what
+was noted here (:class:`~proxy.accounting.records.notes.RequestNotes`).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Any
+
+import orjson
+from starlette.types import Message, Send
+
+from proxy.accounting.records.notes import RequestNotes
+from proxy.asgi.headers import without
+from proxy.patching.context import PatchContext
+from proxy.patching.ghost import GhostHold
+from proxy.patching.pd_leg import Leg
+from proxy.patching.request_body import RequestOptions
+from proxy.patching.shapes import shape_for
+from proxy.patching.sse import SSEPatcher
+from proxy.patching.usage import ResponseUsage, UsagePatch
+
+#: The response's own ``"model"`` field, read from the first SSE bytes of a stream whose
+#: usage chunk never comes (the client did not ask for it), so it is labelled like the rest.
+#: Inside a JSON string a quote is escaped, so this only matches a real key.
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+_MODEL_SNIFF_CHUNKS = 4
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class Mode(Enum):
+    PASS = 0
+    JSON = 1
+    SSE = 2
+
+
+class Responder:
+    def __init__(
+        self, ctx: PatchContext, route: str, key: str, echo: str, send: Send, tenant: str = "default"
+    ) -> None:
+        self.ctx = ctx
+        self.route = route
+        self.key = key
+        self.echo = echo
+        self.tenant = tenant
+        self.notes = RequestNotes(route)
+        self.shape = shape_for(route)  # None: the OpenAI shape (proxy.patching.usage)
+        self.request_headers: Headers = []
+        self._send = send
+        self.options: RequestOptions | None = None
+        self.leg: Leg | None = None  # a disaggregated prefill/decode leg (proxy.patching.pd_leg)
+        self.in_response = ResponseUsage()
+        self.mode = Mode.PASS
+        self.stream = False
+        self.ghost_asked = False  # asked for a usage chunk the client did not (proxy.patching.ghost)
+        self.completed = False  # a 200 response went out in full
+        self._sniff_chunks = _MODEL_SNIFF_CHUNKS
+        self.status: int | None = None
+        self._start: Message | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._sse: SSEPatcher | None = None
+        self._hold: GhostHold | None = None
+
+    # -- response side -------------------------------------------------------------------
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            await self._on_start(message)
+        elif kind == "http.response.body":
+            await self._on_body(message)
+        else:
+            await self._send(message)
+
+    async def _on_start(self, message: Message) -> None:
+        echo_header = self.ctx.echo_header
+        content_type, encoded = b"", False
+        headers: Headers = []
+        for name, value in message["headers"]:
+            lower = name.lower()
+            if lower == echo_header:
+                continue
+            if lower == b"content-type":
+                content_type = value
+            elif lower == b"content-encoding":
+                encoded = True
+            headers.append((name, value))
+        headers.append((echo_header, self.echo.encode("latin-1")))
+        message = {**message, "headers": headers}
+        self.status = message["status"]
+        if message["status"] != 200 or self.options is None:
+            self.mode = Mode.PASS
+        elif encoded:
+            self._skip("encoded")
+        elif content_type.startswith(b"text/event-stream"):
+            self.mode, self.stream = Mode.SSE, True
+            if self.ghost_asked:
+                self._hold = GhostHold()
+            message["headers"] = without(headers, b"content-length")
+            self._sse = SSEPatcher(
+                self._patch_event,
+                max_event_bytes=self.ctx.config.max_event_bytes,
+                on_oversize=lambda: self._count_skip("event_too_large"),
+            )
+        elif content_type.startswith(b"application/json"):
+            self.mode = Mode.JSON
+            self._start = message
+            return  # held until the body is complete
+        else:
+            self._skip("content_type")
+        await self._send(message)
+
+    async def _on_body(self, message: Message) -> None:
+        body: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        if not more:
+            self.completed = self.options is not None and self.status == 200
+        self.notes.body(body, more)
+        if self.mode is Mode.SSE:
+            assert self._sse is not None
+            if self.in_response.model is None and self._sniff_chunks and body:
+                self._sniff_chunks -= 1
+                self.notes.sniff_id(body)
+                if match := _MODEL_FIELD.search(body):
+                    self.in_response.model = match.group(1).decode("utf-8", "replace")
+            out = self._sse.feed(body) if body else b""
+            if not more:
+                out += self._sse.flush()
+            if out:
+                self.notes.sse_events(out)
+            if self._hold is not None:
+                out = self._hold.filter(out)
+                if not more:
+                    out += self._hold.release()
+            if out or not more:
+                await self._send({"type": "http.response.body", "body": out, "more_body": more})
+        elif self.mode is Mode.JSON:
+            self._chunks.append(body)
+            self._size += len(body)
+            if not more:
+                await self._send_json(b"".join(self._chunks))
+            elif self._size > self.ctx.config.max_response_bytes:
+                self._count_skip("body_too_large")
+                self.mode = Mode.PASS
+                await self._send(self._take_start())
+                await self._send({"type": "http.response.body", "body": b"".join(self._chunks), "more_body": True})
+                self._chunks.clear()
+        else:
+            await self._send(message)
+
+    async def _send_json(self, body: bytes) -> None:
+        start = self._take_start()
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            payload = None
+        if not isinstance(payload, dict):
+            self._count_skip("malformed")
+        else:
+            self.notes.whole_usage(payload)
+            if self._patch(payload) is not None:
+                body = orjson.dumps(payload)
+                start["headers"] = [
+                    *without(start["headers"], b"content-length"),
+                    (b"content-length", b"%d" % len(body)),
+                ]
+        await self._send(start)
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _take_start(self) -> Message:
+        start, self._start = self._start, None
+        assert start is not None
+        return start
+
+    def _patch(self, payload: dict[str, Any]) -> bool | None:
+        if self.shape is not None:
+            return self._patch_shape(payload)
+        options = self.options
+        assert options is not None
+        return UsagePatch(
+            engine=self.ctx.ledger.usage(self.key),
+            missing=self.ctx.config.missing,
+            details=options.want_details,
+        ).apply(payload, self.in_response)
+
+    def _patch_shape(self, payload: dict[str, Any]) -> bool | None:
+        assert self.shape is not None
+        engine = self.ctx.ledger.usage(self.key)
+        changed, whole = self.shape.patch(payload, engine, self.ctx.config.missing, self.in_response)
+        if whole is not None and self.mode is Mode.SSE:
+            self.notes.whole_usage(whole)  # a JSON body's usage was noted as it arrived
+        return changed
+
+    def _patch_event(self, payload: dict[str, Any]) -> bool | None:
+        if self.shape is not None:
+            return self._patch_shape(payload)
+        if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
+            # A ghost usage chunk never reaches the client, so it is not among the counted events.
+            self.notes.whole_usage(payload, event=self._hold is None)
+        if self._hold is not None and payload.get("usage") is not None and payload.get("choices") == []:
+            self._patch(payload)  # observe it for the metrics, then drop it
+            self._hold.usage_dropped(payload)
+            return False
+        options = self.options
+        assert options is not None
+        if options.want_details and payload.get("choices"):
+            # Tier details belong to the final usage chunk only, not continuous ones.
+            return UsagePatch(self.ctx.ledger.usage(self.key), self.ctx.config.missing).apply(
+                payload, self.in_response
+            )
+        return self._patch(payload)
+
+    def _skip(self, reason: str) -> None:
+        self.mode = Mode.PASS
+        self._count_skip(reason)
+
+    def _count_skip(self, reason: str) -> None:
+        self.ctx.metrics.patch_skipped.labels(reason).inc()

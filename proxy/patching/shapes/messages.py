@@ -1,0 +1,53 @@
+"""The Anthropic Messages API (``/v1/messages``): where its usage lives, and what it means.
+
+Anthropic splits the prompt in three: ``input_tokens`` excludes both the cache reads
+(``cache_read_input_tokens``) and the cache writes (``cache_creation_input_tokens``), so
+``input_tokens + cache_read_input_tokens + cache_creation_input_tokens`` is the whole
+prompt. Writes are the prompt tokens the engine wrote to its prefix cache.
+
+- JSON: the message object's ``usage``;
+- SSE: ``message_start`` carries ``message.usage`` (the prompt is known by then) and the
+  final ``message_delta`` carries ``usage`` for the whole request.
+
+``cache_read_input_tokens`` is written in both events and in JSON, 0 included (under the
+``zero`` missing policy); vLLM writes it only with ``--enable-prompt-tokens-details``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.patching.shapes.base import Figures, Reported, Shape, count
+
+
+class MessagesShape(Shape):
+    name = "messages"
+
+    def locate(self, payload: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+        kind = payload.get("type")
+        if kind == "message_start":
+            message = payload.get("message")
+            return (message if isinstance(message, dict) else None), False
+        if kind in ("message_delta", "message"):
+            return payload, True
+        return None, False
+
+    def read(self, usage: dict[str, Any]) -> Reported:
+        fresh = count(usage.get("input_tokens"))
+        reads = count(usage.get("cache_read_input_tokens"))
+        writes = count(usage.get("cache_creation_input_tokens"))
+        prompt = None if fresh is None else fresh + (reads or 0) + (writes or 0)
+        return Reported(prompt, reads, writes)
+
+    def write(self, usage: dict[str, Any], figures: Figures) -> None:
+        reads, writes, prompt = figures.reads, figures.writes, figures.prompt
+        if reads is None:
+            return  # the ``omit`` policy and nothing known: the usage stays as it came
+        if prompt is not None and reads + (writes or 0) <= prompt:
+            usage["input_tokens"] = prompt - reads - (writes or 0)
+        usage["cache_read_input_tokens"] = reads
+        if writes is not None:
+            usage["cache_creation_input_tokens"] = writes
+
+
+SHAPE = MessagesShape()

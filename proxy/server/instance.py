@@ -1,0 +1,117 @@
+"""What one cachetally instance keeps, whichever server carries the routes.
+
+An :class:`Accounting` holds the ledger, the metrics, the tenancy and its API-key guard,
+and the usage recorder, and wraps an engine's ASGI app in the usage-patching middleware
+behind an :class:`~proxy.asgi.error_guard.ErrorGuard`. Two servers use it:
+
+- :class:`proxy.server.app.CachetallyApp`: cachetally's own uvicorn app (sim and upstream engines);
+- :class:`proxy.vllm_middleware.CachetallyMiddleware`: inside vLLM's own server
+  (``vllm serve --middleware``, which ``cachetally serve`` runs for the vLLM engine).
+
+:meth:`Accounting.running` starts the recorder and the ledger's TTL sweep, and on exit
+stops the sweep and drains the recorder, so a graceful stop loses no record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp
+
+from proxy.accounting.auth import ApiKeyGuard
+from proxy.accounting.metrics import Metrics, multiprocess_dir
+from proxy.accounting.records.recorder import Recorder, recorder_from_settings
+from proxy.accounting.request_id import process_tag
+from proxy.accounting.tenants import tenancy_from_settings
+from proxy.asgi.error_guard import ErrorGuard
+from proxy.patching.context import PatchConfig
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.middleware import UsagePatchMiddleware
+from proxy.patching.served_models import ServedModels, UpstreamModels
+from proxy.server.settings import Settings
+
+logger = logging.getLogger("cachetally.app")
+
+#: How long one fetch of the upstream's /v1/models may take.
+MODELS_TIMEOUT_S = 10.0
+
+
+class Accounting:
+    """Ledger, metrics, tenants and records of one instance (see module docstring)."""
+
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.ledger = UsageLedger(ttl_s=settings.ledger_ttl_s, max_slots=settings.ledger_max_slots)
+        self.metrics = Metrics(self.ledger, registry=registry)
+        self.tenancy = tenancy_from_settings(settings)
+        keys = self.tenancy.keys
+        self.auth = ApiKeyGuard(keys, settings.auth_exempt_paths) if keys else None
+        # Upstreams may echo the client's model name: only the models they list are labels.
+        upstream = settings.engine == "upstream" and settings.upstream
+        self.models = ServedModels([settings.model] if settings.model else (), checked=bool(upstream))
+        self.upstream_models = (
+            UpstreamModels(self.models, settings.upstream, settings.upstream_ca, MODELS_TIMEOUT_S) if upstream else None
+        )
+        self.recorder: Recorder | None = recorder_from_settings(settings)
+        if self.recorder is not None:
+            self.metrics.watch_recorder(self.recorder)
+        #: Several processes share the port: this one's keys for clients' ids end with its tag.
+        self.process_tag = process_tag() if multiprocess_dir() else ""
+
+    def patch(self, inner: ASGIApp, *, upstream: bool = False) -> UsagePatchMiddleware:
+        """``inner`` behind the error guard and the usage-patching middleware.
+
+        ``upstream``: a drop-in proxy asks for usage chunks the client did not (ghost
+        usage), passes ``return_cached_tokens_details`` on, and rewrites framework errors
+        on the patched routes only.
+        """
+        s = self.settings
+        config = PatchConfig(
+            missing=s.missing,  # type: ignore[arg-type]  # validated by Settings
+            max_request_bytes=s.max_request_bytes,
+            max_response_bytes=s.max_response_bytes,
+            max_event_bytes=s.max_event_bytes,
+            ghost_usage=upstream,
+            strip_details_flag=not upstream,
+            default_model=s.model or "unknown",
+            tenancy=self.tenancy,
+            pd_legs=s.pd_legs,
+            models=self.models,
+            refuse_unmetered=self.tenancy.keys is not None or self.recorder is not None,
+        )
+        guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)
+        return UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config,
+                                    recorder=self.recorder, process_tag=self.process_tag)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The recorder, the TTL sweep and the upstream's model list, for as long as the server runs."""
+        if self.recorder is not None:
+            self.recorder.start()
+        try:
+            tasks = [asyncio.create_task(self._sweep_forever())]
+            try:
+                if self.upstream_models is not None:
+                    await self.upstream_models.refresh()
+                    tasks.append(asyncio.create_task(self.upstream_models.refresh_forever()))
+                yield
+            finally:
+                for task in tasks:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        finally:
+            if self.recorder is not None:
+                await asyncio.to_thread(self.recorder.stop, self.settings.otlp_timeout_s + 5)
+
+    async def _sweep_forever(self) -> None:
+        period = max(1.0, self.settings.ledger_ttl_s / 10)
+        while True:
+            await asyncio.sleep(period)
+            evicted = self.ledger.sweep()
+            if evicted:
+                logger.warning("ledger TTL sweep evicted %d slot(s): a drop guard was missed", evicted)

@@ -1,0 +1,189 @@
+"""``cachetally serve``'s flags, and the settings they make: file, then environment, then flags.
+
+Every flag's ``--help`` says what it changes and its default; the epilog gives examples
+and where each setting comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from proxy.server.settings import Settings, load_settings
+
+_SERVE_EPILOG = """\
+examples:
+  cachetally serve                                  vLLM + SmolLM2-135M-Instruct on :8000
+  cachetally serve --model ./my-hf-folder -- --max-model-len 4096 --api-server-count 2
+                                                    any `vllm serve` flag goes after "--"
+  cachetally serve --engine sim --port 9000         simulated engine (tests, benchmarks)
+  cachetally serve --upstream http://127.0.0.1:8001 in front of a running OpenAI-compatible server
+  cachetally serve --upstream https://llm.internal:8443 --upstream-ca ca.pem
+                                                    an https upstream whose certificate a private CA signed
+  cachetally serve --upstream http://127.0.0.1:8001 --workers 4
+                                                    4 proxy processes on one port, metrics summed
+
+Settings come from the TOML file (--config; default config/default.toml), then
+CACHETALLY_* environment variables (e.g. CACHETALLY_PORT=9000), then these flags.
+Accounting: every request belongs to a tenant: its API key's (--api-keys; "default" for
+--api-key), else, without keys, the --tenant-header value, else "default". With
+--usage-dir or --otlp-endpoint, each leaves one usage record; `cachetally report` totals them.
+
+Engine vllm: this runs vLLM's own `vllm serve` with --middleware
+proxy.vllm_middleware.CachetallyMiddleware (the same flag works on stock `vllm serve`);
+settings reach each of vLLM's API server processes as CACHETALLY_* variables.
+
+Routes: /v1/chat/completions and /v1/completions are patched with exact
+usage.prompt_tokens_details.cached_tokens; /stats is cachetally's own; /health and
+/metrics (Prometheus, cachetally_* included) are cachetally's with the sim and upstream
+engines and vLLM's with vLLM; every other route is the engine's.
+"""
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve with exact cached_tokens (vLLM's own server by default)",
+        description="Serve OpenAI-compatible chat and completions with exact cached_tokens.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--engine", choices=["vllm", "sim"], help="engine to serve (default: vllm)")
+    p.add_argument("--upstream", metavar="URL", help="front a running server instead of embedding one")
+    p.add_argument(
+        "--upstream-ca",
+        metavar="FILE",
+        help="PEM file of CAs to verify an https:// upstream with (default: the system's CAs; "
+        "certificates are always verified)",
+    )
+    p.add_argument("--model", help="local Hugging Face folder or hub name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default: 8000)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="serve with N processes sharing the port (upstream and sim engines; default: 1). "
+        "/metrics and /stats sum every worker through prometheus_client's multiprocess mode, in "
+        "a temporary directory of this instance's own (or $PROMETHEUS_MULTIPROC_DIR, whose *.db "
+        "files are wiped at start). With vLLM use its --api-server-count N after \"--\"",
+    )
+    p.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    p.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="cachetally's log level (default: info); debug adds one cumulative prefix-cache stats "
+        "line per request. vLLM logs at WARNING, or INFO with debug, unless VLLM_LOGGING_LEVEL is set",
+    )
+    p.add_argument(
+        "--missing",
+        choices=["zero", "omit"],
+        help="what to write when no source knows cached_tokens (default: zero)",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' under /v1 (as vLLM's --api-key: /health, /metrics, /stats "
+        "stay open); tenant 'default'. Prefer CACHETALLY_API_KEY: flags show in the process list",
+    )
+    p.add_argument(
+        "--auth-exempt-path",
+        action="append",
+        metavar="PATH",
+        help="a path under /v1 (or /v2, ...) open without the API key, exact match (repeatable; default: none)",
+    )
+    _accounting_flags(p)
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help='`vllm serve` flags, after "--"')
+
+
+def _accounting_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tenants and usage records")
+    g.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help='TOML file of "key" = "tenant" lines: each key is accepted (with --api-key, if set) '
+        "and its requests belong to that tenant. Keys are held as SHA-256 digests, never logged",
+    )
+    g.add_argument(
+        "--tenant-header",
+        metavar="NAME",
+        help="take the tenant from this request header; refused beside --api-key/--api-keys. Clients "
+        "can send any value: use it only behind a trusted gateway that sets the header itself",
+    )
+    g.add_argument(
+        "--tenants",
+        metavar="A,B,C",
+        help="tenant-header values with a metrics label of their own; any other value counts as "
+        "'other' (default: none, so every header value is 'other')",
+    )
+    g.add_argument(
+        "--usage-dir",
+        metavar="DIR",
+        help="write one JSON line per chat/completions request to append-only files in DIR "
+        "(never prompt or completion text)",
+    )
+    g.add_argument(
+        "--usage-flush-interval",
+        type=float,
+        metavar="SECONDS",
+        help="how often queued records are written and fsync'd; a crash loses at most this much "
+        "(default: 1.0; a graceful stop loses nothing)",
+    )
+    g.add_argument(
+        "--usage-max-file-bytes",
+        type=int,
+        metavar="BYTES",
+        help="start a new usage file before one would pass this size (default: 67108864)",
+    )
+    g.add_argument(
+        "--usage-queue-size",
+        type=int,
+        metavar="N",
+        help="records waiting per sink before new ones are dropped and counted in "
+        "cachetally_usage_records_dropped_total (default: 10000)",
+    )
+    g.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="also export one OpenTelemetry span per request over OTLP/HTTP, e.g. "
+        "http://collector:4318/v1/traces (needs the 'otlp' extra)",
+    )
+    g.add_argument(
+        "--otlp-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="give up on one export (retries included) after this long (default: 10.0)",
+    )
+
+
+def serve_settings(args: argparse.Namespace) -> Settings:
+    """The settings ``serve`` runs with: file, then environment, then these flags."""
+    engine_args = list(args.engine_args or [])
+    if engine_args[:1] == ["--"]:
+        engine_args = engine_args[1:]
+    return load_settings(
+        args.config,
+        overrides={
+            "engine": args.engine,
+            "upstream": args.upstream,
+            "upstream_ca": args.upstream_ca,
+            "model": args.model,
+            "host": args.host,
+            "port": args.port,
+            "workers": args.workers,
+            "log_level": args.log_level,
+            "missing": args.missing,
+            "api_key": args.api_key,
+            "auth_exempt_paths": args.auth_exempt_path,
+            "engine_args": engine_args or None,
+            "api_keys_file": args.api_keys,
+            "tenant_header": args.tenant_header,
+            "tenants": args.tenants,
+            "usage_dir": args.usage_dir,
+            "usage_flush_interval_s": args.usage_flush_interval,
+            "usage_max_file_bytes": args.usage_max_file_bytes,
+            "usage_queue_size": args.usage_queue_size,
+            "otlp_endpoint": args.otlp_endpoint,
+            "otlp_timeout_s": args.otlp_timeout,
+        },
+    )

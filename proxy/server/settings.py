@@ -1,0 +1,221 @@
+"""One explicit settings object, loaded file -> environment -> flags (later wins).
+
+Shaped like uvicorn's ``Config``: plain keyword fields with defaults and no I/O in the
+constructor; :func:`load_settings` does the reading. Environment variables are the field
+names upper-cased with the prefix ``CACHETALLY_`` (``CACHETALLY_PORT=9000``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+from urllib.parse import urlsplit
+
+from proxy.accounting.tenants import check_tenant_name
+from proxy.upstream.client import Origin
+
+ENV_PREFIX = "CACHETALLY_"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "default.toml"
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class Settings:
+    # where to listen
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    workers: int = 1  # processes on the listening socket (upstream and sim engines; proxy.server.workers)
+    # which engine: the embedded vLLM, the simulator, or a running server (upstream)
+    engine: str = "vllm"
+    upstream: str | None = None
+    model: str | None = None  # None: the default model, materialized on first use
+    engine_args: list[str] = field(default_factory=list)
+    # the proxy's own API key (None: open), and the paths open without it
+    api_key: str | None = field(default=None, repr=False)  # never printed
+    auth_exempt_paths: list[str] = field(default_factory=list)
+    # tenants (proxy.accounting.tenants): API keys file (TOML "key" = "tenant"), then a trusted header
+    api_keys_file: str | None = None
+    tenant_header: str | None = None
+    tenants: list[str] = field(default_factory=list)  # header values with a label of their own
+    # usage records (proxy.accounting.records): JSONL files in a directory, and/or OTLP spans
+    usage_dir: str | None = None
+    usage_flush_interval_s: float = 1.0
+    usage_max_file_bytes: int = 64 << 20
+    usage_queue_size: int = 10_000
+    otlp_endpoint: str | None = None
+    otlp_timeout_s: float = 10.0
+    # usage policy
+    missing: str = "zero"
+    # disaggregated prefill/decode: recognize the legs (proxy.patching.pd_leg); on every P/D instance
+    pd_legs: bool = False
+    # limits
+    max_request_bytes: int = 32 << 20
+    max_response_bytes: int = 64 << 20
+    max_event_bytes: int = 1 << 20
+    ledger_ttl_s: float = 900.0
+    ledger_max_slots: int = 100_000
+    # upstream mode
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    write_timeout_s: float = 60.0
+    upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
+    # simulator
+    sim_block_size: int = 16
+    sim_token_delay_s: float = 0.0
+
+    def validate(self) -> Settings:
+        if self.engine not in ("vllm", "sim", "upstream"):
+            raise SettingsError(f"engine must be vllm, sim or upstream, not {self.engine!r}")
+        if self.upstream and self.engine != "upstream":
+            self.engine = "upstream"
+        if self.engine == "upstream" and not self.upstream:
+            raise SettingsError("engine 'upstream' needs an upstream URL (--upstream http://HOST:PORT)")
+        if self.upstream:
+            try:
+                origin = Origin.parse(self.upstream)
+            except ValueError:
+                raise SettingsError(
+                    f"upstream must be http://HOST:PORT[/PATH] or https://HOST:PORT[/PATH], not {self.upstream!r}"
+                ) from None
+            if self.upstream_ca and not origin.tls:
+                raise SettingsError("upstream_ca applies to an https:// upstream only")
+        if self.upstream_ca and not Path(self.upstream_ca).is_file():
+            raise SettingsError(f"upstream_ca: no such file: {self.upstream_ca}")
+        for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be a positive number of seconds")
+        if self.workers < 1:
+            raise SettingsError(f"workers must be >= 1, not {self.workers}")
+        if self.workers > 1 and self.engine == "vllm":
+            raise SettingsError(
+                "workers > 1 applies to the upstream and sim engines; with vLLM, pass vLLM's own "
+                "--api-server-count N after \"--\""
+            )
+        if self.missing not in ("zero", "omit"):
+            raise SettingsError(f"missing must be 'zero' or 'omit', not {self.missing!r}")
+        self._validate_accounting()
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"port out of range: {self.port}")
+        return self
+
+
+    def _validate_accounting(self) -> None:
+        try:
+            for name in self.tenants:
+                check_tenant_name(name, "tenants")
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        if self.tenant_header is not None and not _HEADER_NAME.fullmatch(self.tenant_header):
+            raise SettingsError(f"tenant_header must be an HTTP header name, not {self.tenant_header!r}")
+        if self.tenant_header is not None and (self.api_key is not None or self.api_keys_file):
+            # A key's holder could otherwise name any tenant in the header (proxy.accounting.tenants).
+            raise SettingsError(
+                "tenant_header cannot be combined with api_key or api_keys_file: with keys, a request's "
+                "tenant is its key's (name tenants in the API keys file); the header is for a trusted "
+                "gateway in front of a cachetally that checks no key"
+            )
+        if self.otlp_endpoint:
+            parts = urlsplit(self.otlp_endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise SettingsError(f"otlp_endpoint must be an http(s) URL, not {self.otlp_endpoint!r}")
+        if not self.usage_flush_interval_s > 0:
+            raise SettingsError("usage_flush_interval_s must be > 0")
+        if self.usage_max_file_bytes < 4096:
+            raise SettingsError("usage_max_file_bytes must be >= 4096")
+        if self.usage_queue_size < 1:
+            raise SettingsError("usage_queue_size must be >= 1")
+        if not self.otlp_timeout_s > 0:
+            raise SettingsError("otlp_timeout_s must be > 0")
+
+
+_HINTS = get_type_hints(Settings)
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
+_LIST_SEPARATORS = re.compile(r"[\s,]+")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    hint = _HINTS[name]
+    if isinstance(value, str):
+        if hint in (int, "int"):
+            return int(value)
+        if hint is float:
+            return float(value)
+        if hint is bool:
+            return _boolean(value)
+        if hint == list[str]:
+            # "a,b c" and "a b" alike: --tenants a,b,c and CACHETALLY_TENANTS="a b c"
+            return [item for item in _LIST_SEPARATORS.split(value) if item] if name == "tenants" else value.split()
+        if hint == str | None and value == "":
+            return None
+    return value
+
+
+def _boolean(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, not {value!r}")
+
+
+def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> None:
+    names = {f.name for f in dataclasses.fields(Settings)}
+    for name, value in values.items():
+        if name not in names:
+            raise SettingsError(f"{origin}: unknown setting {name!r}")
+        try:
+            setattr(settings, name, _coerce(name, value))
+        except ValueError as exc:
+            raise SettingsError(f"{origin}: bad value for {name}: {exc}") from None
+
+
+def load_settings(
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Defaults, then the TOML file, then ``CACHETALLY_*`` variables, then ``overrides``."""
+    settings = Settings()
+    path = config_file or DEFAULT_CONFIG
+    if config_file is not None or path.exists():
+        try:
+            with path.open("rb") as fh:
+                _apply(settings, tomllib.load(fh).get("cachetally", {}), str(path))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"cannot read config {path}: {exc}") from None
+    environ = os.environ if env is None else env
+    from_env = {
+        key[len(ENV_PREFIX) :].lower(): value
+        for key, value in environ.items()
+        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :].lower() in _HINTS
+    }
+    _apply(settings, from_env, "environment")
+    _apply(settings, {k: v for k, v in (overrides or {}).items() if v is not None}, "flags")
+    return settings.validate()
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """``settings`` as ``CACHETALLY_*`` variables that :func:`load_settings` reads back equal.
+
+    For processes this one starts (vLLM's API servers): the environment is what reaches
+    them all. ``engine_args`` stay out: they are vLLM's flags, already on its command line.
+    """
+    env = {}
+    for f in dataclasses.fields(Settings):
+        if f.name == "engine_args":
+            continue
+        value = getattr(settings, f.name)
+        text = "" if value is None else " ".join(value) if isinstance(value, list) else str(value)
+        env[ENV_PREFIX + f.name.upper()] = text
+    return env
