@@ -1,16 +1,22 @@
-"""Shared fixtures. The vLLM server is session-scoped: one engine start (~50 s on
+"""Shared fixtures. The vLLM server is session-scoped: one engine start (~40 s on
 CPU) serves every real-engine test module, and it is always stopped at the end.
 
 Order: tests without vLLM first, then the modules that start an engine of their own, then
 those on the shared server, which lives to the end of the session. So at most one vLLM
 engine runs at a time: vLLM binds every engine's OpenMP threads to the same core
-(``VLLM_CPU_OMP_THREADS_BIND=auto``), and two at once halve each other's speed."""
+(``VLLM_CPU_OMP_THREADS_BIND=auto``), and two at once halve each other's speed.
+
+Lanes (``scripts/test`` runs ``pytest -n 2 --dist loadscope``): :func:`pytest_xdist_make_scheduler`
+makes every test in ``tests/real_vllm/`` one unit of work, so one worker runs them all, in
+the order above, one engine at a time; the other worker runs the rest, module by module,
+on the core vLLM's OpenMP threads leave free."""
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -31,21 +37,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=phase)  # stable: file order within each phase
 
 
+#: The folder of the tests that run on a real engine: one xdist lane (module docstring).
+REAL_ENGINE = "tests/real_vllm/"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``--dist loadscope``: one unit for all of ``REAL_ENGINE``, one per module otherwise.
+
+    (xdist's ``loadgroup`` would say the same with a mark, but xdist 3.8 writes the group
+    into ``item._nodeid``, which pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return REAL_ENGINE if nodeid.startswith(REAL_ENGINE) else nodeid.split("::", 1)[0]
+
+    return Lanes(config, log)
+
+
 @pytest.fixture(scope="session")
 def vllm_usage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the shared vLLM server writes its usage records (tests/test_vllm_records.py)."""
+    """Where the shared vLLM server writes its usage records (tests/real_vllm/test_vllm_records.py)."""
     return tmp_path_factory.mktemp("vllm-usage")
 
 
 @pytest.fixture(scope="session")
 def vllm_server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared vLLM server's output (tests/test_vllm_api_servers.py reads it)."""
+    """The shared vLLM server's output (tests/real_vllm/test_vllm_api_servers.py reads it)."""
     return tmp_path_factory.mktemp("vllm") / "serve.log"
 
 
 @pytest.fixture(scope="session")
 def vllm_otlp() -> Iterator[Receiver]:
-    """The OTLP collector the shared vLLM server exports its spans to (tests/test_vllm_hostile_billing.py)."""
+    """The OTLP collector the shared vLLM server exports its spans to (tests/real_vllm/test_vllm_hostile_billing.py)."""
     with otlp_receiver() as receiver:
         yield receiver
 
@@ -63,7 +89,7 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
     ``--api-server-count 2``, so every real-engine test on it also runs where vLLM goes
     multi-process: each request is answered by either process, each with its own tap, and
     the metrics are summed through prometheus_client's multiprocess mode. The one-process
-    default is what tests/test_engine_death.py and tests/test_fleet.py's replicas run.
+    default is what tests/real_vllm/test_engine_death.py and tests/real_vllm/test_fleet.py's replicas run.
     Debug level: one stats line per request, naming its process.
 
     Billing as it runs in production: usage records in a directory and OTLP spans to a

@@ -1,4 +1,4 @@
-"""vLLM's routes, two ways, for ``tests/test_routes.py``.
+"""vLLM's routes, two ways, for ``tests/patching/test_routes.py``.
 
 - ``python -m tests.vllm_routes [FAKE_PATH...]`` builds the installed vLLM's real FastAPI
   app with every task it knows (dev mode and fault tolerance on, so every optional router

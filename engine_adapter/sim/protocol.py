@@ -12,7 +12,7 @@ unless asked to (``cached`` given), like an engine that drops the number.
 ``stream`` and the ``stream_options`` flags are read as vLLM's pydantic models read them
 in lax mode (``"true"``, ``1``, ``"on"`` are true; ``null`` is false; anything else is a
 400). :mod:`proxy.patching.request_body` reads them the same way, repeated here on purpose (the
-engine adapter does not import the proxy); tests/test_request_body.py holds both against
+engine adapter does not import the proxy); tests/patching/test_request_body.py holds both against
 pydantic.
 """
 

@@ -17,7 +17,7 @@ guard), so it never takes the slot of a request still running, however long it r
 stream may legitimately outlive any TTL: the read timeout is *between* bytes). A slot
 remembers the asyncio task that opened it, weakly; past the TTL it is swept only once
 that task is done or gone. A slot opened outside a task has no owner to ask and is swept
-by age alone (tests/test_ledger.py::test_the_sweep_never_takes_a_live_requests_slot).
+by age alone (tests/patching/test_ledger.py::test_the_sweep_never_takes_a_live_requests_slot).
 
 The ledger knows nothing of metrics: it keeps its own counters and tells an optional
 :class:`LedgerObserver` (``proxy.accounting.metrics`` installs one) of each change as it happens, so

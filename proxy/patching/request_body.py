@@ -7,7 +7,7 @@ every mode (embedded, upstream, sim) gives the same clear error.
 The options the engine acts on are read as the engine reads them: vLLM's request models
 are pydantic models in lax mode, so ``"stream": "true"``, ``1`` or ``"on"`` is a stream
 there and must be one here (:func:`lax_bool`, held against pydantic's own parsing in
-tests/test_request_body.py). A body whose options pydantic would reject is answered 400
+tests/patching/test_request_body.py). A body whose options pydantic would reject is answered 400
 by the engine, so it is neither a stream nor rewritten here: ``valid`` is False. A body over the limit
 is refused from its ``Content-Length`` before any of it is read, or as soon as the bytes
 read pass the limit.

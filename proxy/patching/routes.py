@@ -8,7 +8,7 @@
 - ``none``: does not run the engine (health, models, tokenizer, render, admin, ...).
 
 No route of these versions is "metered only": each metered route is also patched.
-``tests/test_routes.py`` builds the installed vLLM's app and walks ``app.routes``, and
+``tests/patching/test_routes.py`` builds the installed vLLM's app and walks ``app.routes``, and
 reads the 0.33.0 wheel's route decorators, and fails on any path this table does not
 classify, so a new vLLM cannot add a generating route unnoticed.
 """

@@ -5,7 +5,7 @@ of a keep-alive pool is written here; the response is parsed by httptools (llhtt
 exchange keeps h11's two explicit states (:mod:`proxy.upstream.connection`), everything
 written is validated (:mod:`proxy.upstream.wire`), and the pool is tested against h11 as
 an independent parser, with a Hypothesis state machine over interleavings
-(tests/test_upstream_interleavings.py).
+(tests/upstream/test_upstream_interleavings.py).
 
 What is sent: the request line with the target as the client sent it, ``Host`` from the
 configured origin, the client's end-to-end headers, then the pool's own framing; nothing

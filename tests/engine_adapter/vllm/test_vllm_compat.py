@@ -185,7 +185,7 @@ def test_importing_compat_does_not_import_vllm() -> None:
 
     code = "import sys, engine_adapter.vllm.compat; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parent.parent)
+                         cwd=Path(__file__).resolve().parents[3])
     assert out.stdout.strip() == "False"
 
 
@@ -201,7 +201,7 @@ def test_the_installed_vllm_has_every_touch_point() -> None:
             "print(json.dumps([compat.version(), ok, compat.log_missing_once(logging.getLogger('t')), "
             "{n: compat.lookup(n)[1] for n in compat.TOUCH_POINTS}]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).parent.parent)
+                         cwd=Path(__file__).resolve().parents[3])
     assert out.returncode == 0, out.stderr[-3000:]
     version, ok, lacking, where = json.loads(out.stdout.strip().splitlines()[-1])
     assert (ok, lacking) == (True, []), f"vLLM {version}"

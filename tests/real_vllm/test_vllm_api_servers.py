@@ -1,6 +1,6 @@
 """vLLM's own server with the middleware and ``--api-server-count 2``, on this CPU.
 
-The shared ``vllm_server`` (tests/conftest.py) runs that way, so tests/test_vllm.py's
+The shared ``vllm_server`` (tests/conftest.py) runs that way, so tests/real_vllm/test_vllm.py's
 checks (all four paths exact, 0 cold and the engine's value warm, n > 1, request ids,
 the sum against vLLM's counter) already run across two API server processes. Here is what
 only several processes can get wrong: that each process tapped its own engine client and

@@ -24,7 +24,7 @@ from tests import clients
 from tests.clients import VLLM_CPU_BLOCK as BLOCK
 from tests.clients import fresh_prompt
 from tests.servers import Pace, metric_value
-from tests.test_vllm_records import records_for
+from tests.real_vllm.test_vllm_records import records_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 

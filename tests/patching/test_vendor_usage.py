@@ -29,7 +29,7 @@ from proxy.upstream.engine import UpstreamEngine
 from tests.servers import metric_value
 from tests.upstream_fakes import AsgiClient
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "upstream"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "upstream"
 ENGINES = ("vllm", "sglang", "llama_cpp", "trtllm", "lmdeploy", "ollama")
 
 

@@ -21,8 +21,8 @@ counters and the report.
   records and spans stay small.
 
 Keys are not configured on this server (a tenant header beside a key is refused at
-startup); the key rule inside vLLM is held by tests/test_tenants.py and the upstream
-tests of tests/test_hostile_billing.py, which run the same middleware code.
+startup); the key rule inside vLLM is held by tests/accounting/test_tenants.py and the upstream
+tests of tests/accounting/test_hostile_billing.py, which run the same middleware code.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from tests.clients import fresh_prompt
 from tests.conftest import VLLM_TENANT_HEADER, VLLM_TENANTS
 from tests.otlp_receiver import Receiver, ReceivedSpan
 from tests.servers import Pace
-from tests.test_vllm_records import records_for
+from tests.real_vllm.test_vllm_records import records_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 

@@ -21,9 +21,9 @@ import openai
 import pytest
 
 from engine_adapter.sim.tokenizer import render_chat, tokenize
-from tests import test_vllm_apis as apis
+from tests.real_vllm import test_vllm_apis as apis
 from tests.servers import metric_value, running_server
-from tests.test_vllm_records import records_for
+from tests.real_vllm.test_vllm_records import records_for
 
 pytestmark = pytest.mark.loopback
 

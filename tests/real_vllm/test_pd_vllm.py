@@ -13,7 +13,7 @@ hits as ``cached_tokens`` (``remote_prefill_cached_tokens``), while its own
 instance's scheduler found (0 cold), and across both instances cachetally counts and
 records each client request once, with those figures.
 
-Each engine's OpenMP threads are bound to a core of its own (tests/test_fleet.py): a
+Each engine's OpenMP threads are bound to a core of its own (tests/real_vllm/test_fleet.py): a
 decode leg waits on a prefill engine, and with both engines on one core each slows the
 other's every step.
 """
@@ -41,7 +41,7 @@ from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
 from tests import clients
 from tests.load import report
 from tests.servers import Pace, free_port, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
-from tests.test_fleet import KV_CACHE_BYTES, MIDDLEWARE, MODEL, core_binds, fresh, sse_usages
+from tests.real_vllm.test_fleet import KV_CACHE_BYTES, MIDDLEWARE, MODEL, core_binds, fresh, sse_usages
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 

@@ -22,7 +22,7 @@ from engine_adapter.sim import SimConfig, SimEngine
 from engine_adapter.sim.tokenizer import render_chat, tokenize
 from tests.servers import stop
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class ListSink:

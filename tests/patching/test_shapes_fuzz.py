@@ -25,8 +25,8 @@ from proxy.patching.context import PatchConfig
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
 from tests.load import count
-from tests.test_fuzz import chunked, json_values
-from tests.test_sse import parse_event, split_events
+from tests.patching.test_fuzz import chunked, json_values
+from tests.patching.test_sse import parse_event, split_events
 
 EXAMPLES = count(200, 10_000)
 ENGINE = Scheduled(request_id="", prompt_tokens=90, cached_tokens=64, cache_creation_tokens=16)

@@ -5,7 +5,7 @@ except for valid usage patches.
 byte soup built from SSE and JSON fragments, tiny event caps (the oversize path),
 arbitrary JSON documents for the JSON body patcher (through the middleware, message
 level), and, when ``atheris`` is installed, a short coverage-guided run of the SSE
-patcher (``tests/fuzz_sse_atheris.py``; longer with ``CACHETALLY_SOAK=1``).
+patcher (``tests/patching/fuzz_sse_atheris.py``; longer with ``CACHETALLY_SOAK=1``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -32,7 +33,7 @@ from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.patching.sse import SSEPatcher
 from tests.load import count, report
 from tests.servers import ROOT
-from tests.test_sse import expected_patch, parse_event, set_seven, split_events
+from tests.patching.test_sse import expected_patch, parse_event, set_seven, split_events
 
 EXAMPLES = count(300, 20_000)
 
@@ -162,7 +163,7 @@ def test_json_body_patcher_only_ever_writes_cached_tokens(body: bytes, with_even
 def test_atheris_run_over_the_sse_patcher_finds_nothing() -> None:
     runs = count(20_000, 2_000_000)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "fuzz_sse_atheris.py"), f"-runs={runs}", "-max_len=2048"],
+        [sys.executable, str(Path(__file__).with_name("fuzz_sse_atheris.py")), f"-runs={runs}", "-max_len=2048"],
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

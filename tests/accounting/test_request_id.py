@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from proxy.accounting.request_id import RequestIds, is_valid_request_id, process_tag
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
-from tests.test_upstream import serve_in_thread
+from tests.upstream.test_upstream import serve_in_thread
 
 _IDS = st.from_regex(r"[A-Za-z0-9._:-]{1,128}", fullmatch=True)
 _TAGS = st.integers(min_value=1, max_value=2**22).map(lambda pid: f".p{pid}")

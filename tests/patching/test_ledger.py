@@ -10,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 from engine_adapter.events import EventSink, Scheduled
 from proxy.accounting.metrics import Metrics
 from proxy.patching.ledger import EngineUsage, UsageLedger
-from tests.test_middleware import DONE, ROLE, TOKEN, USAGE, Client, Harness, chat_request, sse_payloads, start
+from tests.patching.test_middleware import DONE, ROLE, TOKEN, USAGE, Client, Harness, chat_request, sse_payloads, start
 
 
 class FakeClock:

@@ -1,6 +1,6 @@
 """The source checker (tests/vllm_sources.py) on small fake vLLM trees: it finds what is there
 and reports what is not, from a directory and from a wheel alike, so the 0.33 wheel test
-(tests/test_vllm_wheel_033.py) can fail."""
+(tests/engine_adapter/vllm/test_vllm_wheel_033.py) can fail."""
 
 from __future__ import annotations
 

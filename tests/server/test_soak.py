@@ -1,7 +1,7 @@
 """Disconnect soak: mixed requests with 0%, 10% and 50% of clients hanging up at random
 points (half-way through the body, before the headers, after them, mid-stream, between
 the last token and the usage chunk, after ``[DONE]``), in sim, upstream (cachetally in
-front of the standalone sim) and embedded-vLLM modes.
+front of the standalone sim) modes; tests/real_vllm/test_vllm_soak.py is the same on vLLM.
 
 After each round: 0 ledger slots, 0 checked-out upstream connections (upstream mode), no
 running vLLM request (vLLM mode), no unhandled exception in the server log, every
@@ -20,14 +20,12 @@ from pathlib import Path
 import pytest
 
 from tests.load import DROP_POINTS, SOAK, count, gauge_reader, log_failures, report, rss, run_mix, settle
-from tests.servers import Pace, running_server
+from tests.servers import running_server
 
 pytestmark = pytest.mark.loopback
 
 SHARES = [0.0, 0.1, 0.5]
 REQUESTS = count(150, 10_000)
-VLLM_REQUESTS = count(40, 1_000)
-VLLM_CONCURRENCY = 8
 TOKEN_DELAY = "0.002"
 
 
@@ -113,37 +111,3 @@ async def test_sim_mode_leaves_nothing_behind(sim_mode: Server, share: float) ->
 @pytest.mark.parametrize("share", SHARES)
 async def test_upstream_mode_leaves_nothing_behind(upstream_mode: Server, share: float) -> None:
     await two_rounds(upstream_mode, REQUESTS, share)
-
-
-@pytest.mark.vllm
-@pytest.mark.asyncio
-@pytest.mark.parametrize("share", SHARES)
-async def test_vllm_mode_leaves_nothing_behind(vllm_server: str, vllm_pace: Pace, share: float) -> None:
-    import httpx
-    import psutil
-
-    async with httpx.AsyncClient(timeout=vllm_pace.timeout()) as client:
-        model = (await client.get(f"{vllm_server}/v1/models")).json()["data"][0]["id"]
-    port = int(vllm_server.rsplit(":", 1)[1])
-    pid = next(
-        c.pid
-        for c in psutil.net_connections("tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid
-    )
-    import random
-
-    from tests.load import request_body
-
-    def body(rng: random.Random, route: str, stream: bool) -> bytes:
-        import orjson
-
-        payload = orjson.loads(request_body(rng, route, stream, max_tokens=8, words=200))
-        return orjson.dumps({**payload, "model": model, "temperature": 0})
-
-    # The shared server's log goes to pytest's stderr, so it is not grepped here
-    # (test_engine_death runs its own vLLM server with a captured log).
-    # A request may wait behind every other one in flight: the timeout scales with that.
-    await two_rounds(
-        Server(vllm_server, pid, None, "vllm"), VLLM_REQUESTS, share,
-        timeout_s=vllm_pace.timeout(VLLM_CONCURRENCY), body=body, concurrency=VLLM_CONCURRENCY,
-    )

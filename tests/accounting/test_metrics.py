@@ -23,7 +23,7 @@ from proxy.accounting.records.queue import Delivery
 from proxy.accounting.records.recorder import Recorder
 from proxy.patching.ledger import UsageLedger
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("cachetally_requests", "cachetally_prompt_tokens", "cachetally_cached_tokens_total",
             "cachetally_completion_tokens", "cachetally_request_cached_tokens", "cachetally_request_cache_hit_ratio",
             "cachetally_cached_tokens_mismatch")

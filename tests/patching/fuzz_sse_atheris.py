@@ -1,6 +1,6 @@
 """Coverage-guided fuzzing of ``proxy.patching.sse`` with atheris (run by ``test_fuzz``).
 
-``python tests/fuzz_sse_atheris.py -runs=100000``. The input's first byte picks the
+``python tests/patching/fuzz_sse_atheris.py -runs=100000``. The input's first byte picks the
 event cap, the next few the chunk cuts; the rest is the stream. Any exception, or an
 output that differs from the input by more than usage patches, is a finding.
 """
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import atheris
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 with atheris.instrument_imports():
     from proxy.patching.sse import SSEPatcher
 
-from tests.test_fuzz import assert_only_usage_patches, chunked  # noqa: E402
-from tests.test_sse import set_seven  # noqa: E402
+from tests.patching.test_fuzz import assert_only_usage_patches, chunked  # noqa: E402
+from tests.patching.test_sse import set_seven  # noqa: E402
 
 
 def one_input(data: bytes) -> None:

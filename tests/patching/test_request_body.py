@@ -28,7 +28,7 @@ from proxy.patching.request_body import lax_bool, optional_bool, parse_request, 
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
 from tests.servers import running_server
-from tests.test_upstream import events, fresh_prompt, serve_in_thread
+from tests.upstream.test_upstream import events, fresh_prompt, serve_in_thread
 
 _PYDANTIC_BOOL = TypeAdapter(bool | None)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from proxy.patching.routes import PATCHED, kind
-from tests.test_vllm_wheel_033 import installed_site_packages, vllm_033_wheel
+from tests.engine_adapter.vllm.test_vllm_wheel_033 import installed_site_packages, vllm_033_wheel
 from tests.vllm_routes import declared_paths
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def app_routes(*fakes: str) -> list[str]:

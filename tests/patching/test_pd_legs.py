@@ -7,7 +7,7 @@ client request, as vllm-router does: the prefill leg (``max_tokens`` 1, not stre
 request with ``kv_transfer_params.do_remote_prefill`` to the decode instance, both under
 the client's request id. What the fleet must show is what one server would have shown:
 one count and one record per client request, the tenant's cached tokens equal to what
-the responses reported. tests/test_pd_vllm.py runs the same through vllm-router and two
+the responses reported. tests/real_vllm/test_pd_vllm.py runs the same through vllm-router and two
 vLLM instances with NixlConnector.
 """
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from starlette.types import Receive, Scope, Send
 
 from proxy.patching.context import PatchConfig
-from tests.test_middleware import DONE, GHOST_USAGE, ROLE, Client, Harness, chat_request, finishing, start
+from tests.patching.test_middleware import DONE, GHOST_USAGE, ROLE, Client, Harness, chat_request, finishing, start
 
 
 def token(index: int, k: int) -> bytes:

@@ -39,7 +39,7 @@ import pytest
 
 from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
-from tests import test_vllm_apis as apis
+from tests.real_vllm import test_vllm_apis as apis
 from tests.servers import ROOT, Pace, free_port, measure_pace, metric_value, running_server, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
