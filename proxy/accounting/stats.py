@@ -23,14 +23,16 @@ logger = logging.getLogger("cachetally.stats")
 
 @dataclass(slots=True)
 class CacheStats:
+    #: Requests by what the engine said: at least one cached token, 0, or no figure.
     total_requests: int = 0
     hit_requests: int = 0
     miss_requests: int = 0
     unknown_requests: int = 0
-    total_prompt_tokens: int = 0
-    total_cached_tokens: int = 0
     #: Set when several processes serve the instance: the debug line then ends in ``pid=``.
     pid: int | None = None
+    #: Prompt and cached tokens of the hits and misses (the token hit rate's terms).
+    total_prompt_tokens: int = 0
+    total_cached_tokens: int = 0
 
     def add(self, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         self.total_requests += 1

