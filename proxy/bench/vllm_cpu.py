@@ -1,0 +1,145 @@
+"""What ``CachetallyMiddleware`` adds to the CPU of vLLM's API server per request, in process.
+
+``python -m proxy.bench.vllm_cpu [REQUESTS] [ROUNDS] [PAUSE_S]``: the middleware as ``vllm serve
+--middleware proxy.vllm_middleware.CachetallyMiddleware`` builds it, around an ASGI app
+that answers as vLLM's chat route does for ``max_tokens`` 1 (vLLM 0.32's bytes: a JSON
+body, or the role, token, finish and usage chunks and ``[DONE]``) and publishes the
+engine's ``Scheduled`` event as the tap would. JSON and streamed requests alternate, as
+in ``api-server-cpu``. Each round calls the bare app, then the middleware, ``REQUESTS``
+times each, and counts the process's CPU time (every thread's: the usage-record writer's
+included), with a pause (default 1.3 s) inside each window so that the writer's 1 s flush
+falls where its records were made. The pause also leaves the caches as cold as a real API
+server's between requests at a few per second; ``PAUSE_S`` 0 is a hot loop. Accounting is what the environment says
+(``CACHETALLY_USAGE_DIR``, ``CACHETALLY_TENANT_HEADER``; load_settings), so the same
+command measures the middleware alone and with records. Prints one JSON line: the medians
+of the rounds in µs per request, and what the middleware adds.
+
+No engine, no sockets, no HTTP parsing: this is the part of the API server's work that
+cachetally adds, without the noise of the rest (``api-server-cpu`` measures the whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import statistics
+import sys
+from typing import Any
+
+import orjson
+from starlette.types import Message, Receive, Scope, Send
+
+from engine_adapter.events import EventSink, Scheduled
+
+MODEL = "SmolLM2-135M-Instruct"
+_MESSAGES = [{"role": "user", "content": "hi there, how are you"}]
+JSON_BODY = orjson.dumps({"model": MODEL, "max_tokens": 1, "messages": _MESSAGES})
+SSE_BODY = orjson.dumps({"model": MODEL, "max_tokens": 1, "messages": _MESSAGES, "stream": True,
+                         "stream_options": {"include_usage": True}})
+_USAGE = {"prompt_tokens": 36, "total_tokens": 37, "completion_tokens": 1, "prompt_tokens_details": None}
+
+
+def _chunk(delta: dict[str, Any] | None, finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
+    event: dict[str, Any] = {"id": "chatcmpl-b", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
+    event["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    if usage is not None:
+        event["usage"] = usage
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+SSE_CHUNKS = [_chunk({"role": "assistant", "content": ""}), _chunk({"content": "Hello"}),
+              _chunk({"content": ""}, "length"), _chunk(None, usage=_USAGE), b"data: [DONE]\n\n"]
+JSON_RESPONSE = orjson.dumps({
+    "id": "chatcmpl-b", "object": "chat.completion", "created": 1, "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": []},
+                 "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+    "usage": _USAGE, "prompt_logprobs": None, "kv_transfer_params": None,
+})
+
+
+class VllmLikeChat:
+    """vLLM's chat route for ``max_tokens`` 1, with the tap's ``Scheduled`` event."""
+
+    def __init__(self) -> None:
+        self.sink: EventSink | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = (await receive())["body"]
+        key = dict(scope["headers"]).get(b"x-request-id", b"").decode()
+        if self.sink is not None and key:
+            self.sink.publish(Scheduled(request_id=key, prompt_tokens=36, cached_tokens=32))
+        if b'"stream":true' in body:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+            for chunk in SSE_CHUNKS:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", b"%d" % len(JSON_RESPONSE))]})
+            await send({"type": "http.response.body", "body": JSON_RESPONSE, "more_body": False})
+
+
+def _scope(body: bytes) -> Scope:
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http", "root_path": "",
+        "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 50000), "method": "POST",
+        "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(body)), (b"x-tenant", b"acme"),
+                    (b"user-agent", b"OpenAI/Python 1.99.0")],
+    }
+
+
+async def _call(app: Any, body: bytes) -> None:
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        return None
+
+    await app(_scope(body), receive, send)
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _cpu_us(app: Any, requests: int, pause_s: float) -> float:
+    start = _cpu_s()
+    for i in range(requests):
+        await _call(app, SSE_BODY if i % 2 else JSON_BODY)
+    await asyncio.sleep(pause_s)  # the record writer's flush inside the window
+    return (_cpu_s() - start) / requests * 1e6
+
+
+async def measure(requests: int = 1000, rounds: int = 7, pause_s: float = 1.3) -> dict[str, float]:
+    from proxy.vllm_middleware import CachetallyMiddleware
+
+    app = VllmLikeChat()
+    middleware = CachetallyMiddleware(app)
+    app.sink = middleware.accounting.ledger
+    bare, patched = [], []
+    async with middleware.accounting.running():
+        await _cpu_us(middleware, 100, 0)  # warm-up
+        for _ in range(rounds):
+            bare.append(await _cpu_us(app, requests, pause_s))
+            patched.append(await _cpu_us(middleware, requests, pause_s))
+    return {
+        "requests": requests, "rounds": rounds, "pause_s": pause_s,
+        "bare_cpu_us": round(statistics.median(bare), 1),
+        "middleware_cpu_us": round(statistics.median(patched), 1),
+        "added_cpu_us": round(statistics.median(patched) - statistics.median(bare), 1),
+    }
+
+
+if __name__ == "__main__":
+    counts = [int(a) for a in sys.argv[1:3]]
+    pause = [float(a) for a in sys.argv[3:4]]
+    print(orjson.dumps(asyncio.run(measure(*counts, *pause))).decode())
