@@ -54,6 +54,11 @@ def _load(url: str, sent: list[str], complete: list[str], stop: threading.Event)
                 complete.append(rid)
 
 
+#: Complete requests after which the limited variant's 16 KiB are certainly exceeded (a
+#: record is a few hundred bytes): it is stopped only then, at a random moment.
+PAST_THE_LIMIT = 150
+
+
 @pytest.mark.parametrize("disk", ["healthy", "file size limit"])
 def test_sigterm_at_a_random_moment_loses_no_record_silently_and_writes_none_twice(
     tmp_path: Path, disk: str
@@ -74,6 +79,12 @@ def test_sigterm_at_a_random_moment_loses_no_record_silently_and_writes_none_twi
         clients = [threading.Thread(target=_load, args=(url, sent, complete, stop)) for _ in range(4)]
         for client in clients:
             client.start()
+        if disk != "healthy":
+            # Past the limit however slow this machine is: 16 KiB holds a few dozen records.
+            deadline = time.monotonic() + 120
+            while len(complete) < PAST_THE_LIMIT and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            assert len(complete) >= PAST_THE_LIMIT, f"only {len(complete)} requests in 120 s"
         time.sleep(rng.uniform(0.3, 3.0))  # seed in the failure message below
         proc.send_signal(signal.SIGTERM)
         returncode = proc.wait(timeout=60)
