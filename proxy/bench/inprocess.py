@@ -58,8 +58,13 @@ class PassThrough:
 
 async def _call(app: ASGIApp) -> int:
     """One request; the response status."""
+    return await call(app, dict(_SCOPE), _BODY)
+
+
+async def call(app: ASGIApp, scope: Scope, body: bytes) -> int:
+    """One request with ``body``, whose client stays to the end; the response status."""
     status = 0
-    pending = [{"type": "http.request", "body": _BODY, "more_body": False}]
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def receive() -> Message:
         if pending:
@@ -72,7 +77,7 @@ async def _call(app: ASGIApp) -> int:
         if message["type"] == "http.response.start":
             status = message["status"]
 
-    await app(dict(_SCOPE), receive, send)
+    await app(scope, receive, send)
     return status
 
 

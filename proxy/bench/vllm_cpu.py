@@ -27,9 +27,10 @@ import sys
 from typing import Any
 
 import orjson
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from engine_adapter.events import EventSink, Scheduled
+from proxy.bench.inprocess import call
 
 MODEL = "SmolLM2-135M-Instruct"
 _MESSAGES = [{"role": "user", "content": "hi there, how are you"}]
@@ -91,21 +92,6 @@ def _scope(body: bytes) -> Scope:
     }
 
 
-async def _call(app: Any, body: bytes) -> None:
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> Message:
-        if pending:
-            return pending.pop()
-        await asyncio.Event().wait()  # the client stays
-        raise AssertionError("unreachable")
-
-    async def send(message: Message) -> None:
-        return None
-
-    await app(_scope(body), receive, send)
-
-
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -114,7 +100,8 @@ def _cpu_s() -> float:
 async def _cpu_us(app: Any, requests: int, pause_s: float) -> float:
     start = _cpu_s()
     for i in range(requests):
-        await _call(app, SSE_BODY if i % 2 else JSON_BODY)
+        body = SSE_BODY if i % 2 else JSON_BODY
+        await call(app, _scope(body), body)
     await asyncio.sleep(pause_s)  # the record writer's flush inside the window
     return (_cpu_s() - start) / requests * 1e6
 
