@@ -5,11 +5,12 @@
 that answers as vLLM's chat route does for ``max_tokens`` 1 (vLLM 0.32's bytes: a JSON
 body, or the role, token, finish and usage chunks and ``[DONE]``) and publishes the
 engine's ``Scheduled`` event as the tap would. JSON and streamed requests alternate, as
-in ``api-server-cpu``. Each round calls the bare app, then the middleware, ``REQUESTS``
-times each, and counts the process's CPU time (every thread's: the usage-record writer's
-included), with a pause (default 1.3 s) inside each window so that the writer's 1 s flush
-falls where its records were made. The pause also leaves the caches as cold as a real API
-server's between requests at a few per second; ``PAUSE_S`` 0 is a hot loop. Accounting is what the environment says
+in ``api-server-cpu``. Each round calls the bare app, then the middleware,
+``REQUESTS`` times each, and counts the process's CPU time (``time.process_time``: every
+thread's, the usage-record writer's included), with a pause (default 1.3 s) inside each
+window so that the writer's 1 s flush falls where its records were made. The pause also
+leaves the caches as cold as a real API server's between requests at a few per second;
+``PAUSE_S`` 0 is a hot loop. Accounting is what the environment says
 (``CACHETALLY_USAGE_DIR``, ``CACHETALLY_TENANT_HEADER``; load_settings), so the same
 command measures the middleware alone and with records. Prints one JSON line: the medians
 of the rounds in µs per request, and what the middleware adds.
@@ -21,15 +22,16 @@ cachetally adds, without the noise of the rest (``api-server-cpu`` measures the 
 from __future__ import annotations
 
 import asyncio
-import resource
 import statistics
 import sys
+import time
 from typing import Any
 
 import orjson
 from starlette.types import Receive, Scope, Send
 
 from engine_adapter.events import EventSink, Scheduled
+from proxy.asgi.headers import only_header
 from proxy.bench.inprocess import call
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -66,9 +68,9 @@ class VllmLikeChat:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = (await receive())["body"]
-        key = dict(scope["headers"]).get(b"x-request-id", b"").decode()
+        key = only_header(scope["headers"], b"x-request-id")
         if self.sink is not None and key:
-            self.sink.publish(Scheduled(request_id=key, prompt_tokens=36, cached_tokens=32))
+            self.sink.publish(Scheduled(request_id=key.decode(), prompt_tokens=36, cached_tokens=32))
         if b'"stream":true' in body:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
@@ -92,18 +94,13 @@ def _scope(body: bytes) -> Scope:
     }
 
 
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 async def _cpu_us(app: Any, requests: int, pause_s: float) -> float:
-    start = _cpu_s()
+    start = time.process_time()
     for i in range(requests):
         body = SSE_BODY if i % 2 else JSON_BODY
         await call(app, _scope(body), body)
     await asyncio.sleep(pause_s)  # the record writer's flush inside the window
-    return (_cpu_s() - start) / requests * 1e6
+    return (time.process_time() - start) / requests * 1e6
 
 
 async def measure(requests: int = 1000, rounds: int = 7, pause_s: float = 1.3) -> dict[str, float]:
