@@ -12,6 +12,7 @@ is right in both of prometheus_client's modes:
   Custom collectors and ``Gauge.set_function`` are invisible there.
   ``cachetally_ledger_open_slots`` is a ``livesum`` gauge: the sum over live processes
   (``cachetally serve --workers`` drops a dead worker's files: :mod:`proxy.server.workers`).
+  Empty files are skipped (:class:`_SizedFilesCollector`).
 
 Counts that happen outside a request (ledger evictions and unmatched events, usage records
 written or dropped by a sink thread) are counters incremented where the event happens, via
@@ -30,12 +31,14 @@ the per-request histograms do not (a histogram per tenant and model is too many 
 
 from __future__ import annotations
 
+import glob
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from proxy.accounting.stats import CacheStats, collected_stats
@@ -52,6 +55,31 @@ _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 
 def multiprocess_dir() -> str | None:
     """prometheus_client's multiprocess directory, when that mode is on."""
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class _SizedFilesCollector(MultiProcessCollector):
+    """``MultiProcessCollector`` over the files that have a size.
+
+    prometheus_client creates a process's file empty and sizes it a moment later. Its own
+    collector fails the whole scrape on an empty file (``struct.error``), and a process
+    killed in that moment leaves the empty file for good, named for a pid that never comes
+    back (prometheus/client_python#1199). An empty file holds no value, so it is skipped;
+    files only grow, so a file with a size is read as before.
+    """
+
+    def __init__(self, registry: CollectorRegistry, path: str) -> None:
+        super().__init__(registry, path)
+        self._dir = path
+
+    def collect(self) -> Iterable[Metric]:
+        files = []
+        for path in glob.glob(os.path.join(self._dir, "*.db")):
+            try:
+                if os.path.getsize(path):
+                    files.append(path)
+            except FileNotFoundError:  # removed since the glob: a dead process's live gauge
+                continue
+        return self.merge(files, accumulate=True)
 
 
 @dataclass(slots=True)
@@ -121,7 +149,7 @@ class Metrics:
             self.scrape_registry = registry
         else:
             self.scrape_registry = CollectorRegistry()
-            MultiProcessCollector(self.scrape_registry, mp_dir)
+            _SizedFilesCollector(self.scrape_registry, mp_dir)
         #: Per process; feeds the debug stats line (which then names its pid).
         self.stats = CacheStats(pid=os.getpid() if mp_dir else None)
         self.patch_skipped = Counter(

@@ -195,6 +195,27 @@ def test_a_killed_workers_open_slot_leaves_the_gauge_when_uvicorn_replaces_it(tm
         assert f"dead worker(s) [{dead}]" in log.read_text()
 
 
+def test_a_worker_killed_before_its_metrics_file_was_sized_breaks_no_scrape(upstream: str, tmp_path: Path) -> None:
+    """prometheus_client creates a process's file empty and sizes it a moment later; a
+    worker killed in between leaves the empty file for good, under a pid that never comes
+    back (prometheus/client_python#1199). Every scrape after it must still sum the rest."""
+    log = tmp_path / "serve.log"
+    with serve_workers(upstream, log) as (url, _):
+        seen = [_one(url, i) for i in range(6)]
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        for kind in ("counter", "histogram", "gauge_livesum"):  # the files a worker opens first
+            (_own_dir(log) / f"{kind}_{dead}.db").touch()
+        for _ in range(6):  # fresh connections: either worker answers
+            metrics = httpx.get(f"{url}/metrics", timeout=10)
+            assert metrics.status_code == 200, metrics.text
+            assert metric_value(metrics.text, "cachetally_requests_total") == len(seen)
+            assert metric_value(metrics.text, "cachetally_ledger_open_slots") == 0
+            stats = httpx.get(f"{url}/stats", timeout=10)
+            assert stats.status_code == 200, stats.text
+            assert stats.json() == expected_stats((u["prompt"], u["cached"]) for u in seen)
+
+
 def test_one_request_id_in_flight_on_both_workers_leaves_distinct_records(tmp_path: Path) -> None:
     """Clients reusing one ``X-Request-Id`` at once: each worker has its own ledger, yet the
     usage records (what billing deduplicates on) must never share a ``request_id``."""
