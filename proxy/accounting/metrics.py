@@ -255,8 +255,6 @@ class Metrics:
         return generate_latest(self.scrape_registry)
 
     def stats_dict(self, registry: CollectorRegistry | None = None) -> dict[str, int | float]:
-        """``/stats``, from the collected counters of ``registry`` (default: what ``/metrics`` reads).
-
-        vLLM's middleware passes ``vllm.v1.metrics.prometheus.get_prometheus_registry()``.
-        """
+        """``/stats``, from the collected counters of ``registry`` (default: what ``/metrics``
+        reads; in multiprocess mode, every process's files, vLLM's API servers included)."""
         return collected_stats(self.scrape_registry if registry is None else registry).as_dict()
