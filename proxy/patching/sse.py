@@ -31,6 +31,14 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
     """Patch one complete event (with its terminators). ``None`` means unchanged."""
     if event.count(_USAGE) == 1 and any(null in event for null in _NULL_USAGE):
         return None  # `"usage": null` on every chunk (OpenAI style): nothing to patch
+    if event.startswith(b"data:") and _one_line(event):
+        # How engines frame every chunk; the rule below gives the same bytes, after a line scan.
+        value = event[5:-2]
+        payload = _object(value[1:] if value[:1] == b" " else value)
+        verdict = None if payload is None else patch_payload(payload)
+        if verdict is None:
+            return None
+        return b"" if verdict is False else b"data: " + orjson.dumps(payload) + b"\n\n"
     lines: list[tuple[bytes, bytes]] = []
     data: list[bytes] = []
     last_data = -1
@@ -43,15 +51,8 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
             data.append(value[1:] if value[:1] == b" " else value)
             last_data = len(lines) - 1
         start = match.end()
-    if not data:
-        return None
-    try:
-        payload = orjson.loads(b"\n".join(data))
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(payload, dict):
-        return None
-    verdict = patch_payload(payload)
+    payload = _object(b"\n".join(data)) if data else None
+    verdict = None if payload is None else patch_payload(payload)
     if verdict is None:
         return None
     if verdict is False:
@@ -68,6 +69,20 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
             out += line + terminator
     out += event[start:]
     return bytes(out)
+
+
+def _one_line(event: bytes) -> bool:
+    """``event`` is one non-empty line and a blank line, both ending in LF, with no CR anywhere."""
+    return len(event) > 2 and event.find(b"\n") == len(event) - 2 and event[-1:] == b"\n" and b"\r" not in event
+
+
+def _object(data: bytes) -> dict | None:
+    """The event's data as a JSON object, or ``None`` (not JSON, or not an object)."""
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return payload if isinstance(payload, dict) else None
 
 
 class SSEPatcher:
@@ -91,14 +106,9 @@ class SSEPatcher:
         self._oversize = False  # the partial event already went out unpatched
 
     def feed(self, chunk: bytes) -> bytes:
-        if (
-            not self._pending
-            and not self._oversize
-            and chunk.endswith(b"\n\n")
-            and b"\r" not in chunk
-            and _USAGE not in chunk
-        ):
-            return chunk  # whole events, none about usage: the common case, no copy
+        if not self._pending and not self._oversize and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            # Whole events, LF-terminated (how engines send them): nothing to hold back.
+            return self._patch_events(chunk)  # the chunk itself, unless one is about usage
         self._pending += chunk
         return self._drain(final=False)
 
@@ -154,6 +164,9 @@ class SSEPatcher:
     def _patch_events(self, region: bytes) -> bytes:
         if _USAGE not in region:
             return region
+        if _one_line(region):  # one event, as engines send them: no scan for its end
+            patched = patch_event(region, self._patch)
+            return region if patched is None else patched
         out: list[bytes] = []
         event_start = line_start = 0
         for match in _TERMINATOR.finditer(region):

@@ -286,6 +286,23 @@ def test_any_chunking_patches_usage_events_exactly_and_passes_the_rest_byte_for_
     assert out == whole  # independent of how the input was chunked
 
 
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.one_of(usage_payload(), null_usage_payload(), non_usage_payload()), min_size=1, max_size=6),
+    st.sampled_from([b"data: ", b"data:"]),
+)
+def test_engine_framed_chunks_are_patched_byte_exact_one_event_at_a_time(payloads: list[Any], prefix: bytes) -> None:
+    """vLLM, SGLang and OpenAI send each chunk as one ``data:`` line and a blank line, LF
+    only: a usage event comes back as exactly its patched JSON, every other event as it was."""
+    patcher = SSEPatcher(set_seven)
+    for payload in payloads:
+        event = prefix + orjson.dumps(payload) + b"\n\n"
+        want = expected_patch(event)
+        assert patcher.feed(event) == (event if want is None else b"data: " + orjson.dumps(want) + b"\n\n")
+    assert patcher.flush() == b""
+
+
 # -- examples ------------------------------------------------------------------------------
 
 USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":30,"completion_tokens":2,"total_tokens":32}}\n\n'
