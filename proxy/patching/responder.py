@@ -142,7 +142,9 @@ class Responder:
                 out = self._hold.filter(out)
                 if not more:
                     out += self._hold.release()
-            if out or not more:
+            if out is body and body:
+                await self._send(message)  # passed on as it came
+            elif out or not more:
                 await self._send({"type": "http.response.body", "body": out, "more_body": more})
         elif self.mode is Mode.JSON:
             self._chunks.append(body)

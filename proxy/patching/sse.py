@@ -108,7 +108,7 @@ class SSEPatcher:
     def feed(self, chunk: bytes) -> bytes:
         if not self._pending and not self._oversize and chunk.endswith(b"\n\n") and b"\r" not in chunk:
             # Whole events, LF-terminated (how engines send them): nothing to hold back.
-            return self._patch_events(chunk)  # the chunk itself, unless one is about usage
+            return chunk if _USAGE not in chunk else self._patch_events(chunk)
         self._pending += chunk
         return self._drain(final=False)
 
