@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,6 +67,28 @@ def running_server(
     """
     with running_servers([(args, env, log_path)], timeout_s=timeout_s) as (server,):
         yield server
+
+
+@contextlib.contextmanager
+def serving_in_thread(app: Any, name: str = "uvicorn") -> Iterator[str]:
+    """``app`` in a real uvicorn on 127.0.0.1, in a thread of this process named
+    ``<name>-<port>`` (tests pick its log records by it); yield its base URL; always stop
+    it (lifespan on, so the app starts and drains as under ``cachetally serve``)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, name=f"{name}-{port}", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "server did not stop"
 
 
 @contextlib.asynccontextmanager

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,7 +33,6 @@ import httpx
 import openai
 import orjson
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -45,7 +43,7 @@ from proxy.accounting.records.report import read
 from proxy.patching import served_models
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings, SettingsError
-from tests.servers import ROOT, free_port
+from tests.servers import ROOT, free_port, serving_in_thread
 
 pytestmark = pytest.mark.loopback
 
@@ -80,26 +78,6 @@ def echo_upstream(listed: list[str] | None) -> Starlette:
     ])
 
 
-@contextlib.contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """``app`` in a real uvicorn on 127.0.0.1, in a thread; always stopped."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "server did not stop"
-
-
 @dataclass
 class Billing:
     """What billing sees once the instance has stopped."""
@@ -125,10 +103,10 @@ def proxy(usage: Path, listed: list[str] | None = None, **overrides: Any) -> Ite
     """cachetally in upstream mode before the echoing upstream (listing ``listed``, by default
     ``[SERVED]``); the Billing is filled on exit."""
     billing = Billing([], "", [])
-    with serve(echo_upstream([SERVED] if listed is None else listed)) as upstream:
+    with serving_in_thread(echo_upstream([SERVED] if listed is None else listed)) as upstream:
         settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage),
                             usage_flush_interval_s=0.05, **overrides).validate()
-        with serve(CachetallyApp(settings)) as url:
+        with serving_in_thread(CachetallyApp(settings)) as url:
             yield url, billing
             key = overrides.get("api_key") or next(iter(KEYS))  # /metrics needs none; a key is harmless
             billing.metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {key}"}).text
@@ -264,9 +242,9 @@ def test_made_up_model_names_mint_no_series_or_report_rows(tmp_path: Path) -> No
 
 def test_an_upstream_that_hides_its_models_labels_only_the_configured_one(tmp_path: Path) -> None:
     billing = Billing([], "", [])
-    with serve(echo_upstream(None)) as upstream:
+    with serving_in_thread(echo_upstream(None)) as upstream:
         settings = Settings(engine="upstream", upstream=upstream, model=SERVED).validate()
-        with serve(CachetallyApp(settings)) as url:
+        with serving_in_thread(CachetallyApp(settings)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
             for model in (SERVED, "mint-1", "mint-2"):
                 client.completions.create(model=model, prompt="hi", max_tokens=2)

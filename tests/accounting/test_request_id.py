@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from proxy.accounting.request_id import RequestIds, is_valid_request_id, process_tag
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
-from tests.upstream.test_upstream import serve_in_thread
+from tests.servers import serving_in_thread
 
 _IDS = st.from_regex(r"[A-Za-z0-9._:-]{1,128}", fullmatch=True)
 _TAGS = st.integers(min_value=1, max_value=2**22).map(lambda pid: f".p{pid}")
@@ -93,7 +93,7 @@ def test_a_filesystem_fault_fails_no_request_with_an_id(
                 client.post("/v1/completions", json=body, headers={"x-request-id": "shared-id"}) for _ in range(4)
             ))
 
-    with serve_in_thread(CachetallyApp(settings)) as url:
+    with serving_in_thread(CachetallyApp(settings)) as url:
         if fault == "directory-removed":
             for child in mp_dir.iterdir():
                 if child.is_dir():

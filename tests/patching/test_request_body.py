@@ -27,8 +27,8 @@ from engine_adapter.sim.protocol import lax_bool as sim_lax_bool
 from proxy.patching.request_body import lax_bool, optional_bool, parse_request, stream_options_of
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
-from tests.servers import running_server
-from tests.upstream.test_upstream import events, fresh_prompt, serve_in_thread
+from tests.servers import running_server, serving_in_thread
+from tests.upstream.test_upstream import events, fresh_prompt
 
 _PYDANTIC_BOOL = TypeAdapter(bool | None)
 
@@ -150,7 +150,7 @@ def test_a_stream_flag_vllm_reads_as_true_is_billed_and_the_client_gets_what_it_
     with contextlib.ExitStack() as stack:
         sim_url, _ = stack.enter_context(running_server(SIM, timeout_s=20))
         settings = Settings(engine="upstream", upstream=sim_url, usage_dir=str(usage_dir)).validate()
-        with serve_in_thread(CachetallyApp(settings)) as url, httpx.Client(timeout=10) as client:
+        with serving_in_thread(CachetallyApp(settings)) as url, httpx.Client(timeout=10) as client:
             seen = []
             for number, body in enumerate(bodies):
                 with client.stream(
@@ -182,7 +182,7 @@ def test_a_stream_flag_vllm_refuses_is_a_400_and_no_stream(tmp_path: Path) -> No
     with contextlib.ExitStack() as stack:
         sim_url, _ = stack.enter_context(running_server(SIM, timeout_s=20))
         settings = Settings(engine="upstream", upstream=sim_url, usage_dir=str(usage_dir)).validate()
-        with serve_in_thread(CachetallyApp(settings)) as url:
+        with serving_in_thread(CachetallyApp(settings)) as url:
             resp = httpx.post(f"{url}/v1/completions", content=orjson.dumps(body), timeout=10)
             # stream_options that would be valid if the proxy rewrote them must stay refused too
             refused = httpx.post(

@@ -22,7 +22,6 @@ import httpx
 import openai
 import orjson
 import pytest
-import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message
@@ -36,7 +35,7 @@ from proxy.upstream.engine import UpstreamEngine
 from proxy.upstream.forward import UpstreamBodyError
 from proxy.upstream.hop_headers import declared_length, request_headers, response_headers
 from proxy.upstream.pool import Http1Pool
-from tests.servers import free_port, metric_value, running_server
+from tests.servers import free_port, metric_value, running_server, serving_in_thread
 from tests.upstream_fakes import AsgiClient, ScriptedClient, ScriptedResponse, Sent
 
 loopback = pytest.mark.loopback
@@ -82,27 +81,6 @@ def start_sim() -> Iterator[Callable[..., Sim]]:
         yield start
 
 
-@contextlib.contextmanager
-def serve_in_thread(app: CachetallyApp) -> Iterator[str]:
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"cachetally-{port}", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "cachetally did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "cachetally did not stop"
-
-
 @pytest.fixture
 def start_proxy(start_sim: Callable[..., Sim]) -> Iterator[Callable[..., Proxy]]:
     # Depends on start_sim so proxies stop before the sims they front.
@@ -111,7 +89,7 @@ def start_proxy(start_sim: Callable[..., Sim]) -> Iterator[Callable[..., Proxy]]
         def start(upstream: str, **overrides: Any) -> Proxy:
             settings = Settings(engine="upstream", upstream=upstream, **overrides).validate()
             app = CachetallyApp(settings)
-            return Proxy(stack.enter_context(serve_in_thread(app)), app)
+            return Proxy(stack.enter_context(serving_in_thread(app, "cachetally")), app)
 
         yield start
 
