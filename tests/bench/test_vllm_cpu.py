@@ -19,8 +19,10 @@ def test_each_timed_request_is_patched_and_recorded_once(tmp_path: Path) -> None
                          capture_output=True, text=True, timeout=120, check=True)
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["middleware_cpu_us"] > 0 and figures["bare_cpu_us"] > 0
+    # A stream's chunks each pass the patcher: more work than one JSON body, never none.
+    assert figures["added_opcodes_sse"] > figures["added_opcodes_json"] > 0
     records = [json.loads(line) for path in tmp_path.iterdir() for line in path.read_text().splitlines()]
-    assert len(records) == 100 + 20  # the warm-up and one round, through the middleware only
+    assert len(records) == 100 + 2 + 20  # warm-up, the two opcode counts, one round: the middleware's only
     assert len({r["record_id"] for r in records}) == len(records)
     assert {(r["tenant"], r["prompt_tokens"], r["cached_tokens"]) for r in records} == {("acme", 36, 32)}
     assert sorted({r["stream"] for r in records}) == [False, True]
