@@ -33,10 +33,15 @@ Engine vllm: this runs vLLM's own `vllm serve` with --middleware
 proxy.vllm_middleware.CachetallyMiddleware (the same flag works on stock `vllm serve`);
 settings reach each of vLLM's API server processes as CACHETALLY_* variables.
 
-Routes: /v1/chat/completions and /v1/completions are patched with exact
-usage.prompt_tokens_details.cached_tokens; /stats is cachetally's own; /health and
-/metrics (Prometheus, cachetally_* included) are cachetally's with the sim and upstream
-engines and vLLM's with vLLM; every other route is the engine's.
+Routes: chat (/v1/chat/completions), completions (/v1/completions), OpenAI Responses
+(/v1/responses), Anthropic Messages (/v1/messages) and SageMaker's /invocations are
+metered, and their usage is made exact in JSON and SSE, each in its own shape (cache
+reads, and writes where the API has a field for them). While billing is on (--api-key,
+--api-keys, --usage-dir or --otlp-endpoint), the engine's other generating routes
+(embeddings, pooling, batch, ...) are refused with 403 rather than run unmetered.
+/stats is cachetally's own; /health and /metrics (Prometheus, cachetally_* included) are
+cachetally's with the sim and upstream engines and vLLM's with vLLM; every other route
+is the engine's.
 """
 
 
@@ -44,7 +49,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve with exact cached_tokens (vLLM's own server by default)",
-        description="Serve OpenAI-compatible chat and completions with exact cached_tokens.",
+        description="Serve an engine's OpenAI-compatible and Anthropic APIs with exact prompt-cache usage.",
         epilog=_SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -149,6 +154,14 @@ def _accounting_flags(p: argparse.ArgumentParser) -> None:
         "http://collector:4318/v1/traces (needs the 'otlp' extra)",
     )
     g.add_argument(
+        "--pd-legs",
+        action="store_true",
+        default=None,
+        help="this instance is one role of disaggregated prefill/decode behind a P/D router: a "
+        "prefill leg is counted as a leg only, the decode leg bills (default: off; set it on "
+        "every P/D instance, and only there: elsewhere such a body is an ordinary request)",
+    )
+    g.add_argument(
         "--otlp-timeout",
         type=float,
         metavar="SECONDS",
@@ -185,5 +198,6 @@ def serve_settings(args: argparse.Namespace) -> Settings:
             "usage_queue_size": args.usage_queue_size,
             "otlp_endpoint": args.otlp_endpoint,
             "otlp_timeout_s": args.otlp_timeout,
+            "pd_legs": args.pd_legs,
         },
     )

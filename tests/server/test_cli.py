@@ -91,6 +91,21 @@ def test_help_explains_each_command(argv: list[str], says: str) -> None:
     assert says in out.stdout
 
 
+def test_serve_help_names_every_metered_route() -> None:
+    from proxy.patching.routes import PATCHED
+
+    out = subprocess.run([sys.executable, "-m", "proxy.server.cli", "serve", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert [path for path in PATCHED if path not in out] == []
+
+
+def test_pd_legs_is_off_unless_the_flag_or_the_environment_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CACHETALLY_PD_LEGS", raising=False)
+    assert (serve().pd_legs, serve("--pd-legs").pd_legs) == (False, True)
+    monkeypatch.setenv("CACHETALLY_PD_LEGS", "true")
+    assert serve().pd_legs is True
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("engine_starts", [True, False])
 async def test_on_started_runs_once_after_a_successful_startup_only(engine_starts: bool) -> None:
