@@ -29,16 +29,10 @@ PayloadPatcher = Callable[[dict], bool | None]
 
 def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
     """Patch one complete event (with its terminators). ``None`` means unchanged."""
-    if event.count(_USAGE) == 1 and any(null in event for null in _NULL_USAGE):
-        return None  # `"usage": null` on every chunk (OpenAI style): nothing to patch
-    if event.startswith(b"data:") and _one_line(event):
-        # How engines frame every chunk; the rule below gives the same bytes, after a line scan.
-        value = event[5:-2]
-        payload = _object(value[1:] if value[:1] == b" " else value)
-        verdict = None if payload is None else patch_payload(payload)
-        if verdict is None:
-            return None
-        return b"" if verdict is False else b"data: " + orjson.dumps(payload) + b"\n\n"
+    if _one_line(event):
+        return _patch_one_line(event, patch_payload)
+    if _null_usage_only(event):
+        return None
     lines: list[tuple[bytes, bytes]] = []
     data: list[bytes] = []
     last_data = -1
@@ -69,6 +63,24 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
             out += line + terminator
     out += event[start:]
     return bytes(out)
+
+
+def _patch_one_line(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
+    """:func:`patch_event` for one line and its blank line (:func:`_one_line`), how engines
+    frame every chunk: the bytes the general rule writes, without its line scan."""
+    if not event.startswith(b"data:") or _null_usage_only(event):
+        return None  # a comment or another field alone carries no payload
+    value = event[5:-2]
+    payload = _object(value[1:] if value[:1] == b" " else value)
+    verdict = None if payload is None else patch_payload(payload)
+    if verdict is None:
+        return None
+    return b"" if verdict is False else b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _null_usage_only(event: bytes) -> bool:
+    """`"usage": null`, OpenAI style on every chunk, and no other usage: nothing to patch."""
+    return event.count(_USAGE) == 1 and (_NULL_USAGE[0] in event or _NULL_USAGE[1] in event)
 
 
 def _one_line(event: bytes) -> bool:
@@ -165,7 +177,7 @@ class SSEPatcher:
         if _USAGE not in region:
             return region
         if _one_line(region):  # one event, as engines send them: no scan for its end
-            patched = patch_event(region, self._patch)
+            patched = _patch_one_line(region, self._patch)
             return region if patched is None else patched
         out: list[bytes] = []
         event_start = line_start = 0
