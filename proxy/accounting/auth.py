@@ -23,6 +23,7 @@ from starlette.types import Scope, Send
 
 from proxy.accounting.tenants import KeyTable, bearer_token
 from proxy.asgi.errors import send_error
+from proxy.asgi.headers import only_header
 
 #: Path prefixes that need a key: vLLM's own (``vllm.entrypoints.serve.middleware.authenticate``).
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -45,7 +46,7 @@ class ApiKeyGuard:
     def allows(self, scope: Scope) -> bool:
         if not self.guards(scope):
             return True
-        token = bearer_token(scope["headers"])
+        token = bearer_token(only_header(scope["headers"], b"authorization"))
         return token is not None and self._keys.tenant_for(token) is not None
 
     async def refuse(self, scope: Scope, send: Send) -> None:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.asgi.headers import only_header
+from proxy.asgi.headers import RequestHeaders
 
 _MAX_KEY = 128
 _VALID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -47,9 +47,14 @@ class RequestIds:
     generate: Callable[[], str] = mint_request_id
     validate: Callable[[str], bool] = is_valid_request_id
 
-    def from_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> str | None:
-        """The client's id if it sent exactly one valid one, else ``None``."""
-        found = only_header(headers, self.header.encode("latin-1"))
+    def __post_init__(self) -> None:
+        if self.header != self.header.lower():
+            raise ValueError(f"the request id header is named in lower case, not {self.header!r}")
+
+    def from_headers(self, headers: RequestHeaders) -> str | None:
+        """The client's id if it sent exactly one valid one, else ``None`` (``headers``
+        noted :attr:`header`)."""
+        found = headers.only(self.header.encode("latin-1"))
         if found is None:
             return None
         try:

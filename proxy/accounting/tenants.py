@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
-from proxy.asgi.headers import header_values, only_header
+from proxy.asgi.headers import RequestHeaders
 
 logger = logging.getLogger("cachetally.tenants")
 
@@ -104,9 +104,9 @@ def _read_keys(path: Path) -> dict[str, str]:
     return data
 
 
-def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
-    """The token of exactly one ``Authorization: Bearer`` header, else ``None``."""
-    supplied = only_header(headers, b"authorization")
+def bearer_token(supplied: bytes | None) -> bytes | None:
+    """The token of an ``Authorization`` header's value, if it is ``Bearer <token>``; give it
+    the value only when the client sent exactly one (``only_header``)."""
     if supplied is None:
         return None
     scheme, _, token = supplied.strip().partition(b" ")
@@ -116,7 +116,7 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
 class Tenancy:
     """Resolves a request's tenant label (module docstring). Configuration only."""
 
-    __slots__ = ("keys", "header", "named")
+    __slots__ = ("keys", "header", "named", "reads")
 
     def __init__(
         self, keys: KeyTable | None = None, header: str | None = None, named: Iterable[str] = ()
@@ -124,14 +124,19 @@ class Tenancy:
         self.keys = keys if keys else None
         self.header = header.lower().encode("latin-1") if header else None
         self.named = frozenset(check_tenant_name(n, "--tenants") for n in named)
+        #: The headers :meth:`resolve` reads, lower-case: a request's ``RequestHeaders`` notes them.
+        self.reads = frozenset(
+            [b"authorization"] if self.keys is not None else [self.header] if self.header is not None else []
+        )
 
-    def resolve(self, headers: Iterable[tuple[bytes, bytes]]) -> str:
+    def resolve(self, headers: RequestHeaders) -> str:
+        """The tenant of a request whose ``headers`` noted :attr:`reads`."""
         if self.keys is not None:  # credentials decide; the header is never consulted
-            token = bearer_token(headers)
+            token = bearer_token(headers.only(b"authorization"))
             tenant = self.keys.tenant_for(token) if token is not None else None
             return tenant or DEFAULT_TENANT
         if self.header is not None:
-            values = header_values(headers, self.header)
+            values = headers.values(self.header)
             if values:
                 value = values[0].decode("latin-1").strip()
                 return value if len(values) == 1 and value in self.named else OTHER_TENANT

@@ -9,18 +9,59 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-
-def header_values(headers: Iterable[tuple[bytes, bytes]], lower_name: bytes) -> list[bytes]:
-    """Every value of the headers named ``lower_name`` (compared case-insensitively), in order."""
-    return [value for name, value in headers if name.lower() == lower_name]
+Headers = list[tuple[bytes, bytes]]
 
 
 def only_header(headers: Iterable[tuple[bytes, bytes]], lower_name: bytes) -> bytes | None:
-    """The value of the one header named ``lower_name``; ``None`` when it is absent or repeated."""
-    values = header_values(headers, lower_name)
+    """The value of the one header named ``lower_name`` (compared case-insensitively);
+    ``None`` when it is absent or repeated."""
+    values = [value for name, value in headers if name.lower() == lower_name]
     return values[0] if len(values) == 1 else None
 
 
-def without(headers: list[tuple[bytes, bytes]], lower_name: bytes) -> list[tuple[bytes, bytes]]:
+def without(headers: Headers, lower_name: bytes) -> Headers:
     """``headers`` minus every header named ``lower_name`` (compared case-insensitively)."""
     return [(name, value) for name, value in headers if name.lower() != lower_name]
+
+
+class RequestHeaders:
+    """A request's headers, read in one pass (names compared case-insensitively).
+
+    The middleware decides by a few headers (request id, tenant or credential, trace
+    context, declared length) and forwards the rest: one pass notes the values of the
+    headers named in ``noted`` and keeps, in order, every header not named in ``dropped``
+    (the ones the proxy replaces; each of them is among ``noted`` too), instead of one scan
+    of every header per decision.
+    Asking for a header that was not noted is a ``KeyError``, never a silent "absent".
+    """
+
+    __slots__ = ("_noted", "forwarded")
+
+    def __init__(
+        self, headers: Iterable[tuple[bytes, bytes]], noted: frozenset[bytes], dropped: frozenset[bytes] = frozenset()
+    ) -> None:
+        found: dict[bytes, list[bytes] | tuple[()]] = dict.fromkeys(noted, ())
+        forwarded: Headers = []
+        for pair in headers:
+            name = pair[0].lower()
+            if name in found:
+                values = found[name]
+                if values:
+                    values.append(pair[1])  # type: ignore[union-attr]
+                else:
+                    found[name] = [pair[1]]
+                if name in dropped:
+                    continue
+            forwarded.append(pair)
+        self._noted = found
+        #: The request's headers without those named in ``dropped``, in order.
+        self.forwarded = forwarded
+
+    def values(self, lower_name: bytes) -> list[bytes] | tuple[()]:
+        """Every value of the headers named ``lower_name``, in order."""
+        return self._noted[lower_name]
+
+    def only(self, lower_name: bytes) -> bytes | None:
+        """The value of the one header named ``lower_name``; ``None`` when absent or repeated."""
+        values = self._noted[lower_name]
+        return values[0] if len(values) == 1 else None

@@ -11,7 +11,7 @@ import re
 
 from proxy.accounting.metrics import MeteredRequest
 from proxy.accounting.records.record import UsageRecord
-from proxy.asgi.headers import only_header
+from proxy.asgi.headers import RequestHeaders
 from proxy.patching.ledger import EngineUsage
 from proxy.patching.pd_leg import DECODE, PREFILL
 from proxy.patching.responder import Responder
@@ -90,9 +90,9 @@ def _usage_record(r: Responder, rec: MeteredRequest, engine: EngineUsage | None,
     )
 
 
-def _traceparent(headers: list[tuple[bytes, bytes]]) -> str | None:
+def _traceparent(headers: RequestHeaders | None) -> str | None:
     """The client's W3C ``traceparent``, when it sent exactly one that looks like one."""
-    value = only_header(headers, b"traceparent")
+    value = None if headers is None else headers.only(b"traceparent")
     if value is None or not _TRACEPARENT.fullmatch(value):
         return None
     return value.decode("ascii")

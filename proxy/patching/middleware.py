@@ -37,11 +37,11 @@ from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.recorder import Recorder
 from proxy.accounting.request_id import RequestIds
 from proxy.asgi.errors import send_error
-from proxy.asgi.headers import without
+from proxy.asgi.headers import RequestHeaders, without
 from proxy.patching.context import PatchConfig, PatchContext
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.metering import meter
-from proxy.patching.request_side import run_patched
+from proxy.patching.request_side import READ_HEADERS, REPLACED_HEADERS, run_patched
 from proxy.patching.responder import Responder
 
 class UsagePatchMiddleware:
@@ -67,6 +67,8 @@ class UsagePatchMiddleware:
         self.process_tag = process_tag
         self.echo_header = request_ids.header.lower().encode("latin-1")
         self.context = PatchContext(app, config, ledger, metrics, recorder, self.echo_header)
+        #: Every request header a decision reads, and those the inner app gets replaced.
+        self._noted = READ_HEADERS | REPLACED_HEADERS | config.tenancy.reads | {self.echo_header}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.config.refuse_unmetered and scope["type"] in ("http", "websocket") and scope["path"] in self.config.refused:
@@ -75,19 +77,20 @@ class UsagePatchMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        client_id = self.request_ids.from_headers(scope["headers"])
+        headers = RequestHeaders(scope["headers"], self._noted, REPLACED_HEADERS)
+        client_id = self.request_ids.from_headers(headers)
         route = self.config.routes.get(scope["path"])
         if route is None or scope["method"] != "POST":
             echo = client_id or self.request_ids.generate()
             await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
             return
         key = self.request_ids.unique_key(client_id, self._take, self.process_tag)
-        tenant = self.config.tenancy.resolve(scope["headers"])
+        tenant = self.config.tenancy.resolve(headers)
         responder = Responder(self.context, route, key, client_id or key, send, tenant)
         self.ledger.open(key)
         token = current_request_key.set(key)
         try:
-            await run_patched(responder, scope, receive)
+            await run_patched(responder, scope, headers, receive)
         finally:
             engine_usage = self.ledger.close(key)
             current_request_key.reset(token)

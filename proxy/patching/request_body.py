@@ -15,6 +15,7 @@ read pass the limit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +33,11 @@ class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
-async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
-    for name, value in headers:
-        if name.lower() == b"content-length" and value.isdigit() and int(value) > limit:
+async def read_body(receive: Receive, declared_lengths: Iterable[bytes], limit: int) -> bytes:
+    """The whole body; ``BodyTooLarge`` before reading any of it when a ``Content-Length``
+    (``declared_lengths``: every value the client sent) says it would be."""
+    for value in declared_lengths:
+        if value.isdigit() and int(value) > limit:
             raise BodyTooLarge
     chunks: list[bytes] = []
     size = 0

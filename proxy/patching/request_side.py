@@ -15,6 +15,7 @@ import orjson
 from starlette.types import Message, Receive, Scope
 
 from proxy.asgi.errors import send_error
+from proxy.asgi.headers import RequestHeaders
 from proxy.patching.pd_leg import leg_of
 from proxy.patching.request_body import (
     DETAILS_FLAG,
@@ -27,16 +28,19 @@ from proxy.patching.request_body import (
 from proxy.patching.responder import Responder
 
 #: Request headers replaced before the inner app sees them.
-_REPLACED = (b"x-request-id", b"content-length", b"accept-encoding")
+REPLACED_HEADERS = frozenset((b"x-request-id", b"content-length", b"accept-encoding"))
+#: Request headers read here and by :func:`proxy.patching.metering.meter`.
+READ_HEADERS = frozenset((b"content-length", b"traceparent"))
 
 
-async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
+async def run_patched(r: Responder, scope: Scope, headers: RequestHeaders, receive: Receive) -> None:
     """Read the request body once, refuse what cannot be metered, rewrite the body and the
-    headers this route owns, and run the inner app with ``r`` patching its response."""
+    headers this route owns, and run the inner app with ``r`` patching its response.
+    ``headers`` noted :data:`READ_HEADERS` and dropped :data:`REPLACED_HEADERS`."""
     config = r.ctx.config
-    r.request_headers = scope["headers"]
+    r.request_headers = headers
     try:
-        body = await read_body(receive, scope["headers"], config.max_request_bytes)
+        body = await read_body(receive, headers.values(b"content-length"), config.max_request_bytes)
     except BodyTooLarge:
         await send_error(r.send, 413, f"Request body exceeds {config.max_request_bytes} bytes")
         return
@@ -57,17 +61,13 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     body = _rewrite(r, payload, body)
     # This route's headers are ours to rewrite: the request key, the length of the body
     # as replayed, and an unencoded response, because it is parsed and patched.
-    headers = [
-        (name, value)
-        for name, value in scope["headers"]
-        if name.lower() not in _REPLACED
-    ]
-    headers += [
+    forwarded = [
+        *headers.forwarded,
         (b"x-request-id", r.key.encode()),
         (b"content-length", b"%d" % len(body)),
         (b"accept-encoding", b"identity"),
     ]
-    await r.ctx.app({**scope, "headers": headers}, replay(body, _watch(r, receive)), r.send)
+    await r.ctx.app({**scope, "headers": forwarded}, replay(body, _watch(r, receive)), r.send)
 
 
 def _watch(r: Responder, receive: Receive) -> Receive:

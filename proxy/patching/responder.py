@@ -19,7 +19,7 @@ import orjson
 from starlette.types import Message, Send
 
 from proxy.accounting.records.notes import RequestNotes
-from proxy.asgi.headers import without
+from proxy.asgi.headers import Headers, RequestHeaders, without
 from proxy.patching.context import PatchContext
 from proxy.patching.ghost import GhostHold
 from proxy.patching.pd_leg import Leg
@@ -33,8 +33,6 @@ from proxy.patching.usage import ResponseUsage, UsagePatch
 #: Inside a JSON string a quote is escaped, so this only matches a real key.
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _MODEL_SNIFF_CHUNKS = 4
-
-Headers = list[tuple[bytes, bytes]]
 
 
 class Mode(Enum):
@@ -54,7 +52,7 @@ class Responder:
         self.tenant = tenant
         self.notes = RequestNotes(route)
         self.shape = shape_for(route)  # None: the OpenAI shape (proxy.patching.usage)
-        self.request_headers: Headers = []
+        self.request_headers: RequestHeaders | None = None  # set once the request side reads them
         self._send = send
         self.options: RequestOptions | None = None
         self.leg: Leg | None = None  # a disaggregated prefill/decode leg (proxy.patching.pd_leg)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from proxy.accounting.auth import ApiKeyGuard
 from proxy.accounting.tenants import KeyTable, Tenancy
+from proxy.asgi.headers import RequestHeaders
 from proxy.server.app import CachetallyApp
 from proxy.server.cli import build_parser
 from proxy.server.serve_flags import serve_settings
@@ -170,16 +171,21 @@ def test_flags_env_and_file_set_the_tenancy(tmp_path: Path) -> None:
 
 def test_tenancy_resolves_in_the_documented_order() -> None:
     tenancy = Tenancy(KeyTable({"k1": "keyed", "k0": "default"}), "x-t", ["a"])
-    assert tenancy.resolve([(b"authorization", b"Bearer k1"), (b"x-t", b"a")]) == "keyed"
+    assert resolved(tenancy, [(b"authorization", b"Bearer k1"), (b"x-t", b"a")]) == "keyed"
     # With keys, a credential decides and the header is never read, whatever the key.
-    assert tenancy.resolve([(b"authorization", b"Bearer k0"), (b"X-T", b"a")]) == "default"
-    assert tenancy.resolve([(b"authorization", b"Bearer k2"), (b"X-T", b"a")]) == "default"
-    assert tenancy.resolve([(b"x-t", b"a")]) == "default"
+    assert resolved(tenancy, [(b"authorization", b"Bearer k0"), (b"X-T", b"a")]) == "default"
+    assert resolved(tenancy, [(b"authorization", b"Bearer k2"), (b"X-T", b"a")]) == "default"
+    assert resolved(tenancy, [(b"x-t", b"a")]) == "default"
     header = Tenancy(None, "x-t", ["a"])
-    assert header.resolve([(b"authorization", b"Bearer k1"), (b"x-t", b"a")]) == "a"
-    assert header.resolve([(b"x-t", b"b")]) == "other"
-    assert header.resolve([]) == "default"
-    assert Tenancy().resolve([(b"x-t", b"a")]) == "default"
+    assert resolved(header, [(b"authorization", b"Bearer k1"), (b"x-t", b"a")]) == "a"
+    assert resolved(header, [(b"x-t", b"b")]) == "other"
+    assert resolved(header, []) == "default"
+    assert resolved(Tenancy(), [(b"x-t", b"a")]) == "default"
+
+
+def resolved(tenancy: Tenancy, headers: list[tuple[bytes, bytes]]) -> str:
+    """The tenant, with the request's headers read as the middleware reads them."""
+    return tenancy.resolve(RequestHeaders(headers, tenancy.reads))
 
 
 def test_the_single_key_is_default_and_cannot_be_given_a_second_tenant(tmp_path: Path) -> None:
