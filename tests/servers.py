@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -111,13 +112,21 @@ def running_servers(
     timeout_s: float = 30.0,
 ) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
     """Start every ``(args, env, log_path)`` at once, as :func:`running_server` does one, and
-    wait until all are healthy; yield their (base URL, process); always stop every one."""
+    wait until all are healthy; yield their (base URL, process); always stop every one, all
+    at once (a vLLM server takes seconds to stop)."""
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(_started(args, env, log_path)) for args, env, log_path in specs]
+        stack.callback(_stop_all, [proc for _, proc in servers])  # before each one's own stop
         deadline = time.monotonic() + timeout_s
         for url, proc in servers:
             wait_healthy(url, proc, max(0.0, deadline - time.monotonic()))
         yield servers
+
+
+def _stop_all(procs: list[subprocess.Popen[Any]]) -> None:
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(procs))) as pool:
+        for stopped in [pool.submit(stop, proc) for proc in procs]:
+            stopped.result()
 
 
 @contextlib.contextmanager
