@@ -7,7 +7,7 @@ layers a request passes through (a gateway, vLLM, this proxy) could each read an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -35,33 +35,37 @@ class RequestHeaders:
     Asking for a header that was not noted is a ``KeyError``, never a silent "absent".
     """
 
-    __slots__ = ("_noted", "forwarded")
+    __slots__ = ("_names", "_found", "forwarded")
 
     def __init__(
         self, headers: Iterable[tuple[bytes, bytes]], noted: frozenset[bytes], dropped: frozenset[bytes] = frozenset()
     ) -> None:
-        found: dict[bytes, list[bytes] | tuple[()]] = dict.fromkeys(noted, ())
+        found: dict[bytes, list[bytes]] = {}
         forwarded: Headers = []
         for pair in headers:
             name = pair[0].lower()
-            if name in found:
-                values = found[name]
-                if values:
-                    values.append(pair[1])  # type: ignore[union-attr]
+            if name in noted:
+                if name in found:
+                    found[name].append(pair[1])
                 else:
                     found[name] = [pair[1]]
                 if name in dropped:
                     continue
             forwarded.append(pair)
-        self._noted = found
+        self._names = noted
+        self._found = found
         #: The request's headers without those named in ``dropped``, in order.
         self.forwarded = forwarded
 
-    def values(self, lower_name: bytes) -> list[bytes] | tuple[()]:
+    def values(self, lower_name: bytes) -> Sequence[bytes]:
         """Every value of the headers named ``lower_name``, in order."""
-        return self._noted[lower_name]
+        if lower_name not in self._names:
+            raise KeyError(f"{lower_name!r} was not noted")
+        return self._found.get(lower_name, ())
 
     def only(self, lower_name: bytes) -> bytes | None:
         """The value of the one header named ``lower_name``; ``None`` when absent or repeated."""
-        values = self._noted[lower_name]
-        return values[0] if len(values) == 1 else None
+        if lower_name not in self._names:
+            raise KeyError(f"{lower_name!r} was not noted")
+        values = self._found.get(lower_name)
+        return values[0] if values is not None and len(values) == 1 else None
