@@ -122,12 +122,24 @@ class _Children(dict[tuple[str, ...], Callable[[float], None]]):
 
 
 class _LedgerMetrics:
-    """The ledger's observer (:class:`proxy.patching.ledger.LedgerObserver`): gauge and counters."""
+    """The ledger's observer (:class:`proxy.patching.ledger.LedgerObserver`): gauge and counters.
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.open_slots = Gauge(
+    The open-slots gauge is read from the ledger at each scrape in one process; in
+    multiprocess mode, where a function gauge is invisible, every open and close writes it.
+    """
+
+    def __init__(self, registry: CollectorRegistry, ledger: UsageLedger) -> None:
+        gauge = Gauge(
             "cachetally_ledger_open_slots", "Open ledger slots", registry=registry, multiprocess_mode="livesum"
-        ).set
+        )
+        #: Told of each open and close (module docstring of proxy.patching.ledger).
+        self.open_slots: Callable[[int], None]
+        if multiprocess_dir() is None:
+            gauge.set_function(ledger.__len__)
+            self.open_slots = lambda n: None
+        else:
+            gauge.set(len(ledger))
+            self.open_slots = gauge.set
         evicted = Counter(
             "cachetally_ledger_evicted", "Slots evicted by the second line of defence", ["reason"], registry=registry
         )
@@ -161,8 +173,7 @@ class Metrics:
             "cachetally_refused_unmetered", "Requests refused because the engine would run unmetered", ["route"],
             registry=registry,
         )
-        ledger.observer = _LedgerMetrics(registry)
-        ledger.observer.open_slots(len(ledger))
+        ledger.observer = _LedgerMetrics(registry, ledger)
 
         def counter(name: str, doc: str, labels: list[str]) -> _Children:
             return _Children(Counter(name, doc, labels, registry=registry), "inc")

@@ -41,3 +41,18 @@ async def test_500_requests_with_30_percent_drops_leave_no_slot(server: str) -> 
     assert await settle(gauge_reader(server, "cachetally_ledger_open_slots"), 0, timeout_s=2.0) == 0
     async with httpx.AsyncClient(timeout=10) as client:
         assert (await client.get(f"{server}/health")).status_code == 200
+
+
+@pytest.mark.asyncio
+async def test_the_gauge_counts_a_stream_while_it_runs_and_not_after(server: str) -> None:
+    read_gauge = gauge_reader(server, "cachetally_ledger_open_slots")
+    assert await settle(read_gauge, 0) == 0
+    body = {"max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "count"}]}
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"{server}/v1/chat/completions", json=body) as response:
+            chunks = response.aiter_bytes()
+            await anext(chunks)  # the stream has begun; 400 tokens at 2 ms each are still to come
+            assert await read_gauge() == 1
+            async for _ in chunks:
+                pass
+    assert await settle(read_gauge, 0, timeout_s=2.0) == 0
