@@ -90,9 +90,9 @@ def _usage_record(r: Responder, rec: MeteredRequest, engine: EngineUsage | None,
     )
 
 
-def _traceparent(headers: RequestHeaders | None) -> str | None:
+def _traceparent(headers: RequestHeaders) -> str | None:
     """The client's W3C ``traceparent``, when it sent exactly one that looks like one."""
-    value = None if headers is None else headers.only(b"traceparent")
+    value = headers.only(b"traceparent")
     if value is None or not _TRACEPARENT.fullmatch(value):
         return None
     return value.decode("ascii")

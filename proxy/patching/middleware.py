@@ -86,11 +86,11 @@ class UsagePatchMiddleware:
             return
         key = self.request_ids.unique_key(client_id, self._take, self.process_tag)
         tenant = self.config.tenancy.resolve(headers)
-        responder = Responder(self.context, route, key, client_id or key, send, tenant)
+        responder = Responder(self.context, route, key, client_id or key, send, headers, tenant)
         self.ledger.open(key)
         token = current_request_key.set(key)
         try:
-            await run_patched(responder, scope, headers, receive)
+            await run_patched(responder, scope, receive)
         finally:
             engine_usage = self.ledger.close(key)
             current_request_key.reset(token)

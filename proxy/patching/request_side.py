@@ -15,7 +15,6 @@ import orjson
 from starlette.types import Message, Receive, Scope
 
 from proxy.asgi.errors import send_error
-from proxy.asgi.headers import RequestHeaders
 from proxy.patching.pd_leg import leg_of
 from proxy.patching.request_body import (
     DETAILS_FLAG,
@@ -33,12 +32,12 @@ REPLACED_HEADERS = frozenset((b"x-request-id", b"content-length", b"accept-encod
 READ_HEADERS = frozenset((b"content-length", b"traceparent"))
 
 
-async def run_patched(r: Responder, scope: Scope, headers: RequestHeaders, receive: Receive) -> None:
+async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     """Read the request body once, refuse what cannot be metered, rewrite the body and the
     headers this route owns, and run the inner app with ``r`` patching its response.
-    ``headers`` noted :data:`READ_HEADERS` and dropped :data:`REPLACED_HEADERS`."""
+    ``r.request_headers`` noted :data:`READ_HEADERS` and dropped :data:`REPLACED_HEADERS`."""
     config = r.ctx.config
-    r.request_headers = headers
+    headers = r.request_headers
     try:
         body = await read_body(receive, headers.values(b"content-length"), config.max_request_bytes)
     except BodyTooLarge:

@@ -43,7 +43,8 @@ class Mode(Enum):
 
 class Responder:
     def __init__(
-        self, ctx: PatchContext, route: str, key: str, echo: str, send: Send, tenant: str = "default"
+        self, ctx: PatchContext, route: str, key: str, echo: str, send: Send, request_headers: RequestHeaders,
+        tenant: str = "default",
     ) -> None:
         self.ctx = ctx
         self.route = route
@@ -52,7 +53,7 @@ class Responder:
         self.tenant = tenant
         self.notes = RequestNotes(route)
         self.shape = shape_for(route)  # None: the OpenAI shape (proxy.patching.usage)
-        self.request_headers: RequestHeaders | None = None  # set once the request side reads them
+        self.request_headers = request_headers
         self._send = send
         self.options: RequestOptions | None = None
         self.leg: Leg | None = None  # a disaggregated prefill/decode leg (proxy.patching.pd_leg)
