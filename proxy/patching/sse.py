@@ -178,7 +178,7 @@ class SSEPatcher:
         return b"".join(out)
 
     def _patch_events(self, region: bytes) -> bytes:
-        if _USAGE not in region:
+        if region.find(_USAGE) < 0:
             return region
         if _one_line(region):  # one event, as engines send them: no scan for its end
             patched = _patch_one_line(region, self._patch)
