@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 
-from proxy.upstream.client import Headers, Origin, UpstreamFailure
+from proxy.asgi.headers import Headers
+from proxy.upstream.client import Origin, UpstreamFailure
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
-Headers = list[tuple[bytes, bytes]]
+from proxy.asgi.headers import Headers
 
 INVALID = 400, "The request cannot be forwarded upstream as valid HTTP/1.1"
 BODY_MISMATCH = 400, "The request body does not match its Content-Length"

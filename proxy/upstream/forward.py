@@ -27,7 +27,8 @@ from collections.abc import AsyncIterator
 from starlette.types import Receive, Scope, Send
 
 from proxy.asgi.errors import error_sse_event, send_error
-from proxy.upstream.client import Headers, UpstreamClient, UpstreamFailure, UpstreamResponse
+from proxy.asgi.headers import Headers
+from proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
 from proxy.upstream.hop_headers import declared_length, request_headers, response_headers
 
 logger = logging.getLogger("cachetally.upstream")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from proxy.upstream.client import Headers
+from proxy.asgi.headers import Headers
 
 HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade"}

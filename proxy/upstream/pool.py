@@ -38,7 +38,8 @@ import ssl
 from collections import deque
 from collections.abc import AsyncIterable
 
-from proxy.upstream.client import POOL_FULL, TIMED_OUT, UNREACHABLE, Headers, Origin, UpstreamFailure
+from proxy.asgi.headers import Headers
+from proxy.upstream.client import POOL_FULL, TIMED_OUT, UNREACHABLE, Origin, UpstreamFailure
 from proxy.upstream.connection import SEND_BODY, Connection
 from proxy.upstream.resend import may_resend
 from proxy.upstream.response import Http1Response

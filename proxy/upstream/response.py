@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.upstream.client import TIMED_OUT, Headers, UpstreamFailure
+from proxy.asgi.headers import Headers
+from proxy.upstream.client import TIMED_OUT, UpstreamFailure
 from proxy.upstream.roles import ExchangeConnection
 
 #: Body bytes of one response buffered before reading from the upstream pauses.

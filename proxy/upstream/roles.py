@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from proxy.upstream.client import Headers, UpstreamFailure
+from proxy.asgi.headers import Headers
+from proxy.upstream.client import UpstreamFailure
 
 
 class ConnectionOwner(Protocol):

@@ -24,7 +24,8 @@ from __future__ import annotations
 import re
 from operator import itemgetter
 
-from proxy.upstream.client import BODY_MISMATCH, INVALID, Headers, UpstreamFailure
+from proxy.asgi.headers import Headers
+from proxy.upstream.client import BODY_MISMATCH, INVALID, UpstreamFailure
 
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
 _method = re.compile(_TOKEN).fullmatch
