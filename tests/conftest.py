@@ -25,7 +25,7 @@ import pytest
 
 from tests.load import report
 from tests.otlp_receiver import Receiver, otlp_receiver
-from tests.servers import Pace, measure_pace, running_server, tracebacks_in_vllm_log
+from tests.servers import ENGINE_KV_FLAGS, Pace, measure_pace, running_server, tracebacks_in_vllm_log
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -100,7 +100,7 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
     args = ["-m", "proxy.server.cli", "serve", "--log-level", "debug", "--usage-dir", str(vllm_usage_dir),
             "--usage-flush-interval", "0.2", "--otlp-endpoint", vllm_otlp.url,
             "--tenant-header", VLLM_TENANT_HEADER, "--tenants", ",".join(VLLM_TENANTS),
-            "--", "--api-server-count", "2"]
+            "--", "--api-server-count", "2", *ENGINE_KV_FLAGS]
     env = {"OTEL_TRACES_SAMPLER": "always_off"}
     with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
         children = psutil.Process(proc.pid).children(recursive=True)

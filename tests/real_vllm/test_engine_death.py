@@ -31,7 +31,7 @@ import pytest
 from tests import clients
 from tests.clients import VLLM_CPU_BLOCK, fresh_prompt
 from tests.load import report
-from tests.servers import Pace, measure_pace, metric_value, running_server
+from tests.servers import ENGINE_KV_FLAGS, Pace, measure_pace, metric_value, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -55,7 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     usage = tmp_path_factory.mktemp("engine-death-usage")
     env = {"VLLM_LOGGING_LEVEL": "DEBUG"}
     args = ["-m", "proxy.server.cli", "serve", "--log-level", "debug", "--usage-dir", str(usage),
-            "--usage-flush-interval", "0.2", "--", "--api-key", KEY]
+            "--usage-flush-interval", "0.2", "--", "--api-key", KEY, *ENGINE_KV_FLAGS]
     with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
         model = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"]
         yield Server(url, psutil.Process(proc.pid), log, measure_pace(url, model, headers=AUTH), usage)

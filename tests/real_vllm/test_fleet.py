@@ -48,7 +48,15 @@ from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
 from tests import clients
 from tests.load import report
 from tests.real_vllm.test_vllm_apis import responses_json, responses_sse
-from tests.servers import Pace, free_port, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
+from tests.servers import (
+    ENGINE_KV_FLAGS,
+    Pace,
+    free_port,
+    measure_pace,
+    metric_value,
+    running_servers,
+    tracebacks_in_vllm_log,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -59,7 +67,6 @@ VLLM_CACHED = "vllm:prompt_tokens_cached_total"
 VLLM_PROMPT = "vllm:prompt_tokens_total"
 OURS = "cachetally_cached_tokens_total"
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-KV_CACHE_BYTES = 1024**3
 
 
 def core_binds() -> list[str | None]:
@@ -81,10 +88,9 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("fleet")
-    # What an operator types: `vllm serve MODEL --middleware ...`, plus the CPU flags. Two
-    # engines on one machine: 1 GiB of KV cache each (thousands of blocks; this workload
-    # needs a few dozen) instead of cachetally's 4 GiB default.
-    kv = ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+    # What an operator types: `vllm serve MODEL --middleware ...`, plus the CPU flags and
+    # the tests' KV cache size.
+    kv = ENGINE_KV_FLAGS
     replica = [
         "-m", "engine_adapter.vllm.serve", str(ensure_default_model()), "--served-model-name", MODEL,
         "--middleware", MIDDLEWARE, "--enable-prefix-caching", "--host", "127.0.0.1",

@@ -40,8 +40,8 @@ from engine_adapter.vllm.model_store import ensure_default_model
 from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
 from tests import clients
 from tests.load import report
-from tests.servers import Pace, free_port, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
-from tests.real_vllm.test_fleet import KV_CACHE_BYTES, MIDDLEWARE, MODEL, core_binds, fresh, sse_usages
+from tests.servers import ENGINE_KV_FLAGS, Pace, free_port, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
+from tests.real_vllm.test_fleet import MIDDLEWARE, MODEL, core_binds, fresh, sse_usages
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -81,7 +81,7 @@ class PD:
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     assert importlib.util.find_spec("nixl") is not None, "NIXL is missing: scripts/setup installs the extra cachetally[pd]"
     logs = tmp_path_factory.mktemp("pd")
-    kv = ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+    kv = ENGINE_KV_FLAGS
     serve = [
         "-m", "engine_adapter.vllm.serve", str(ensure_default_model()), "--served-model-name", MODEL,
         "--middleware", MIDDLEWARE, "--enable-prefix-caching", "--host", "127.0.0.1",

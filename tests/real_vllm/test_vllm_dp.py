@@ -9,8 +9,8 @@ label around each request, so it knows which engine served it and what its sched
 counted; over the run, the reported sum equals the sum of both engines' deltas.
 docs/DEPLOY.md ("Data parallel") traces the path through vLLM's code.
 
-It runs in the default suite: 75 s on 2 cores, most of it the start of two API servers
-and two engines.
+It runs in the default suite; most of its time is the start of two API servers and two
+engines.
 
 Each engine's OpenMP threads are bound to a core of its own (``VLLM_CPU_OMP_THREADS_BIND``
 takes one list per DP rank, split by ``|``).
@@ -33,7 +33,7 @@ from engine_adapter.vllm.model_store import ensure_default_model
 from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
 from tests import clients
 from tests.load import report
-from tests.servers import Pace, measure_pace, metric_value, running_server, tracebacks_in_vllm_log
+from tests.servers import ENGINE_KV_FLAGS, Pace, measure_pace, metric_value, running_server, tracebacks_in_vllm_log
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -55,7 +55,7 @@ def core_binds() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pace]]:
     log = tmp_path_factory.mktemp("dp") / "serve.log"
-    kv = ["--kv-cache-memory-bytes", str(1024**3)]  # per engine; two share this machine
+    kv = ENGINE_KV_FLAGS  # per engine
     args = [
         "-m", "engine_adapter.vllm.serve", str(ensure_default_model()), "--served-model-name", MODEL,
         "--middleware", MIDDLEWARE, "--data-parallel-size", "2", "--host", "127.0.0.1",

@@ -40,12 +40,11 @@ import pytest
 from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
 from tests.real_vllm import test_vllm_apis as apis
-from tests.servers import ROOT, Pace, free_port, measure_pace, metric_value, running_server, stop
+from tests.servers import ENGINE_KV_FLAGS, ROOT, Pace, free_port, measure_pace, metric_value, running_server, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
 BLOCK = 128  # vLLM's prefix-cache block size on CPU
-KV_CACHE_BYTES = 2 << 30
 START_TIMEOUT_S = 600.0  # ~40 s alone; slower when other suites share the two cores
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -71,7 +70,7 @@ def vllm_server(details: bool, log_path: Path) -> Iterator[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(ensure_default_model(progress=False)),
         "--served-model-name", DEFAULT_MODEL_NAME,
-        "--enable-prefix-caching", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        "--enable-prefix-caching", *ENGINE_KV_FLAGS,
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     args += machine_flags(args)  # the embedded engine's CPU defaults (eager, float32 without bf16)
