@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from tests.load import count, request_body
-from tests.server.test_soak import SHARES, Server, two_rounds
+from tests.server.test_soak import SHARES, Server, soak_rounds
 from tests.servers import Pace
 
 pytestmark = pytest.mark.loopback
@@ -40,7 +40,7 @@ async def test_vllm_mode_leaves_nothing_behind(vllm_server: str, vllm_pace: Pace
     # The shared server's log goes to pytest's stderr, so it is not grepped here
     # (test_engine_death runs its own vLLM server with a captured log).
     # A request may wait behind every other one in flight: the timeout scales with that.
-    await two_rounds(
+    await soak_rounds(
         Server(vllm_server, pid, None, "vllm"), VLLM_REQUESTS, share,
         timeout_s=vllm_pace.timeout(VLLM_CONCURRENCY), body=body, concurrency=VLLM_CONCURRENCY,
     )
