@@ -46,6 +46,7 @@ from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import ensure_default_model
 from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
 from tests import clients
+from tests.clients import fresh_prompt
 from tests.load import report
 from tests.real_vllm.test_vllm_apis import responses_json, responses_sse
 from tests.servers import (
@@ -121,11 +122,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
         _, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, f"engine processes left behind: {alive}"
-
-
-def fresh(words: int = 160) -> str:
-    """Unique from its first token: no replica has a block of it; ~500 tokens."""
-    return " ".join([uuid.uuid4().hex, *(f"topic{i % 37} item{i}" for i in range(words // 2))])
 
 
 def counters(url: str) -> tuple[float, float, float]:
@@ -249,7 +245,7 @@ def test_every_response_through_the_router_is_exact_and_sums_to_both_replicas(fl
     work = Workload(fleet)
     try:
         hows = ["openai", "openai-sse", "json", "sse", "sse-continuous"]
-        documents = [fresh(160), fresh(180), fresh(140)]  # three lengths: the pair is told apart
+        documents = [fresh_prompt(160), fresh_prompt(180), fresh_prompt(140)]  # three lengths: the pair is told apart
         work.send_cold_pair("completions", documents[0], documents[1])
         work.send("sse", "chat", documents[2], cold=True)
         warm = []
@@ -261,7 +257,7 @@ def test_every_response_through_the_router_is_exact_and_sums_to_both_replicas(fl
             warm.append(work.send(hows[d % len(hows)], route, document, cold=False))
             warm.append(work.send(hows[(d + 2) % len(hows)], route, f"{document} and then, item{d}?", cold=False))
         for i in range(4):  # distinct cold prompts, every shape
-            work.send(hows[(i + 1) % len(hows)], ("chat", "completions")[i % 2], fresh(80 + 20 * i), cold=True)
+            work.send(hows[(i + 1) % len(hows)], ("chat", "completions")[i % 2], fresh_prompt(80 + 20 * i), cold=True)
         # Straight to each replica, the way a client inside the cluster may: continuous
         # usage chunks, all exact; the replica that has the document serves it warm.
         for d in (0, 1):
@@ -287,7 +283,7 @@ def test_a_responses_request_through_the_router_is_exact(fleet: Fleet) -> None:
     Messages): cold 0, then, JSON and streamed, what the replica that served each repeat found."""
     work = Workload(fleet)
     try:
-        document = fresh(150)
+        document = fresh_prompt(150)
         work.send("openai", "responses", document, cold=True)
         warm = [work.send(how, "responses", document, cold=False) for how in ("openai-sse", "openai")]
     finally:

@@ -39,9 +39,10 @@ from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import ensure_default_model
 from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
 from tests import clients
+from tests.clients import fresh_prompt
 from tests.load import report
 from tests.servers import ENGINE_KV_FLAGS, Pace, free_port, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
-from tests.real_vllm.test_fleet import MIDDLEWARE, MODEL, core_binds, fresh, sse_usages
+from tests.real_vllm.test_fleet import MIDDLEWARE, MODEL, core_binds, sse_usages
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -144,7 +145,7 @@ def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 def test_each_client_request_reports_the_prefills_hits_and_is_counted_and_recorded_once(pd: PD) -> None:
     client = openai.OpenAI(base_url=f"{pd.router}/v1", api_key="unused", max_retries=0, timeout=pd.pace.timeout(4))
     http = httpx.Client(timeout=pd.pace.timeout(4))
-    documents = [fresh(160), fresh(200), fresh(240)]
+    documents = [fresh_prompt(160), fresh_prompt(200), fresh_prompt(240)]
     plan = [  # (document, route, how): each cold, then warm; JSON and SSE, through the openai client and raw
         (0, "chat", "openai"), (1, "completions", "openai-sse"), (2, "chat", "raw-sse"),
         (0, "chat", "openai-sse"), (1, "completions", "openai"), (2, "chat", "raw-sse"),
@@ -197,7 +198,7 @@ def test_a_decode_leg_that_fails_after_its_prefill_leaves_one_record_with_its_ou
     since, before = time.time(), fleet_counters(pd)
     with openai.OpenAI(base_url=f"{pd.router}/v1", api_key="unused", max_retries=0,
                        timeout=pd.pace.timeout(2)) as client, pytest.raises(openai.APIStatusError) as refused:
-        client.completions.create(model=MODEL, prompt=fresh(160), max_tokens=1_000_000)
+        client.completions.create(model=MODEL, prompt=fresh_prompt(160), max_tokens=1_000_000)
     assert refused.value.status_code == 400
     step = moved(before, fleet_counters(pd))
     assert (step["prefill_legs"], step["decode_legs"], step["requests"]) == (1, 1, 0), step

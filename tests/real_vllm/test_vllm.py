@@ -72,8 +72,8 @@ def test_cold_zero_then_warm_equals_vllm_scheduler(client, server, route, stream
 
 
 def test_sum_of_reported_cached_tokens_equals_vllm_counter(client, server) -> None:
-    shared = fresh_prompt(300)
-    prompts = [fresh_prompt(), shared, shared + " and then more", shared, fresh_prompt(200)]
+    shared = fresh_prompt(200)
+    prompts = [fresh_prompt(), shared, shared + " and then more", shared, fresh_prompt(120)]
     before_text = clients.scrape(server)
     reported = 0
     for i, prompt in enumerate(prompts):
@@ -231,10 +231,11 @@ def test_bench_cache_against_the_embedded_engine(server, pace) -> None:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "proxy.server.cli", "bench", "cache", "--url", server, "--repeats", "2", "--json"],
+        [sys.executable, "-m", "proxy.server.cli", "bench", "cache", "--url", server, "--repeats", "2",
+         "--prompt-tokens", "512", "--json"],
         capture_output=True,
         check=True,
-        timeout=pace.timeout(20),  # six ~1,000-token requests and a warm-up
+        timeout=pace.timeout(20),  # six 512-token requests and a warm-up
     )
     report = orjson.loads(out.stdout)
     warm = [r for r in report["requests"] if r["kind"] == "warm"]

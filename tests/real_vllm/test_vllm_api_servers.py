@@ -76,8 +76,8 @@ def test_continuous_usage_chunks_carry_cached_tokens(client) -> None:
 
 
 def test_mixed_run_three_sums_equal_and_stats_agree_with_metrics(client, vllm_server: str, vllm_server_log: Path) -> None:
-    shared = fresh_prompt(300)
-    prompts = [fresh_prompt(), shared, shared + " and then more", shared, fresh_prompt(200), shared]
+    shared = fresh_prompt(200)
+    prompts = [fresh_prompt(), shared, shared + " and then more", shared, fresh_prompt(120), shared]
     jobs = [(route, i % 2 == 1, prompt) for i, prompt in enumerate(prompts) for route in ("chat", "completions")]
     before = clients.scrape(vllm_server)
     stats_before = httpx.get(f"{vllm_server}/stats").json()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 
 import openai
@@ -32,6 +31,7 @@ from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import ensure_default_model
 from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
 from tests import clients
+from tests.clients import fresh_prompt
 from tests.load import report
 from tests.servers import ENGINE_KV_FLAGS, Pace, measure_pace, metric_value, running_server, tracebacks_in_vllm_log
 
@@ -73,10 +73,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pace
     assert not alive, f"engine processes left behind: {alive}"
 
 
-def fresh(words: int) -> str:
-    return " ".join([uuid.uuid4().hex, *(f"topic{i % 37} item{i}" for i in range(words // 2))])
-
-
 def per_engine(url: str) -> dict[str, tuple[float, float]]:
     text = clients.scrape(url)
     return {
@@ -88,7 +84,7 @@ def per_engine(url: str) -> dict[str, tuple[float, float]]:
 
 def test_each_response_is_what_its_engine_found_and_the_sum_is_both_engines(server) -> None:
     url, pace = server
-    documents = [fresh(160), fresh(180)]  # two lengths: the engine that served is told apart
+    documents = [fresh_prompt(160), fresh_prompt(180)]  # two lengths: the engine that served is told apart
     shapes = [("completions", False), ("chat", True), ("completions", True), ("chat", False)]
     start = per_engine(url)
     ours_start = metric_value(clients.scrape(url), OURS, tier="all")

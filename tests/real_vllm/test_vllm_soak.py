@@ -34,7 +34,7 @@ async def test_vllm_mode_leaves_nothing_behind(vllm_server: str, vllm_pace: Pace
     )
 
     def body(rng: random.Random, route: str, stream: bool) -> bytes:
-        payload = orjson.loads(request_body(rng, route, stream, max_tokens=8, words=200))
+        payload = orjson.loads(request_body(rng, route, stream, max_tokens=8, words=60))
         return orjson.dumps({**payload, "model": model, "temperature": 0})
 
     # The shared server's log goes to pytest's stderr, so it is not grepped here
