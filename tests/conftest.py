@@ -1,5 +1,6 @@
-"""Shared fixtures. The vLLM server is session-scoped: one engine start (~40 s on
-CPU) serves every real-engine test module, and it is always stopped at the end.
+"""Shared fixtures. The vLLM server is session-scoped: one engine start (half a minute or more
+on CPU: docs/PERFORMANCE.md) serves every real-engine test module, and it is always
+stopped at the end.
 
 Order: tests without vLLM first, then the modules that start an engine of their own, then
 those on the shared server, which lives to the end of the session. So at most one vLLM

@@ -175,9 +175,12 @@ class Pace:
 
 
 def measure_pace(
-    base_url: str, model: str, *, words: int = 300, max_tokens: int = 8, headers: dict[str, str] | None = None
+    base_url: str, model: str, *, words: int = 160, max_tokens: int = 8, headers: dict[str, str] | None = None
 ) -> Pace:
-    """Time one cold completion: a unique prompt of ``words`` words, ``max_tokens`` out."""
+    """Time one cold completion: a unique prompt of ``words`` words, ``max_tokens`` out.
+
+    160 words are 471 tokens of the default model, as long as the tests' own prompts
+    (:func:`tests.clients.fresh_prompt`)."""
     import uuid
 
     prompt = " ".join([uuid.uuid4().hex, *(f"w{i % 50}" for i in range(words))])

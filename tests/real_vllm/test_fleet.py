@@ -245,7 +245,7 @@ def test_every_response_through_the_router_is_exact_and_sums_to_both_replicas(fl
     work = Workload(fleet)
     try:
         hows = ["openai", "openai-sse", "json", "sse", "sse-continuous"]
-        documents = [fresh_prompt(160), fresh_prompt(180), fresh_prompt(140)]  # three lengths: the pair is told apart
+        documents = [fresh_prompt(100), fresh_prompt(120), fresh_prompt(90)]  # three lengths: the pair is told apart
         work.send_cold_pair("completions", documents[0], documents[1])
         work.send("sse", "chat", documents[2], cold=True)
         warm = []
@@ -257,7 +257,7 @@ def test_every_response_through_the_router_is_exact_and_sums_to_both_replicas(fl
             warm.append(work.send(hows[d % len(hows)], route, document, cold=False))
             warm.append(work.send(hows[(d + 2) % len(hows)], route, f"{document} and then, item{d}?", cold=False))
         for i in range(4):  # distinct cold prompts, every shape
-            work.send(hows[(i + 1) % len(hows)], ("chat", "completions")[i % 2], fresh_prompt(80 + 20 * i), cold=True)
+            work.send(hows[(i + 1) % len(hows)], ("chat", "completions")[i % 2], fresh_prompt(60 + 10 * i), cold=True)
         # Straight to each replica, the way a client inside the cluster may: continuous
         # usage chunks, all exact; the replica that has the document serves it warm.
         for d in (0, 1):
@@ -283,7 +283,7 @@ def test_a_responses_request_through_the_router_is_exact(fleet: Fleet) -> None:
     Messages): cold 0, then, JSON and streamed, what the replica that served each repeat found."""
     work = Workload(fleet)
     try:
-        document = fresh_prompt(150)
+        document = fresh_prompt(100)
         work.send("openai", "responses", document, cold=True)
         warm = [work.send(how, "responses", document, cold=False) for how in ("openai-sse", "openai")]
     finally:

@@ -145,7 +145,7 @@ def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 def test_each_client_request_reports_the_prefills_hits_and_is_counted_and_recorded_once(pd: PD) -> None:
     client = openai.OpenAI(base_url=f"{pd.router}/v1", api_key="unused", max_retries=0, timeout=pd.pace.timeout(4))
     http = httpx.Client(timeout=pd.pace.timeout(4))
-    documents = [fresh_prompt(160), fresh_prompt(200), fresh_prompt(240)]
+    documents = [fresh_prompt(100), fresh_prompt(120), fresh_prompt(140)]
     plan = [  # (document, route, how): each cold, then warm; JSON and SSE, through the openai client and raw
         (0, "chat", "openai"), (1, "completions", "openai-sse"), (2, "chat", "raw-sse"),
         (0, "chat", "openai-sse"), (1, "completions", "openai"), (2, "chat", "raw-sse"),
@@ -198,7 +198,7 @@ def test_a_decode_leg_that_fails_after_its_prefill_leaves_one_record_with_its_ou
     since, before = time.time(), fleet_counters(pd)
     with openai.OpenAI(base_url=f"{pd.router}/v1", api_key="unused", max_retries=0,
                        timeout=pd.pace.timeout(2)) as client, pytest.raises(openai.APIStatusError) as refused:
-        client.completions.create(model=MODEL, prompt=fresh_prompt(160), max_tokens=1_000_000)
+        client.completions.create(model=MODEL, prompt=fresh_prompt(100), max_tokens=1_000_000)
     assert refused.value.status_code == 400
     step = moved(before, fleet_counters(pd))
     assert (step["prefill_legs"], step["decode_legs"], step["requests"]) == (1, 1, 0), step

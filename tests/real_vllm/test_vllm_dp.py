@@ -84,7 +84,7 @@ def per_engine(url: str) -> dict[str, tuple[float, float]]:
 
 def test_each_response_is_what_its_engine_found_and_the_sum_is_both_engines(server) -> None:
     url, pace = server
-    documents = [fresh_prompt(160), fresh_prompt(180)]  # two lengths: the engine that served is told apart
+    documents = [fresh_prompt(100), fresh_prompt(120)]  # two lengths: the engine that served is told apart
     shapes = [("completions", False), ("chat", True), ("completions", True), ("chat", False)]
     start = per_engine(url)
     ours_start = metric_value(clients.scrape(url), OURS, tier="all")
