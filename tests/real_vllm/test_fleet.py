@@ -91,11 +91,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("fleet")
     # What an operator types: `vllm serve MODEL --middleware ...`, plus the CPU flags and
     # the tests' KV cache size.
-    kv = ENGINE_KV_FLAGS
     replica = [
         "-m", "engine_adapter.vllm.serve", str(ensure_default_model()), "--served-model-name", MODEL,
         "--middleware", MIDDLEWARE, "--enable-prefix-caching", "--host", "127.0.0.1",
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning", *kv, *machine_flags(kv),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning", *ENGINE_KV_FLAGS, *machine_flags(ENGINE_KV_FLAGS),
     ]
     specs = [
         (replica, {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else None, logs / f"replica-{i}.log")

@@ -82,11 +82,10 @@ class PD:
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     assert importlib.util.find_spec("nixl") is not None, "NIXL is missing: scripts/setup installs the extra cachetally[pd]"
     logs = tmp_path_factory.mktemp("pd")
-    kv = ENGINE_KV_FLAGS
     serve = [
         "-m", "engine_adapter.vllm.serve", str(ensure_default_model()), "--served-model-name", MODEL,
         "--middleware", MIDDLEWARE, "--enable-prefix-caching", "--host", "127.0.0.1",
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning", *kv, *machine_flags(kv),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning", *ENGINE_KV_FLAGS, *machine_flags(ENGINE_KV_FLAGS),
     ]
     specs = []
     for role, bind in zip(("prefill", "decode"), core_binds(), strict=True):

@@ -55,11 +55,10 @@ def core_binds() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pace]]:
     log = tmp_path_factory.mktemp("dp") / "serve.log"
-    kv = ENGINE_KV_FLAGS  # per engine
     args = [
         "-m", "engine_adapter.vllm.serve", str(ensure_default_model()), "--served-model-name", MODEL,
         "--middleware", MIDDLEWARE, "--data-parallel-size", "2", "--host", "127.0.0.1",
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning", *kv, *machine_flags(kv),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning", *ENGINE_KV_FLAGS, *machine_flags(ENGINE_KV_FLAGS),
     ]
     began = time.monotonic()
     with running_server(args, env=core_binds(), timeout_s=600, log_path=log) as (url, proc):
