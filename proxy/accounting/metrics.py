@@ -1,15 +1,17 @@
-"""Prometheus metrics (prefix ``cachetally_``) and the per-request record they count.
+"""Prometheus metrics (prefix ``cachetally_``): each finished request counted from its usage record.
 
-Every series is a native prometheus_client ``Counter``, ``Histogram`` or ``Gauge``, so it
-is right in both of prometheus_client's modes:
+Every series is right in both of prometheus_client's modes:
 
 - **One process**: the metrics live in the registry they are registered in. ``registry=None``
   gives each :class:`Metrics` a private ``CollectorRegistry``, so several apps in one process
   (tests, benchmarks) never share counters; vLLM's middleware passes ``prometheus_client.REGISTRY``.
+  The series each request updates are counted in plain numbers and read at scrape
+  (:mod:`proxy.accounting.series`); the rest are prometheus_client's own.
 - **Several processes** (``PROMETHEUS_MULTIPROC_DIR`` set: ``vllm serve --api-server-count N``,
-  ``cachetally serve --workers N``): every value lives in per-pid mmap files in that
-  directory, whatever registry holds the object, and ``MultiProcessCollector`` sums them.
-  Custom collectors and ``Gauge.set_function`` are invisible there.
+  ``cachetally serve --workers N``): every series is prometheus_client's own, its values in
+  per-pid mmap files in that directory, whatever registry holds the object, and
+  ``MultiProcessCollector`` sums them. Custom collectors and ``Gauge.set_function`` are
+  invisible there.
   ``cachetally_ledger_open_slots`` is a ``livesum`` gauge: the sum over live processes
   (``cachetally serve --workers`` drops a dead worker's files: :mod:`proxy.server.workers`).
   Empty files are skipped (:class:`_SizedFilesCollector`).
@@ -21,9 +23,9 @@ the hooks the ledger and the recorder offer (``UsageLedger.observer``, ``DropCou
 process only: in multiprocess mode another process answers the scrape, and an eviction in
 an idle process would stay invisible until that process's next request.
 
-Each request's updates are a few series writes (an mmap write each in multiprocess mode);
-label children are looked up once and kept (``_Children``). What that costs per request,
-in one process and in multiprocess mode: docs/PERFORMANCE.md.
+Each request's updates are a few series writes: a dict update each in one process, an mmap
+write each in multiprocess mode, where label children are looked up once and kept. What
+that costs per request, in each mode: docs/PERFORMANCE.md.
 
 The token and request counters carry a ``tenant`` label, bounded by :mod:`proxy.accounting.tenants`;
 the per-request histograms do not (a histogram per tenant and model is too many series).
@@ -34,22 +36,41 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from proxy.accounting.series import Family, Native, Tally
 from proxy.accounting.stats import CacheStats, collected_stats
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.pd_leg import LegMetrics
 
 if TYPE_CHECKING:
+    from proxy.accounting.records.record import UsageRecord
     from proxy.accounting.records.recorder import Recorder
 
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+# The series every metered request updates (proxy.accounting.series).
+REQUESTS = Family("cachetally_requests", "Requests of the metered routes by cache outcome",
+                  ("model", "route", "stream", "cache", "tenant"))
+PROMPT = Family("cachetally_prompt_tokens", "Prompt tokens of counted requests", ("model", "tenant"))
+CACHED = Family("cachetally_cached_tokens", "Prompt tokens served from the prefix cache",
+                ("model", "source", "tier", "tenant"))
+CACHE_WRITE = Family("cachetally_cache_write_tokens", "Prompt tokens the engine wrote to its prefix cache",
+                     ("model", "source", "tenant"))
+COMPLETION = Family("cachetally_completion_tokens",
+                    "Completion tokens, counted up to the disconnect when a client left early", ("model", "tenant"))
+REQUEST_CACHED = Family("cachetally_request_cached_tokens", "Cached prompt tokens per request", ("model",),
+                        _TOKEN_BUCKETS)
+REQUEST_RATIO = Family("cachetally_request_cache_hit_ratio", "cached_tokens / prompt_tokens per request", ("model",),
+                       _RATIO_BUCKETS)
+RECORDS_DROPPED = Family("cachetally_usage_records_dropped",
+                         "Usage records a sink could not take or write (queue full, write or export failed)",
+                         ("sink", "reason"))
 
 
 def multiprocess_dir() -> str | None:
@@ -80,45 +101,6 @@ class _SizedFilesCollector(MultiProcessCollector):
             except FileNotFoundError:  # removed since the glob: a dead process's live gauge
                 continue
         return self.merge(files, accumulate=True)
-
-
-@dataclass(slots=True)
-class MeteredRequest:
-    """One finished request of a metered route (proxy.patching.routes), as the proxy saw it."""
-
-    model: str
-    route: str  # chat | completions | responses | messages | invocations
-    stream: bool
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    source: str | None = None  # engine | upstream | None when unknown
-    local_cached_tokens: int | None = None
-    external_cached_tokens: int | None = None
-    cache_write_tokens: int | None = None  # prompt tokens the engine wrote to its prefix cache
-    mismatches: int = 0
-    tenant: str = "default"
-    completion_tokens: int = 0
-
-    @property
-    def cache(self) -> str:
-        if self.cached_tokens is None or self.prompt_tokens is None:
-            return "unknown"
-        return "hit" if self.cached_tokens > 0 else "miss"
-
-
-class _Children(dict[tuple[str, ...], Callable[[float], None]]):
-    """A labelled metric's ``inc`` or ``observe`` per label values, each looked up once.
-
-    A dict, so that a lookup after the first is a plain C-level ``dict[...]``.
-    """
-
-    def __init__(self, metric: Counter | Histogram, method: str) -> None:
-        super().__init__()
-        self._metric, self._method = metric, method
-
-    def __missing__(self, labels: tuple[str, ...]) -> Callable[[float], None]:
-        bound = self[labels] = getattr(self._metric.labels(*labels), self._method)
-        return bound
 
 
 class _LedgerMetrics:
@@ -175,36 +157,14 @@ class Metrics:
         )
         ledger.observer = _LedgerMetrics(registry, ledger)
 
-        def counter(name: str, doc: str, labels: list[str]) -> _Children:
-            return _Children(Counter(name, doc, labels, registry=registry), "inc")
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Children:
-            return _Children(Histogram(name, doc, ["model"], buckets=buckets, registry=registry), "observe")
-
-        self._prompt = counter("cachetally_prompt_tokens", "Prompt tokens of counted requests", ["model", "tenant"])
-        self._cached = counter(
-            "cachetally_cached_tokens", "Prompt tokens served from the prefix cache",
-            ["model", "source", "tier", "tenant"],
-        )
-        self._cache_write = counter(
-            "cachetally_cache_write_tokens", "Prompt tokens the engine wrote to its prefix cache",
-            ["model", "source", "tenant"],
-        )
-        self._completion = counter(
-            "cachetally_completion_tokens",
-            "Completion tokens, counted up to the disconnect when a client left early",
-            ["model", "tenant"],
-        )
-        self._requests = counter(
-            "cachetally_requests", "Requests of the metered routes by cache outcome",
-            ["model", "route", "stream", "cache", "tenant"],
-        )
-        self._request_cached = histogram(
-            "cachetally_request_cached_tokens", "Cached prompt tokens per request", _TOKEN_BUCKETS
-        )
-        self._request_ratio = histogram(
-            "cachetally_request_cache_hit_ratio", "cached_tokens / prompt_tokens per request", _RATIO_BUCKETS
-        )
+        series = Native(registry) if mp_dir else Tally(registry)
+        self._requests = series.counter(REQUESTS)
+        self._prompt = series.counter(PROMPT)
+        self._cached = series.counter(CACHED)
+        self._cache_write = series.counter(CACHE_WRITE)
+        self._completion = series.counter(COMPLETION)
+        self._request_cached = series.histogram(REQUEST_CACHED)
+        self._request_ratio = series.histogram(REQUEST_RATIO)
         self._mismatch = Counter(
             "cachetally_cached_tokens_mismatch",
             "Responses whose own cached_tokens differed from the engine's",
@@ -213,43 +173,39 @@ class Metrics:
         self._records_written = Counter(
             "cachetally_usage_records_written", "Usage records a sink wrote or exported", ["sink"], registry=registry
         )
-        self._records_dropped = _Children(
-            Counter(
-                "cachetally_usage_records_dropped",
-                "Usage records a sink could not take or write (queue full, write or export failed)",
-                ["sink", "reason"],
-                registry=registry,
-            ),
-            "inc",
-        )
+        self._records_dropped = Native(registry).counter(RECORDS_DROPPED)  # counted from sink threads
 
-    def count_completion(self, rec: MeteredRequest) -> None:
+    def count_completion(self, rec: UsageRecord) -> None:
         """Only the completion tokens of a request that is not counted otherwise."""
         if rec.completion_tokens:
-            self._completion[rec.model, rec.tenant](rec.completion_tokens)
+            self._completion.add((rec.model, rec.tenant), rec.completion_tokens)
 
-    def record(self, rec: MeteredRequest) -> None:
+    def record(self, rec: UsageRecord, mismatches: int = 0) -> None:
+        """Count one finished request; ``mismatches``: how often the engine's figure overwrote
+        a different one in its response."""
         model, tenant = rec.model, rec.tenant
-        self._requests[model, rec.route, "true" if rec.stream else "false", rec.cache, tenant](1)
-        if rec.mismatches:
-            self._mismatch(rec.mismatches)
-        self.count_completion(rec)
         prompt, cached = rec.prompt_tokens, rec.cached_tokens
+        cache = "unknown" if prompt is None or cached is None else "hit" if cached else "miss"
+        self._requests.add((model, rec.route, "true" if rec.stream else "false", cache, tenant), 1)
+        if mismatches:
+            self._mismatch(mismatches)
+        if rec.completion_tokens:
+            self._completion.add((model, tenant), rec.completion_tokens)
         self.stats.add(prompt, cached)
         if prompt is None or cached is None:
             return  # cache=unknown: not in the token counters, so the hit rate is not diluted
         source = rec.source or "upstream"
-        self._prompt[model, tenant](prompt)
-        self._cached[model, source, "all", tenant](cached)
+        self._prompt.add((model, tenant), prompt)
+        self._cached.add((model, source, "all", tenant), cached)
         if rec.local_cached_tokens is not None:
-            self._cached[model, source, "local", tenant](rec.local_cached_tokens)
+            self._cached.add((model, source, "local", tenant), rec.local_cached_tokens)
         if rec.external_cached_tokens is not None:
-            self._cached[model, source, "external", tenant](rec.external_cached_tokens)
-        if rec.cache_write_tokens:
-            self._cache_write[model, source, tenant](rec.cache_write_tokens)
-        self._request_cached[(model,)](cached)
+            self._cached.add((model, source, "external", tenant), rec.external_cached_tokens)
+        if rec.cache_creation_tokens:
+            self._cache_write.add((model, source, tenant), rec.cache_creation_tokens)
+        self._request_cached.observe(model, cached)
         if prompt:
-            self._request_ratio[(model,)](cached / prompt)
+            self._request_ratio.observe(model, cached / prompt)
 
     def watch_recorder(self, recorder: Recorder) -> None:
         """Count ``cachetally_usage_records_{written,dropped}_total`` for ``recorder``.
@@ -259,7 +215,7 @@ class Metrics:
         for worker in recorder.workers:
             worker.on_written = self._records_written.labels(worker.sink.name).inc
         dropped = self._records_dropped
-        recorder.drops.listener = lambda sink, reason, n: dropped[sink, reason](n)
+        recorder.drops.listener = lambda sink, reason, n: dropped.add((sink, reason), n)
 
     def exposition(self) -> bytes:
         """The ``/metrics`` text: every process's series in multiprocess mode."""

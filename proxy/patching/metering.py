@@ -8,8 +8,8 @@ slot is counted once (docs/ARCHITECTURE.md, "Invariants").
 from __future__ import annotations
 
 import re
+import time
 
-from proxy.accounting.metrics import MeteredRequest
 from proxy.accounting.records.record import UsageRecord
 from proxy.asgi.headers import RequestHeaders
 from proxy.patching.ledger import EngineUsage
@@ -22,72 +22,43 @@ _TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 def meter(r: Responder, engine: EngineUsage | None) -> None:
     """Count this request once and submit its usage record. Synchronous: runs in the
     middleware's ``finally``. A prefill leg is counted as a leg only (:mod:`proxy.patching.pd_leg`)."""
+    notes, metrics = r.notes, r.ctx.metrics
+    outcome = notes.outcome(r.status)
     if r.leg == PREFILL:
-        r.ctx.metrics.legs.count(PREFILL, r.notes.outcome(r.status), engine)
+        metrics.legs.count(PREFILL, outcome, engine)
         return
     in_response = r.in_response
     # A model the engine serves, never a name a client made up: labels must stay bounded.
     model = r.ctx.config.models.label(in_response.model) if in_response.model else r.ctx.config.default_model
-    completion, completion_source = r.notes.completion(r.stream)
-    record = MeteredRequest(
-        model=model,
-        route=r.route,
-        stream=r.stream,
-        mismatches=in_response.mismatches,
-        tenant=r.tenant,
-        completion_tokens=completion,
-    )
+    completion, completion_source = notes.completion(r.stream)
+    local = external = writes = None
     if engine is not None:
-        record.prompt_tokens, record.cached_tokens, record.source = (
-            engine.prompt_tokens,
-            engine.cached_tokens,
-            "engine",
-        )
-        record.local_cached_tokens = engine.local_cached_tokens
-        record.external_cached_tokens = engine.external_cached_tokens
-        record.cache_write_tokens = engine.cache_creation_tokens
+        prompt, cached, source = engine.prompt_tokens, engine.cached_tokens, "engine"
+        local, external, writes = engine.local_cached_tokens, engine.external_cached_tokens, engine.cache_creation_tokens
     elif in_response.source == "upstream":
-        record.prompt_tokens, record.cached_tokens, record.source = (
-            in_response.prompt_tokens,
-            in_response.cached_tokens,
-            "upstream",
-        )
+        prompt, cached, source = in_response.prompt_tokens, in_response.cached_tokens, "upstream"
     else:
-        record.prompt_tokens = in_response.prompt_tokens
+        prompt, cached, source = in_response.prompt_tokens, None, None
+    options = r.options
+    record = UsageRecord(
+        request_id=r.key, tenant=r.tenant, route=r.route, stream=r.stream if options is None else options.stream,
+        start_unix=notes.started, end_unix=notes.started + (time.monotonic() - notes.t0), model=model,
+        request_model=None if options is None else options.model, response_id=notes.response_id,
+        status=r.status, outcome=outcome, prompt_tokens=prompt, cached_tokens=cached,
+        local_cached_tokens=local, external_cached_tokens=external, cache_creation_tokens=writes,
+        source=source, completion_tokens=completion, completion_source=completion_source, ttft_s=notes.ttft_s,
+        traceparent=_traceparent(r.request_headers),
+    )
     if engine is None and in_response.prompt_tokens is None and not r.completed:
         # Rejected (4xx), failed or abandoned before the engine saw it: not a counted
         # request, but the tokens it streamed still count, as its usage record does.
-        r.ctx.metrics.count_completion(record)
+        metrics.count_completion(record)
     else:
-        r.ctx.metrics.record(record)
+        metrics.record(record, in_response.mismatches)
     if r.leg == DECODE:
-        r.ctx.metrics.legs.count(DECODE, r.notes.outcome(r.status), engine)
-    recorder = r.ctx.recorder
-    if recorder is not None:
-        recorder.submit(_usage_record(r, record, engine, completion_source))
-
-
-def _usage_record(r: Responder, rec: MeteredRequest, engine: EngineUsage | None, completion_source: str) -> UsageRecord:
-    options = r.options
-    return r.notes.record(
-        request_id=r.key,
-        tenant=r.tenant,
-        route=r.route,
-        stream=r.stream if options is None else options.stream,
-        model=rec.model,
-        request_model=options.model if options is not None else None,
-        status=r.status,
-        outcome=r.notes.outcome(r.status),
-        prompt_tokens=rec.prompt_tokens,
-        cached_tokens=rec.cached_tokens,
-        local_cached_tokens=rec.local_cached_tokens,
-        external_cached_tokens=rec.external_cached_tokens,
-        cache_creation_tokens=engine.cache_creation_tokens if engine is not None else None,
-        source=rec.source,
-        completion_tokens=rec.completion_tokens,
-        completion_source=completion_source,
-        traceparent=_traceparent(r.request_headers),
-    )
+        metrics.legs.count(DECODE, outcome, engine)
+    if r.ctx.recorder is not None:
+        r.ctx.recorder.submit(record)
 
 
 def _traceparent(headers: RequestHeaders) -> str | None:

@@ -23,9 +23,9 @@ Per request on a patched route:
    ``Accept-Encoding: identity`` (the response is parsed and patched).
 4. The response is patched: a JSON body is held, patched and re-measured; an SSE stream
    is passed on as it comes, with only usage events rewritten (``proxy.patching.sse``).
-5. On the way out, one :class:`~proxy.accounting.metrics.MeteredRequest` is counted under the
-   request's tenant (:mod:`proxy.accounting.tenants`), and, when a recorder is configured, one
-   :class:`~proxy.accounting.records.record.UsageRecord` is handed to it: a queue append, no I/O.
+5. On the way out, the request's one :class:`~proxy.accounting.records.record.UsageRecord`
+   is counted in the metrics under its tenant (:mod:`proxy.accounting.tenants`) and, when a
+   recorder is configured, handed to it: a queue append, no I/O.
 """
 
 from __future__ import annotations

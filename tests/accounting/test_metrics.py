@@ -8,7 +8,7 @@ import os
 import random
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -18,13 +18,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from engine_adapter.events import Scheduled
-from proxy.accounting.metrics import _RATIO_BUCKETS, _TOKEN_BUCKETS, Metrics, MeteredRequest
+from proxy.accounting.metrics import _RATIO_BUCKETS, _TOKEN_BUCKETS, Metrics
+from proxy.accounting.records.record import UsageRecord
 from proxy.accounting.records.queue import Delivery
 from proxy.accounting.records.recorder import Recorder
 from proxy.patching.ledger import UsageLedger
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("cachetally_requests", "cachetally_prompt_tokens", "cachetally_cached_tokens_total",
+            "cachetally_cache_write_tokens",
             "cachetally_completion_tokens", "cachetally_request_cached_tokens", "cachetally_request_cache_hit_ratio",
             "cachetally_cached_tokens_mismatch")
 
@@ -42,7 +44,30 @@ def samples(text: bytes, prefix: str) -> dict[str, float]:
     return out
 
 
-def cache_of(rec: MeteredRequest) -> str:
+@dataclass(frozen=True)
+class Counted:
+    """One finished request's figures, as the tests generate them."""
+
+    model: str
+    route: str
+    stream: bool
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    source: str | None = None
+    local_cached_tokens: int | None = None
+    external_cached_tokens: int | None = None
+    cache_creation_tokens: int | None = None
+    mismatches: int = 0
+    tenant: str = "default"
+    completion_tokens: int = 0
+
+    def count(self, metrics: Metrics) -> None:
+        """``metrics`` counts this request's usage record, as the middleware hands it over."""
+        fields = {k: v for k, v in asdict(self).items() if k != "mismatches"}
+        metrics.record(UsageRecord(request_id="r", start_unix=0.0, **fields), self.mismatches)
+
+
+def cache_of(rec: Counted) -> str:
     """The ``cache`` label as docs/ACCOUNTING.md defines it: unknown without both figures,
     else hit when any prompt token was cached."""
     if rec.prompt_tokens is None or rec.cached_tokens is None:
@@ -50,13 +75,14 @@ def cache_of(rec: MeteredRequest) -> str:
     return "hit" if rec.cached_tokens > 0 else "miss"
 
 
-def reference(recs: list[MeteredRequest]) -> bytes:
+def reference(recs: list[Counted]) -> bytes:
     """The exposition prometheus_client's own Counter and Histogram give for ``recs``."""
     registry = CollectorRegistry()
     requests = Counter("cachetally_requests", "", ["model", "route", "stream", "cache", "tenant"], registry=registry)
     prompt = Counter("cachetally_prompt_tokens", "", ["model", "tenant"], registry=registry)
     cached = Counter("cachetally_cached_tokens", "", ["model", "source", "tier", "tenant"], registry=registry)
     completion = Counter("cachetally_completion_tokens", "", ["model", "tenant"], registry=registry)
+    writes = Counter("cachetally_cache_write_tokens", "", ["model", "source", "tenant"], registry=registry)
     mismatch = Counter("cachetally_cached_tokens_mismatch", "", registry=registry)
     per_request = Histogram("cachetally_request_cached_tokens", "", ["model"], buckets=_TOKEN_BUCKETS,
                             registry=registry)
@@ -76,13 +102,15 @@ def reference(recs: list[MeteredRequest]) -> bytes:
         for tier, value in (("local", rec.local_cached_tokens), ("external", rec.external_cached_tokens)):
             if value is not None:
                 cached.labels(rec.model, source, tier, rec.tenant).inc(value)
+        if rec.cache_creation_tokens:
+            writes.labels(rec.model, source, rec.tenant).inc(rec.cache_creation_tokens)
         per_request.labels(rec.model).observe(rec.cached_tokens)
         if rec.prompt_tokens:
             ratio.labels(rec.model).observe(rec.cached_tokens / rec.prompt_tokens)
     return generate_latest(registry)
 
 
-def expected_stats(recs: list[MeteredRequest]) -> dict[str, int | float]:
+def expected_stats(recs: list[Counted]) -> dict[str, int | float]:
     """``/stats`` for ``recs``, written out here rather than taken from the code that serves
     it: hit rates over the requests and prompt tokens whose cache is known."""
     known = [rec for rec in recs if cache_of(rec) != "unknown"]
@@ -102,7 +130,7 @@ def expected_stats(recs: list[MeteredRequest]) -> dict[str, int | float]:
 
 
 records = st.builds(
-    MeteredRequest,
+    Counted,
     model=st.sampled_from(["m1", "m2"]),
     route=st.sampled_from(["chat", "completions"]),
     stream=st.booleans(),
@@ -111,6 +139,7 @@ records = st.builds(
     source=st.sampled_from([None, "engine", "upstream"]),
     local_cached_tokens=st.one_of(st.none(), st.integers(0, 10_000)),
     external_cached_tokens=st.one_of(st.none(), st.integers(0, 10_000)),
+    cache_creation_tokens=st.one_of(st.none(), st.integers(0, 10_000)),
     mismatches=st.integers(0, 2),
     tenant=st.sampled_from(["default", "other", "team-a"]),
     completion_tokens=st.integers(0, 5_000),
@@ -119,10 +148,10 @@ records = st.builds(
 
 @settings(deadline=None)  # a pass/fail test, not a timing: the machine is shared
 @given(st.lists(records, max_size=30))
-def test_series_match_prometheus_client_counters_and_histograms(recs: list[MeteredRequest]) -> None:
+def test_series_match_prometheus_client_counters_and_histograms(recs: list[Counted]) -> None:
     metrics = Metrics(UsageLedger())
     for rec in recs:
-        metrics.record(rec)
+        rec.count(metrics)
     ours, theirs = metrics.exposition(), reference(recs)
     for family in FAMILIES:
         assert samples(ours, family) == samples(theirs, family), family
@@ -131,7 +160,7 @@ def test_series_match_prometheus_client_counters_and_histograms(recs: list[Meter
 
 def test_each_metrics_has_its_own_registry() -> None:
     one, two = Metrics(UsageLedger()), Metrics(UsageLedger())
-    one.record(MeteredRequest("m", "chat", False, prompt_tokens=10, cached_tokens=4))
+    Counted("m", "chat", False, prompt_tokens=10, cached_tokens=4).count(one)
     assert one.stats_dict()["total_requests"] == 1
     assert two.stats_dict()["total_requests"] == 0
 
@@ -195,13 +224,15 @@ def test_usage_records_written_and_dropped_reach_the_counters() -> None:
 _CHILD = """
 import json, sys
 from engine_adapter.events import Scheduled
-from proxy.accounting.metrics import Metrics, MeteredRequest
+from proxy.accounting.metrics import Metrics
+from proxy.accounting.records.record import UsageRecord
 from proxy.patching.ledger import UsageLedger
 job = json.load(sys.stdin)
 ledger = UsageLedger()
 metrics = Metrics(ledger)
 for rec in job["records"]:
-    metrics.record(MeteredRequest(**rec))
+    mismatches = rec.pop("mismatches")
+    metrics.record(UsageRecord(request_id="r", start_unix=0.0, **rec), mismatches)
 for i in range(job["open"]):
     ledger.open(f"slot-{i}")
 ledger.publish(Scheduled("nobody", prompt_tokens=1, cached_tokens=0))
@@ -210,15 +241,16 @@ print(metrics.stats.line())
 """
 
 
-def _random_records(rng: random.Random, n: int) -> list[MeteredRequest]:
+def _random_records(rng: random.Random, n: int) -> list[Counted]:
     out = []
     for _ in range(n):
         prompt = rng.choice([None, 0, rng.randrange(1, 300_000)])
         cached = None if rng.random() < 0.1 else rng.randrange(0, 1 + (prompt or 0))
-        out.append(MeteredRequest(
+        out.append(Counted(
             model=rng.choice(["m1", "m2"]), route=rng.choice(["chat", "completions"]), stream=rng.random() < 0.5,
             prompt_tokens=prompt, cached_tokens=cached, source=rng.choice([None, "engine", "upstream"]),
-            local_cached_tokens=rng.choice([None, rng.randrange(100)]), mismatches=rng.randrange(2),
+            local_cached_tokens=rng.choice([None, rng.randrange(100)]),
+            cache_creation_tokens=rng.choice([None, 0, rng.randrange(100)]), mismatches=rng.randrange(2),
             tenant=rng.choice(["default", "team-a"]), completion_tokens=rng.randrange(50),
         ))
     return out

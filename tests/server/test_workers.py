@@ -106,11 +106,13 @@ def test_two_workers_sum_into_metrics_and_stats(upstream: str, tmp_path: Path) -
 
 
 _STALE = """
-from proxy.accounting.metrics import Metrics, MeteredRequest
+from proxy.accounting.metrics import Metrics
+from proxy.accounting.records.record import UsageRecord
 from proxy.patching.ledger import UsageLedger
 metrics = Metrics(UsageLedger())
 for _ in range(1000):
-    metrics.record(MeteredRequest("sim-model", "chat", False, prompt_tokens=100, cached_tokens=50))
+    metrics.record(UsageRecord("r", "default", "chat", False, 0.0, model="sim-model", prompt_tokens=100,
+                               cached_tokens=50))
 """
 
 

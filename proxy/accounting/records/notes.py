@@ -21,7 +21,6 @@ import re
 import time
 from typing import Any
 
-from proxy.accounting.records.record import UsageRecord
 
 _ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _FIRST_EVENT = (b"data: {", b"data:{")
@@ -35,14 +34,15 @@ _TOKEN_EVENTS = {
 
 class RequestNotes:
     __slots__ = (
-        "started", "_t0", "ttft_s", "response_id", "disconnected", "response_done",
+        "started", "t0", "ttft_s", "response_id", "disconnected", "response_done",
         "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
         "_usage_events", "_token_events",
     )
 
     def __init__(self, route: str) -> None:
         self.started = time.time()
-        self._t0 = time.monotonic()
+        #: ``time.monotonic()`` at ``started``: durations are measured on it.
+        self.t0 = time.monotonic()
         self.ttft_s: float | None = None
         self.response_id: str | None = None
         self.disconnected = False
@@ -58,7 +58,7 @@ class RequestNotes:
         if not more:
             self.response_done = True
         if self.ttft_s is None and body:
-            self.ttft_s = time.monotonic() - self._t0
+            self.ttft_s = time.monotonic() - self.t0
 
     def sse_events(self, events: bytes) -> None:
         """Count in whole events (the patcher's output); runs for every chunk of every
@@ -113,12 +113,3 @@ class RequestNotes:
         if self.response_done:
             return "completed" if status is not None and status < 400 else "error"
         return "disconnected" if self.disconnected else "error"
-
-    def record(self, **fields: Any) -> UsageRecord:
-        return UsageRecord(
-            start_unix=self.started,
-            end_unix=self.started + (time.monotonic() - self._t0),
-            response_id=self.response_id,
-            ttft_s=self.ttft_s,
-            **fields,
-        )
