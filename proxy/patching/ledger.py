@@ -53,17 +53,21 @@ class EngineUsage:
     per_request: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, event: Scheduled) -> None:
-        self.prompt_tokens += event.prompt_tokens
-        self.cached_tokens += event.cached_tokens
-        self.local_cached_tokens = _add_optional(self.local_cached_tokens, event.local_cached_tokens)
-        self.external_cached_tokens = _add_optional(
-            self.external_cached_tokens, event.external_cached_tokens
-        )
-        self.cache_creation_tokens = _add_optional(
-            self.cache_creation_tokens, event.cache_creation_tokens
-        )
-        self.transferred_tokens = _add_optional(self.transferred_tokens, event.transferred_tokens)
-        self.decode_local_tokens = _add_optional(self.decode_local_tokens, event.decode_local_tokens)
+        if not self.events:  # the first, and usually the only, event of a request
+            self.prompt_tokens, self.cached_tokens = event.prompt_tokens, event.cached_tokens
+            self.local_cached_tokens = event.local_cached_tokens
+            self.external_cached_tokens = event.external_cached_tokens
+            self.cache_creation_tokens = event.cache_creation_tokens
+            self.transferred_tokens = event.transferred_tokens
+            self.decode_local_tokens = event.decode_local_tokens
+        else:
+            self.prompt_tokens += event.prompt_tokens
+            self.cached_tokens += event.cached_tokens
+            self.local_cached_tokens = _add_optional(self.local_cached_tokens, event.local_cached_tokens)
+            self.external_cached_tokens = _add_optional(self.external_cached_tokens, event.external_cached_tokens)
+            self.cache_creation_tokens = _add_optional(self.cache_creation_tokens, event.cache_creation_tokens)
+            self.transferred_tokens = _add_optional(self.transferred_tokens, event.transferred_tokens)
+            self.decode_local_tokens = _add_optional(self.decode_local_tokens, event.decode_local_tokens)
         self.events += 1
         self.per_request.append((event.prompt_tokens, event.cached_tokens))
 

@@ -19,7 +19,7 @@ import orjson
 from starlette.types import Message, Send
 
 from proxy.accounting.records.notes import RequestNotes
-from proxy.asgi.headers import Headers, RequestHeaders, without
+from proxy.asgi.headers import Headers, RequestHeaders
 from proxy.patching.context import PatchContext
 from proxy.patching.ghost import GhostHold
 from proxy.patching.pd_leg import Leg
@@ -65,6 +65,7 @@ class Responder:
         self._sniff_chunks = _MODEL_SNIFF_CHUNKS
         self.status: int | None = None
         self._start: Message | None = None
+        self._length: tuple[bytes, bytes] | None = None  # a held start's Content-Length
         self._chunks: list[bytes] = []
         self._size = 0
         self._sse: SSEPatcher | None = None
@@ -74,16 +75,26 @@ class Responder:
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
-        if kind == "http.response.start":
+        if kind == "http.response.body":
+            mode = self.mode
+            if mode is Mode.SSE:
+                await self._on_sse(message)
+            elif mode is Mode.JSON:
+                await self._on_json(message)
+            else:
+                more = message.get("more_body", False)
+                if not more:
+                    self.completed = self.options is not None and self.status == 200
+                self.notes.body(message.get("body", b""), more)
+                await self._send(message)
+        elif kind == "http.response.start":
             await self._on_start(message)
-        elif kind == "http.response.body":
-            await self._on_body(message)
         else:
             await self._send(message)
 
     async def _on_start(self, message: Message) -> None:
         echo_header = self.ctx.echo_header
-        content_type, encoded = b"", False
+        content_type, encoded, length = b"", False, None
         headers: Headers = []
         for name, value in message["headers"]:
             lower = name.lower()
@@ -91,73 +102,85 @@ class Responder:
                 continue
             if lower == b"content-type":
                 content_type = value
+            elif lower == b"content-length":
+                length = (name, value)
+                continue  # put back below, unless the body may change
             elif lower == b"content-encoding":
                 encoded = True
             headers.append((name, value))
         headers.append((echo_header, self.echo.encode("latin-1")))
         message = {**message, "headers": headers}
-        self.status = message["status"]
-        if message["status"] != 200 or self.options is None:
-            self.mode = Mode.PASS
+        status = self.status = message["status"]
+        if status != 200 or self.options is None:
+            pass
         elif encoded:
-            self._skip("encoded")
+            self._count_skip("encoded")
         elif content_type.startswith(b"text/event-stream"):
             self.mode, self.stream = Mode.SSE, True
             if self.ghost_asked:
                 self._hold = GhostHold()
-            message["headers"] = without(headers, b"content-length")
             self._sse = SSEPatcher(
                 self._patch_event,
                 max_event_bytes=self.ctx.config.max_event_bytes,
                 on_oversize=lambda: self._count_skip("event_too_large"),
             )
+            await self._send(message)
+            return
         elif content_type.startswith(b"application/json"):
             self.mode = Mode.JSON
-            self._start = message
-            return  # held until the body is complete
+            self._start, self._length = message, length
+            return  # held until the body is complete: its length is set then
         else:
-            self._skip("content_type")
+            self._count_skip("content_type")
+        if length is not None:
+            headers.append(length)
         await self._send(message)
 
-    async def _on_body(self, message: Message) -> None:
+    async def _on_sse(self, message: Message) -> None:
         body: bytes = message.get("body", b"")
         more = message.get("more_body", False)
         if not more:
             self.completed = self.options is not None and self.status == 200
         self.notes.body(body, more)
-        if self.mode is Mode.SSE:
-            assert self._sse is not None
-            if self.in_response.model is None and self._sniff_chunks and body:
-                self._sniff_chunks -= 1
-                self.notes.sniff_id(body)
-                if match := _MODEL_FIELD.search(body):
-                    self.in_response.model = match.group(1).decode("utf-8", "replace")
-            out = self._sse.feed(body) if body else b""
+        assert self._sse is not None
+        if self.in_response.model is None and self._sniff_chunks and body:
+            self._sniff_chunks -= 1
+            self.notes.sniff_id(body)
+            if match := _MODEL_FIELD.search(body):
+                self.in_response.model = match.group(1).decode("utf-8", "replace")
+        out = self._sse.feed(body) if body else b""
+        if not more:
+            out += self._sse.flush()
+        if out:
+            self.notes.sse_events(out)
+        if self._hold is not None:
+            out = self._hold.filter(out)
             if not more:
-                out += self._sse.flush()
-            if out:
-                self.notes.sse_events(out)
-            if self._hold is not None:
-                out = self._hold.filter(out)
-                if not more:
-                    out += self._hold.release()
-            if out is body and body:
-                await self._send(message)  # passed on as it came
-            elif out or not more:
-                await self._send({"type": "http.response.body", "body": out, "more_body": more})
-        elif self.mode is Mode.JSON:
-            self._chunks.append(body)
-            self._size += len(body)
-            if not more:
-                await self._send_json(b"".join(self._chunks))
-            elif self._size > self.ctx.config.max_response_bytes:
-                self._count_skip("body_too_large")
-                self.mode = Mode.PASS
-                await self._send(self._take_start())
-                await self._send({"type": "http.response.body", "body": b"".join(self._chunks), "more_body": True})
-                self._chunks.clear()
-        else:
-            await self._send(message)
+                out += self._hold.release()
+        if out is body and body:
+            await self._send(message)  # passed on as it came
+        elif out or not more:
+            await self._send({"type": "http.response.body", "body": out, "more_body": more})
+
+    async def _on_json(self, message: Message) -> None:
+        body: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        self.notes.body(body, more)
+        self._chunks.append(body)
+        if not more:
+            self.completed = self.options is not None and self.status == 200
+            await self._send_json(b"".join(self._chunks))
+            return
+        self._size += len(body)
+        if self._size > self.ctx.config.max_response_bytes:
+            self._count_skip("body_too_large")
+            self.mode = Mode.PASS
+            start = self._take_start()
+            if self._length is not None:
+                start["headers"].append(self._length)
+            await self._send(start)
+            await self._send({"type": "http.response.body", "body": b"".join(self._chunks), "more_body": True})
+            self._chunks.clear()
 
     async def _send_json(self, body: bytes) -> None:
         start = self._take_start()
@@ -171,10 +194,7 @@ class Responder:
             self.notes.whole_usage(payload)
             if self._patch(payload) is not None:
                 body = orjson.dumps(payload)
-                start["headers"] = [
-                    *without(start["headers"], b"content-length"),
-                    (b"content-length", b"%d" % len(body)),
-                ]
+        start["headers"].append((b"content-length", b"%d" % len(body)))
         await self._send(start)
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -220,10 +240,6 @@ class Responder:
                 payload, self.in_response
             )
         return self._patch(payload)
-
-    def _skip(self, reason: str) -> None:
-        self.mode = Mode.PASS
-        self._count_skip(reason)
 
     def _count_skip(self, reason: str) -> None:
         self.ctx.metrics.patch_skipped.labels(reason).inc()

@@ -40,7 +40,7 @@ class ResponseUsage:
     mismatches: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class UsagePatch:
     """Per-request patching context; ``apply`` is called on every JSON payload."""
 

@@ -1,6 +1,7 @@
 """Read an engine's own cached-token report, wherever that engine puts it.
 
-Used only when no engine event exists (``source=upstream``). Each reader takes a parsed
+Used when no engine event exists (``source=upstream``), and to count a response whose own
+value differs from the engine's. Each reader takes one top-level field of a parsed
 response body or SSE chunk and returns a non-negative int, or ``None`` when that shape
 carries no value. The first reader that knows the value wins. What each engine sends
 (fixtures with sources: ``tests/fixtures/upstream/<engine>.json``):
@@ -24,9 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-Reader = Callable[[dict[str, Any]], int | None]
-
-
 def _count(value: Any) -> int | None:
     # bool is an int subclass; a JSON true is not a token count.
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -34,16 +32,14 @@ def _count(value: Any) -> int | None:
     return None
 
 
-def _openai(payload: dict[str, Any]) -> int | None:
+def _openai(usage: Any) -> int | None:
     """OpenAI standard: vLLM, SGLang, llama.cpp, TensorRT-LLM, lmdeploy."""
-    usage = payload.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     return _count(details.get("cached_tokens")) if isinstance(details, dict) else None
 
 
-def _sglang_ext(payload: dict[str, Any]) -> int | None:
+def _sglang_ext(ext: Any) -> int | None:
     """SGLang ``sglext.cached_tokens_details``: device + host (+ storage) cache hits."""
-    ext = payload.get("sglext")
     tiers = ext.get("cached_tokens_details") if isinstance(ext, dict) else None
     if not isinstance(tiers, dict):
         return None
@@ -54,18 +50,22 @@ def _sglang_ext(payload: dict[str, Any]) -> int | None:
     return sum(c for c in counts if c is not None) if None not in counts else None
 
 
-def _llama_cpp(payload: dict[str, Any]) -> int | None:
+def _llama_cpp(timings: Any) -> int | None:
     """llama.cpp server: ``timings.cache_n`` (prompt tokens reused from the KV cache)."""
-    timings = payload.get("timings")
     return _count(timings.get("cache_n")) if isinstance(timings, dict) else None
 
 
-READERS: tuple[Reader, ...] = (_openai, _sglang_ext, _llama_cpp)
+#: Each reader and the top-level field it reads, in the order they are asked.
+READERS: tuple[tuple[str, Callable[[Any], int | None]], ...] = (
+    ("usage", _openai), ("sglext", _sglang_ext), ("timings", _llama_cpp),
+)
 
 
 def reported_cached_tokens(payload: dict[str, Any]) -> int | None:
-    for reader in READERS:
-        value = reader(payload)
-        if value is not None:
-            return value
+    """The first value a reader finds (readers whose field the payload lacks are not asked:
+    this runs on every JSON body and usage chunk)."""
+    for field, reader in READERS:
+        value = payload.get(field)
+        if value is not None and (count := reader(value)) is not None:
+            return count
     return None
