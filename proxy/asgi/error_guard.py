@@ -7,7 +7,7 @@ patched routes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from http import HTTPStatus
 
 import orjson
@@ -35,7 +35,7 @@ class ErrorGuard:
         self.only_paths = only_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        rewrite = self.only_paths is None or scope.get("path") in self.only_paths
+        rewrite = self.rewrites(scope.get("path", ""))
         started = False
         held: Message | None = None
         chunks: list[bytes] = []
@@ -45,7 +45,7 @@ class ErrorGuard:
             kind = message["type"]
             if kind == "http.response.start":
                 started = True
-                if rewrite and message["status"] in _REWRITTEN:
+                if rewrite and message["status"] in REWRITTEN:
                     held = message
                     return
             elif held is not None and kind == "http.response.body":
@@ -53,25 +53,44 @@ class ErrorGuard:
                 if message.get("more_body", False):
                     return
                 start, held = held, None
-                await _send_rewritten(send, start, b"".join(chunks))
+                await send_rewritten(send, start, b"".join(chunks))
                 return
             await send(message)
 
         try:
             await self.app(scope, receive, guarded_send)
         except Exception as exc:
-            # The type only: an exception's text may quote the request.
-            logger.error("engine app failed on %s: %s", scope.get("path"), type(exc).__name__)
-            if started:
-                raise
-            await send_error(send, 500, "Internal server error")
+            await self._failed(exc, scope, send, started)
+
+    def rewrites(self, path: str) -> bool:
+        """Whether a 404 or 405 on ``path`` is rewritten as an OpenAI error."""
+        return self.only_paths is None or path in self.only_paths
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send, started: Callable[[], bool]) -> None:
+        """Run the engine app for a caller whose ``send`` rewrites a 404 or 405 itself with
+        :func:`send_rewritten` (the usage responder, which sees every message anyway): only
+        an exception is answered here, as in ``__call__``. ``started``: whether the app has
+        sent its response start."""
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:
+            await self._failed(exc, scope, send, started())
+
+    @staticmethod
+    async def _failed(exc: Exception, scope: Scope, send: Send, started: bool) -> None:
+        # The type only: an exception's text may quote the request.
+        logger.error("engine app failed on %s: %s", scope.get("path"), type(exc).__name__)
+        if started:
+            raise exc
+        await send_error(send, 500, "Internal server error")
 
 
-_REWRITTEN = frozenset((404, 405))
+#: The statuses frameworks answer in their own shape, rewritten as OpenAI errors.
+REWRITTEN = frozenset((404, 405))
 _FRAMEWORK_HEADERS = frozenset((b"content-type", b"content-length"))
 
 
-async def _send_rewritten(send: Send, start: Message, body: bytes) -> None:
+async def send_rewritten(send: Send, start: Message, body: bytes) -> None:
     """Send a held 404/405 as an OpenAI error, unless it already is one.
 
     The message is a framework's ``{"detail": str}`` where there is one, else the status

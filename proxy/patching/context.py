@@ -13,6 +13,7 @@ from starlette.types import ASGIApp
 from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.recorder import Recorder
 from proxy.accounting.tenants import Tenancy
+from proxy.asgi.error_guard import ErrorGuard
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.routes import PATCHED, REFUSED
 from proxy.patching.served_models import ServedModels
@@ -52,6 +53,9 @@ class PatchContext:
     """The inner app a request is replayed to, the configuration, and where it is counted."""
 
     app: ASGIApp
+    #: ``app`` when it is the error guard: then the responder rewrites framework 404s and
+    #: 405s itself, and the guard only answers exceptions (:meth:`ErrorGuard.serve`).
+    guard: ErrorGuard | None
     config: PatchConfig
     ledger: UsageLedger
     metrics: Metrics

@@ -36,6 +36,7 @@ from engine_adapter.events import current_request_key
 from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.recorder import Recorder
 from proxy.accounting.request_id import RequestIds
+from proxy.asgi.error_guard import ErrorGuard
 from proxy.asgi.errors import send_error
 from proxy.asgi.headers import RequestHeaders, without
 from proxy.patching.context import PatchConfig, PatchContext
@@ -66,7 +67,8 @@ class UsagePatchMiddleware:
         self.recorder = recorder
         self.process_tag = process_tag
         self.echo_header = request_ids.header.lower().encode("latin-1")
-        self.context = PatchContext(app, config, ledger, metrics, recorder, self.echo_header)
+        guard = app if isinstance(app, ErrorGuard) else None
+        self.context = PatchContext(app, guard, config, ledger, metrics, recorder, self.echo_header)
         #: Every request header a decision reads, and those the inner app gets replaced.
         self._noted = READ_HEADERS | REPLACED_HEADERS | config.tenancy.reads | {self.echo_header}
 

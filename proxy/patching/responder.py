@@ -19,6 +19,7 @@ import orjson
 from starlette.types import Message, Send
 
 from proxy.accounting.records.notes import RequestNotes
+from proxy.asgi.error_guard import REWRITTEN, send_rewritten
 from proxy.asgi.headers import Headers, RequestHeaders
 from proxy.patching.context import PatchContext
 from proxy.patching.ghost import GhostHold
@@ -39,6 +40,7 @@ class Mode(Enum):
     PASS = 0
     JSON = 1
     SSE = 2
+    ERROR = 3  # a framework's 404 or 405, held to be rewritten as an OpenAI error
 
 
 class Responder:
@@ -70,10 +72,27 @@ class Responder:
         self._size = 0
         self._sse: SSEPatcher | None = None
         self._hold: GhostHold | None = None
+        #: A stream's non-final chunks need only the SSE patcher and the event count now:
+        #: nothing to sniff, no ghost usage held, the first byte's time noted.
+        self._passing = False
 
     # -- response side -------------------------------------------------------------------
 
+    def started(self) -> bool:
+        """The inner app has sent its response start."""
+        return self.status is not None
+
     async def send(self, message: Message) -> None:
+        if self._passing and message.get("more_body", False) and message["type"] == "http.response.body":
+            body = message.get("body", b"")
+            out = self._sse.feed(body)  # type: ignore[union-attr]  # _passing: an SSE stream
+            if out:
+                self.notes.sse_events(out)
+                if out is body:
+                    await self._send(message)  # passed on as it came
+                else:
+                    await self._send({"type": "http.response.body", "body": out, "more_body": True})
+            return
         kind = message["type"]
         if kind == "http.response.body":
             mode = self.mode
@@ -81,6 +100,8 @@ class Responder:
                 await self._on_sse(message)
             elif mode is Mode.JSON:
                 await self._on_json(message)
+            elif mode is Mode.ERROR:
+                await self._on_error(message)
             else:
                 more = message.get("more_body", False)
                 if not more:
@@ -111,6 +132,9 @@ class Responder:
         headers.append((echo_header, self.echo.encode("latin-1")))
         message = {**message, "headers": headers}
         status = self.status = message["status"]
+        if status in REWRITTEN and self.ctx.guard is not None:  # its request is on a patched route
+            self.mode, self._start = Mode.ERROR, message
+            return
         if status != 200 or self.options is None:
             pass
         elif encoded:
@@ -161,6 +185,17 @@ class Responder:
             await self._send(message)  # passed on as it came
         elif out or not more:
             await self._send({"type": "http.response.body", "body": out, "more_body": more})
+        self._passing = self._hold is None and self.notes.ttft_s is not None and (
+            self.in_response.model is not None or not self._sniff_chunks
+        )
+
+    async def _on_error(self, message: Message) -> None:
+        body: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        self.notes.body(body, more)
+        self._chunks.append(body)
+        if not more:
+            await send_rewritten(self._send, self._take_start(), b"".join(self._chunks))
 
     async def _on_json(self, message: Message) -> None:
         body: bytes = message.get("body", b"")
