@@ -36,7 +36,7 @@ class RequestNotes:
     __slots__ = (
         "started", "t0", "ttft_s", "response_id", "disconnected", "response_done",
         "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
-        "_usage_events", "_token_events",
+        "_usage_events", "_token_events", "_plain",
     )
 
     def __init__(self, route: str) -> None:
@@ -53,6 +53,8 @@ class RequestNotes:
         self._line_start = True  # the next byte of the stream starts a line
         self._events = self._role_events = self._usage_events = 0
         self._token_events = _TOKEN_EVENTS.get(route)
+        #: Past the chat role events, in an LF stream at a line start: what engines send.
+        self._plain = False
 
     def body(self, body: bytes, more: bool) -> None:
         if not more:
@@ -63,6 +65,10 @@ class RequestNotes:
     def sse_events(self, events: bytes) -> None:
         """Count in whole events (the patcher's output); runs for every chunk of every
         stream, so a few ``bytes.count``, written out."""
+        if self._plain and events.startswith(b"data: {") and events.find(b"\n") == len(events) - 2 \
+                and events[-1] == 10:
+            self._events += 1  # one event, one line and its blank line, as engines frame each chunk
+            return
         if self._token_events is not None:
             self._events += len(self._token_events.findall(events))
             return
@@ -79,6 +85,7 @@ class RequestNotes:
             roles = events.count(b'"role"')
             self._role_events += roles
             self._roles_pending = roles > 0
+        self._plain = self._line_start and self._cr is False and not self._roles_pending
 
     def sniff_id(self, body: bytes) -> None:
         if self.response_id is None and (match := _ID_FIELD.search(body)):
