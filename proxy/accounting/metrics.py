@@ -115,10 +115,10 @@ class _LedgerMetrics:
             "cachetally_ledger_open_slots", "Open ledger slots", registry=registry, multiprocess_mode="livesum"
         )
         #: Told of each open and close (module docstring of proxy.patching.ledger).
-        self.open_slots: Callable[[int], None]
+        self.open_slots: Callable[[int], None] | None
         if multiprocess_dir() is None:
             gauge.set_function(ledger.__len__)
-            self.open_slots = lambda n: None
+            self.open_slots = None
         else:
             gauge.set(len(ledger))
             self.open_slots = gauge.set

@@ -123,7 +123,9 @@ class LedgerCounters:
 class LedgerObserver(Protocol):
     """Told of every change to what the ledger counts, in the thread that changed it."""
 
-    def open_slots(self, n: int) -> None: ...
+    #: Told the number of open slots after each open and close; ``None`` when the observer
+    #: reads ``len(ledger)`` itself (nothing to call on every request).
+    open_slots: Callable[[int], None] | None
 
     def evicted(self, reason: str, n: int) -> None: ...
 
@@ -131,8 +133,7 @@ class LedgerObserver(Protocol):
 
 
 class _Unobserved:
-    def open_slots(self, n: int) -> None:
-        pass
+    open_slots = None
 
     def evicted(self, reason: str, n: int) -> None:
         pass
@@ -175,12 +176,14 @@ class UsageLedger:
             self.counters.evicted_cap += 1
             self.observer.evicted("cap", 1)
         self._slots[key] = _Slot(opened_at=self._clock(), owner=_current_task())
-        self.observer.open_slots(len(self._slots))
+        if (notify := self.observer.open_slots) is not None:
+            notify(len(self._slots))
 
     def close(self, key: str) -> EngineUsage | None:
         """Drop the slot; return its usage if any event arrived. No await: safe in ``finally``."""
         slot = self._slots.pop(key, None)
-        self.observer.open_slots(len(self._slots))
+        if (notify := self.observer.open_slots) is not None:
+            notify(len(self._slots))
         return None if slot is None or slot.usage.events == 0 else slot.usage
 
     @contextmanager
@@ -218,5 +221,6 @@ class UsageLedger:
         if stale:
             self.counters.evicted_ttl += len(stale)
             self.observer.evicted("ttl", len(stale))
-            self.observer.open_slots(len(self._slots))
+            if (notify := self.observer.open_slots) is not None:
+                notify(len(self._slots))
         return len(stale)

@@ -71,23 +71,32 @@ class UsagePatchMiddleware:
         self.context = PatchContext(app, guard, config, ledger, metrics, recorder, self.echo_header)
         #: Every request header a decision reads, and those the inner app gets replaced.
         self._noted = READ_HEADERS | REPLACED_HEADERS | config.tenancy.reads | {self.echo_header}
+        # Read on every request: looked up once here.
+        self._refused = config.refused if config.refuse_unmetered else frozenset()
+        self._routes = config.routes
+        self._tenant_of = config.tenancy.resolve
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.config.refuse_unmetered and scope["type"] in ("http", "websocket") and scope["path"] in self.config.refused:
-            await self._refuse(scope, send)
+        kind = scope["type"]
+        if kind != "http":
+            if kind == "websocket" and scope["path"] in self._refused:
+                await self._refuse(scope, send)
+            else:
+                await self.app(scope, receive, send)
             return
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        path = scope["path"]
+        if path in self._refused:
+            await self._refuse(scope, send)
             return
         headers = RequestHeaders(scope["headers"], self._noted, REPLACED_HEADERS)
         client_id = self.request_ids.from_headers(headers)
-        route = self.config.routes.get(scope["path"])
+        route = self._routes.get(path)
         if route is None or scope["method"] != "POST":
             echo = client_id or self.request_ids.generate()
             await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
             return
         key = self.request_ids.unique_key(client_id, self._take, self.process_tag)
-        tenant = self.config.tenancy.resolve(headers)
+        tenant = self._tenant_of(headers)
         responder = Responder(self.context, route, key, client_id or key, send, headers, tenant)
         self.ledger.open(key)
         token = current_request_key.set(key)
