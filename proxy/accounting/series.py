@@ -1,8 +1,8 @@
 """The per-request series, counted the cheapest way each prometheus_client mode allows.
 
 Every metered request updates about eight series. Through prometheus_client's own types
-each update is three Python calls, a lock and a value object; that was a sixth of what
-the middleware cost per request inside vLLM's API server (docs/PERFORMANCE.md, "The
+each update is three Python calls, a lock and a value object; that was a fifth of what
+the middleware added to a request inside vLLM's API server (docs/PERFORMANCE.md, "The
 per-request path, by instructions"). So the series are written through one small
 interface, ``add(labels, amount)`` and ``observe(label, value)``, with two
 implementations, chosen once per process:
