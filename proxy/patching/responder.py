@@ -189,24 +189,24 @@ class Responder:
             self.in_response.model is not None or not self._sniff_chunks
         )
 
-    async def _on_error(self, message: Message) -> None:
-        body: bytes = message.get("body", b"")
+    def _held_body(self, message: Message) -> bytes | None:
+        """Keep one part of a held response's body: the whole body once the last part came."""
         more = message.get("more_body", False)
+        body = message.get("body", b"")
         self.notes.body(body, more)
         self._chunks.append(body)
-        if not more:
-            await send_rewritten(self._send, self._take_start(), b"".join(self._chunks))
+        return None if more else b"".join(self._chunks)
+
+    async def _on_error(self, message: Message) -> None:
+        if (whole := self._held_body(message)) is not None:
+            await send_rewritten(self._send, self._take_start(), whole)
 
     async def _on_json(self, message: Message) -> None:
-        body: bytes = message.get("body", b"")
-        more = message.get("more_body", False)
-        self.notes.body(body, more)
-        self._chunks.append(body)
-        if not more:
+        if (whole := self._held_body(message)) is not None:
             self.completed = self.options is not None and self.status == 200
-            await self._send_json(b"".join(self._chunks))
+            await self._send_json(whole)
             return
-        self._size += len(body)
+        self._size += len(self._chunks[-1])
         if self._size > self.ctx.config.max_response_bytes:
             self._count_skip("body_too_large")
             self.mode = Mode.PASS
