@@ -133,6 +133,8 @@ class Responder:
         message = {**message, "headers": headers}
         status = self.status = message["status"]
         if status in REWRITTEN and self.ctx.guard is not None:  # its request is on a patched route
+            if length is not None:
+                headers.append(length)  # an OpenAI error already is passed on as it came
             self.mode, self._start = Mode.ERROR, message
             return
         if status != 200 or self.options is None:

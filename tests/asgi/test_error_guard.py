@@ -94,6 +94,7 @@ async def test_an_openai_error_passes_byte_for_byte(via: str) -> None:
     await openai_404(http_scope(), direct.receive, direct.send)
     assert client.status == 404
     assert client.body == direct.body
+    assert client.header("content-length") == str(len(direct.body))  # framed as it came
 
 
 @pytest.mark.asyncio
