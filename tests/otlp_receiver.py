@@ -3,6 +3,10 @@ opentelemetry-proto (not with our code) and keeps every span's attributes.
 
 ``status`` (default 200) is what it answers; only spans of a request it answers 200 are
 kept, as a collector that refuses a request (4xx) or fails it (5xx) has not taken them.
+``reject`` (default 0) makes each 200 a partial success, as OTLP/HTTP defines it: the last
+``reject`` spans of the request (all, if it has fewer) are not kept, and the answer's
+``partial_success.rejected_spans`` says ``reject``. ``script`` holds one ``(status,
+reject)`` for each of the next requests, answered in turn before those defaults apply.
 ``requests`` counts every request, whatever the answer."""
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTracePartialSuccess,
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
@@ -43,6 +48,8 @@ class Receiver:
     spans: list[ReceivedSpan] = field(default_factory=list)
     requests: int = 0
     status: int = 200
+    reject: int = 0
+    script: list[tuple[int, int]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> list[ReceivedSpan]:
@@ -77,17 +84,20 @@ def otlp_receiver() -> Iterator[Receiver]:
             request.ParseFromString(body)
             with receiver.lock:
                 receiver.requests += 1
-                status = receiver.status
+                status, reject = receiver.script.pop(0) if receiver.script else (receiver.status, receiver.reject)
+                received = []
                 for resource_spans in request.resource_spans if status == 200 else ():
                     resource = _attributes(resource_spans.resource.attributes)
                     for scope_spans in resource_spans.scope_spans:
                         for span in scope_spans.spans:
-                            receiver.spans.append(ReceivedSpan(
+                            received.append(ReceivedSpan(
                                 span.name, span.kind, _attributes(span.attributes), resource,
                                 span.start_time_unix_nano, span.end_time_unix_nano, span.status.code,
                                 span.trace_id.hex(), span.parent_span_id.hex(), span.span_id.hex(),
                             ))
-            answer = ExportTraceServiceResponse().SerializeToString()
+                receiver.spans.extend(received[: max(len(received) - reject, 0)])
+            partial = ExportTracePartialSuccess(rejected_spans=reject, error_message="span too large")
+            answer = ExportTraceServiceResponse(partial_success=partial if reject else None).SerializeToString()
             self.send_response(status)
             self.send_header("content-type", "application/x-protobuf")
             self.send_header("content-length", str(len(answer)))

@@ -95,6 +95,24 @@ def test_a_collector_that_refuses_gets_each_flush_once_and_every_record_is_count
         assert receiver.requests >= 1
 
 
+@pytest.mark.parametrize(("count", "reject"), [(25, 3), (25, 25), (3, 7), (2 * MAX_BATCH + 10, 4)])
+def test_spans_a_collector_rejects_in_a_partial_success_are_counted_dropped_not_written(
+    count: int, reject: int
+) -> None:
+    """OTLP/HTTP: a collector may take part of a request, answer 200 and say in the body how
+    many spans it rejected. The SDK's exporter reads only the 200; those records were lost."""
+    records = [usage(n) for n in range(count)]
+    with otlp_receiver() as receiver:
+        receiver.reject = reject
+        written, dropped = export(receiver, records)
+    kept = receiver.snapshot()
+    chunks = [min(MAX_BATCH, count - start) for start in range(0, count, MAX_BATCH)]
+    rejected = sum(min(reject, size) for size in chunks)
+    assert receiver.requests == len(chunks)  # a partial success is not sent again
+    assert (written, dropped) == (count - rejected, {"export_failed": rejected})
+    assert len(kept) == len({s.attributes["cachetally.request_id"] for s in kept}) == written
+
+
 def test_a_collector_that_recovers_gets_the_rest_and_the_counts_add_up() -> None:
     with otlp_receiver() as receiver:
         recorder = Recorder([OtlpSink(receiver.url, timeout_s=1.0)], interval_s=3600)

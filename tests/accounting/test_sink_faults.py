@@ -8,7 +8,9 @@ the kernel does: ``ENOSPC``/``EIO``/``EPERM`` with nothing done, a short ``write
 disk filling mid-batch), an ``fsync`` ``EIO`` after the bytes went in, a ``close`` that
 closes and then reports ``EIO``. Small file limits make rotation (a new ``open``) part of
 the schedule. OTLP: the exporter confirms, refuses (the SDK's ``FAILURE``, what a 4xx,
-a 5xx after retries or a timeout give) or raises, as scheduled.
+a 5xx after retries or a timeout give) or raises, as scheduled; and the SDK's real
+exporter meets a collector on loopback that takes, refuses or takes in part (a partial
+success) each export, as scheduled.
 
 The oracle is what a user reads: the files parsed line by line (:mod:`tests.sink_counts`)
 or the spans the collector took, and the counters of a real Prometheus registry. Records
@@ -28,12 +30,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.accounting.records import jsonl, otlp
 from proxy.accounting.records.jsonl import JsonlSink
 from proxy.accounting.records.recorder import Recorder
+from tests.otlp_receiver import Receiver, otlp_receiver
 from tests.sink_counts import counters, ids_in_files, usage, watched
 
 FAULTS = ("ok", "ok", "ok", "ok", "enospc", "eio", "short", "eperm")
@@ -114,6 +118,21 @@ def check_outcome(present: Counter[str], submitted: int, written: float, dropped
     assert written <= len(present) <= written + unconfirmed  # counted written: in the output
 
 
+def run_rounds(recorder: Recorder, rounds: list[int]) -> int:
+    """Start ``recorder``, run ``rounds`` (each: that many requests end, then one flush
+    interval; its thread waits for the stop, so these are its only flushes) and stop it,
+    so that the final drain meets the rest of the schedule. Returns how many were submitted."""
+    recorder.start()
+    submitted = 0
+    for count in rounds:
+        for _ in range(count):
+            recorder.submit(usage(submitted))
+            submitted += 1
+        recorder.workers[0].flush()
+    recorder.stop(timeout_s=60)
+    return submitted
+
+
 CALLS = ("open", "write", "fsync", "ftruncate", "close")
 schedules = st.fixed_dictionaries(
     {call: st.lists(st.tuples(st.sampled_from(FAULTS), st.integers(1, 3000)), max_size=16) for call in CALLS}
@@ -137,14 +156,7 @@ def test_jsonl_writes_each_record_once_or_counts_it_under_any_fault_schedule(
         with faulty_os(schedule) as shim:
             recorder = Recorder([JsonlSink(directory, max_file)], max_queued=max_queued, interval_s=3600)
             metrics = watched(recorder)
-            recorder.start()  # its thread waits for the stop: the rounds below are its flushes
-            submitted = 0
-            for count in rounds:  # each round: some requests end, then one flush interval
-                for _ in range(count):
-                    recorder.submit(usage(submitted))
-                    submitted += 1
-                recorder.workers[0].flush()
-            recorder.stop(timeout_s=60)  # the final drain meets the rest of the schedule
+            submitted = run_rounds(recorder, rounds)
         written, dropped = counters(metrics, "jsonl")
         for fault in [*shim.injected, *(f"dropped {reason}" for reason in dropped)]:
             event(fault)  # --hypothesis-show-statistics: how often each was drawn
@@ -191,14 +203,7 @@ def test_otlp_exports_each_record_once_or_counts_it_under_any_exporter_script(
     try:
         recorder = Recorder([sink], max_queued=max_queued, interval_s=3600)
         metrics = watched(recorder)
-        recorder.start()
-        submitted = 0
-        for count in rounds:
-            for _ in range(count):
-                recorder.submit(usage(submitted))
-                submitted += 1
-            recorder.workers[0].flush()
-        recorder.stop(timeout_s=60)
+        submitted = run_rounds(recorder, rounds)
     finally:
         otlp.MAX_BATCH = saved
     present = Counter(s.attributes["cachetally.request_id"] for s in exporter.collected)
@@ -207,3 +212,42 @@ def test_otlp_exports_each_record_once_or_counts_it_under_any_exporter_script(
     assert "unconfirmed" not in dropped
     check_outcome(present, submitted, written, dropped)
 
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[Receiver]:
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+#: A collector's answers to an export, over real HTTP: taken (200), refused (400: the SDK
+#: does not retry it), or taken in part (200 with ``partial_success.rejected_spans``).
+answers = st.lists(
+    st.one_of(st.just((200, 0)), st.just((400, 0)), st.tuples(st.just(200), st.integers(1, 9))), max_size=12
+)
+
+
+@pytest.mark.loopback
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(answers=answers, rounds=rounds, chunk=st.integers(1, 8))
+def test_otlp_counts_what_a_collector_took_refused_or_rejected_in_part_over_real_http(
+    collector: Receiver, answers: list[tuple[int, int]], rounds: list[int], chunk: int
+) -> None:
+    """The SDK's real exporter against a collector on loopback that answers as scripted: every
+    record is among the spans the collector kept exactly when it is counted written."""
+    with collector.lock:
+        collector.spans.clear()
+        collector.script[:] = answers
+    saved, otlp.MAX_BATCH = otlp.MAX_BATCH, chunk  # several exports per flush
+    try:
+        recorder = Recorder([otlp.OtlpSink(collector.url, timeout_s=5.0)], interval_s=3600)
+        metrics = watched(recorder)
+        submitted = run_rounds(recorder, rounds)
+    finally:
+        otlp.MAX_BATCH = saved
+    present = Counter(s.attributes["cachetally.request_id"] for s in collector.snapshot())
+    written, dropped = counters(metrics, "otlp")
+    event(f"dropped {sorted(dropped)}")
+    assert set(dropped) <= {"export_failed"}
+    check_outcome(present, submitted, written, dropped)
+    assert written == len(present)

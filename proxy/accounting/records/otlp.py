@@ -26,6 +26,10 @@ trace sample:
   ``cachetally_usage_records_dropped_total``. This sink's thread exports batches of at
   most :data:`MAX_BATCH` spans and counts what the exporter did not confirm; the exporter
   retries within ``timeout_s``, then the rest of the batch is dropped and counted.
+- The collector's answer is read, which the SDK's exporter does not do: OTLP/HTTP lets a
+  collector take part of a request and say so in a ``200`` whose body is a
+  ``partial_success`` with the number of spans it rejected (and the client must not send
+  them again). Those are counted dropped as ``export_failed``, not written.
 
 The exporter's own per-failure log lines are silenced: the recorder's once-a-minute line
 says the same.
@@ -90,8 +94,18 @@ class OtlpSink:
         from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, get_current_span
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+        import requests  # the exporter's own HTTP client
+        from google.protobuf.message import DecodeError
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
         logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.CRITICAL)
-        self._exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)
+        # The SDK reads only the status of the collector's answer: the session keeps the
+        # answer itself (the last one, after the SDK's retries) for _rejected to read.
+        session = requests.Session()
+        session.hooks["response"].append(self._keep_answer)
+        self._answer: Any = None
+        self._parse_answer, self._not_protobuf = ExportTraceServiceResponse.FromString, DecodeError
+        self._exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s, session=session)
         self._span, self._context = ReadableSpan, SpanContext
         self._resource = Resource.create({"service.name": "cachetally"})
         self._scope = InstrumentationScope("cachetally", _package_version())
@@ -128,13 +142,30 @@ class OtlpSink:
             end_time=int(record.end_unix * 1e9),
         )
 
+    def _keep_answer(self, response: Any, *args: Any, **kwargs: Any) -> None:
+        self._answer = response
+
+    def _rejected(self, sent: int) -> tuple[int, str]:
+        """How many of the ``sent`` spans the collector's last answer says it rejected (a
+        partial success), and its message. An answer that is not an OTLP response rejects
+        nothing: the collector said 2xx."""
+        answer, self._answer = self._answer, None
+        if answer is None:
+            return 0, ""
+        try:
+            partial = self._parse_answer(answer.content).partial_success
+        except self._not_protobuf:
+            return 0, ""
+        return min(max(partial.rejected_spans, 0), sent), partial.error_message[:200]
+
     def write(self, batch: list[UsageRecord]) -> Delivery:
         """Export ``batch`` in chunks of :data:`MAX_BATCH`; what the exporter did not confirm
-        (it retried within its timeout already, or raised) is lost. After a failed chunk the
-        rest is not tried, so a dead collector costs one timeout per flush, not one per
-        chunk."""
+        (it retried within its timeout already, or raised) and what the collector rejected
+        are lost. After a failed chunk the rest is not tried, so a dead collector costs one
+        timeout per flush, not one per chunk."""
         exported, detail = 0, ""
         for start in range(0, len(batch), MAX_BATCH):
+            self._answer = None
             try:
                 spans = [self.span(record) for record in batch[start : start + MAX_BATCH]]
                 result = self._exporter.export(spans)
@@ -144,7 +175,10 @@ class OtlpSink:
             if result is not self._success:
                 detail = "export failed"
                 break
-            exported += len(spans)
+            refused, message = self._rejected(len(spans))
+            if refused:
+                detail = f"the collector rejected {refused} of {len(spans)} spans: {message!r}"
+            exported += len(spans) - refused
         return Delivery(written=exported, lost=len(batch) - exported, detail=detail)
 
     def close(self) -> None:
