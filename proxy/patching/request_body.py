@@ -11,11 +11,21 @@ tests/patching/test_request_body.py). A body whose options pydantic would reject
 by the engine, so it is neither a stream nor rewritten here: ``valid`` is False. A body over the limit
 is refused from its ``Content-Length`` before any of it is read, or as soon as the bytes
 read pass the limit.
+
+The body itself is read as the engine's server reads it too. vLLM's routes take it from
+Starlette's ``Request.json()``, the standard library's ``json.loads``, which also takes what
+orjson refuses: ``NaN`` and ``Infinity``, numbers beyond a double, lone surrogate escapes
+(a JavaScript client's cut emoji), UTF-16 and UTF-32. orjson reads the common body fast and
+the standard library the rest, so no body the engine would serve is refused here. Where
+the body is rewritten, it is encoded back by the parser that read it exactly
+(:func:`editable`): orjson reads an integer beyond 64 bits as a float, which it would then
+write as one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +73,8 @@ class RequestOptions:
     want_details: bool
     #: The engine's request model accepts ``stream`` and ``stream_options`` as sent.
     valid: bool = True
+    #: orjson read the body (else the standard library did: :func:`editable`).
+    orjson_read: bool = True
 
 
 _TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
@@ -115,7 +127,7 @@ def stream_options_of(payload: dict[str, Any]) -> tuple[bool, bool, bool]:
 
 def parse_request(body: bytes) -> tuple[dict[str, Any], RequestOptions]:
     """Raises ``ValueError`` with a client-facing message for a body that is no JSON object."""
-    payload = _json_object(body)
+    payload, orjson_read = _json_object(body)
     try:
         stream, include_usage, continuous_usage = stream_options_of(payload)
         valid = True
@@ -129,17 +141,51 @@ def parse_request(body: bytes) -> tuple[dict[str, Any], RequestOptions]:
         continuous_usage=continuous_usage,
         want_details=payload.get(DETAILS_FLAG) is True,
         valid=valid,
+        orjson_read=orjson_read,
     )
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def _json_object(body: bytes) -> tuple[dict[str, Any], bool]:
+    """The body as a JSON object, and whether orjson read it (module docstring)."""
     try:
-        payload = orjson.loads(body)
+        payload, orjson_read = orjson.loads(body), True
     except orjson.JSONDecodeError as exc:
-        raise ValueError(f"Request body is not valid JSON: {exc.msg}") from None
+        try:
+            payload, orjson_read = json.loads(body), False
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than it recurses
+            raise ValueError(f"Request body is not valid JSON: {exc.msg}") from None
     if isinstance(payload, dict):
-        return payload
+        return payload, orjson_read
     raise ValueError("Request body must be a JSON object")
+
+
+#: Digits enough for an integer orjson reads as a float: it holds -2**63 to 2**64 - 1, and
+#: a number past either end has 19 digits or more. Found as a run of 19 zeros once every
+#: digit is a zero and every other byte a blank: two passes in C, where a regular
+#: expression would try a match at every byte. Digits in a string count too, which costs a
+#: slower read of that body, never a different one.
+_DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
+_WIDE_INT = b"0" * 19
+
+
+def _standard_dumps(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload).encode()  # ASCII: surrogates escaped, NaN and Infinity kept
+
+
+def editable(
+    payload: dict[str, Any], body: bytes, options: RequestOptions
+) -> tuple[dict[str, Any], Callable[[dict[str, Any]], bytes]]:
+    """``body`` as a payload to edit, and how to encode it after the edits so that the engine
+    reads back exactly the client's body with those edits: ``payload`` and orjson where
+    orjson read the body exactly; else the standard library's own read and its encoder."""
+    if not options.orjson_read:
+        return payload, _standard_dumps
+    if _WIDE_INT not in body.translate(_DIGITS_AS_ZEROS):
+        return payload, orjson.dumps
+    try:
+        return json.loads(body), _standard_dumps
+    except RecursionError:  # nested deeper than the standard library goes: orjson's read
+        return payload, orjson.dumps
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

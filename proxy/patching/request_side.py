@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from starlette.types import Message, Receive, Scope
 
 from proxy.asgi.errors import send_error
@@ -20,6 +19,7 @@ from proxy.patching.request_body import (
     DETAILS_FLAG,
     BodyTooLarge,
     ClientGone,
+    editable,
     parse_request,
     read_body,
     replay,
@@ -87,12 +87,15 @@ def _watch(r: Responder, receive: Receive) -> Receive:
 def _rewrite(r: Responder, payload: dict[str, Any], body: bytes) -> bytes:
     options, config = r.options, r.ctx.config
     assert options is not None
-    changed = False
-    if config.strip_details_flag and DETAILS_FLAG in payload:
+    strip = config.strip_details_flag and DETAILS_FLAG in payload
+    ghost = config.ghost_usage and r.shape is None and options.stream and not options.include_usage
+    if not (strip or ghost):
+        return body
+    payload, encode = editable(payload, body, options)
+    if strip:
         del payload[DETAILS_FLAG]
-        changed = True
-    if config.ghost_usage and r.shape is None and options.stream and not options.include_usage:
+    if ghost:
         # continuous_usage_stats only applies with include_usage; keep it off.
         payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
-        r.ghost_asked = changed = True
-    return orjson.dumps(payload) if changed else body
+        r.ghost_asked = True
+    return encode(payload)

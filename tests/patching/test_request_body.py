@@ -7,26 +7,34 @@ and a raw "options need a stream" check before parsing) are mirrored below as py
 models; :mod:`proxy.patching.request_body` and the sim's parser are held against them over arbitrary
 JSON values. Then, through real HTTP in upstream mode, a client sending ``"stream": "true"``
 gets exactly the stream it asked for and its usage record carries the upstream's figures.
+
+The body itself is read as vLLM's parser (Python's ``json``) reads it: the oracle is
+``json.loads`` of what the engine is handed, against the client's body with only the
+middleware's edits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
 
 from engine_adapter.sim.protocol import RequestError
 from engine_adapter.sim.protocol import lax_bool as sim_lax_bool
-from proxy.patching.request_body import lax_bool, optional_bool, parse_request, stream_options_of
+from proxy.patching.context import PatchConfig
+from proxy.patching.request_body import DETAILS_FLAG, lax_bool, optional_bool, parse_request, stream_options_of
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
+from tests.patching.test_middleware import Client, Harness, chat_completion, json_response
 from tests.servers import running_server, serving_in_thread
 from tests.upstream.test_upstream import events, fresh_prompt
 
@@ -128,6 +136,73 @@ def test_stream_options_are_read_as_vllm_reads_them(payload: dict[str, Any]) -> 
     assert options.valid == (expected is not None)
     # A body the engine refuses is never billed as a stream.
     assert options.stream == (expected is not None and expected[0])
+
+
+# -- the body, read and rewritten as the engine's parser reads it -----------------------------
+
+#: What the standard library's ``json`` reads and writes, and orjson does not: integers of any
+#: size (orjson reads those past 64 bits as floats), ``NaN`` and infinities, lone surrogates.
+_LONE_SURROGATES = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff", "\ud83d"])
+_ENGINE_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(),
+    st.text(st.characters() | _LONE_SURROGATES, max_size=6),
+)
+_ENGINE_JSON = st.recursive(
+    _ENGINE_SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def _as_engine_reads(body: bytes) -> str:
+    """What vLLM's route reads from ``body`` (Starlette's ``Request.json()`` is ``json.loads``),
+    written canonically, so that ``NaN`` compares equal to itself."""
+    return json.dumps(json.loads(body), sort_keys=True)
+
+
+@pytest.mark.parametrize("mode", ["embedded", "upstream"])
+@settings(max_examples=150, deadline=None)
+@given(extra=st.dictionaries(st.text(max_size=5).map("x-".__add__), _ENGINE_JSON, max_size=4),
+       stream=st.booleans(), flag=st.booleans())
+def test_the_engine_reads_the_clients_body_with_only_our_edits(
+    mode: str, extra: dict[str, Any], stream: bool, flag: bool
+) -> None:
+    """A body the engine's parser reads is never refused, and what the engine reads is the
+    client's body with only the edits this mode makes: the details flag stripped (embedded),
+    the ghost usage asked for a stream without it (upstream)."""
+    payload: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+                               **extra}
+    if flag:
+        payload[DETAILS_FLAG] = True
+    body = json.dumps(payload).encode()  # as Python's json writes it: NaN, big integers, \ud83d
+    upstream = mode == "upstream"
+    h = Harness(PatchConfig(ghost_usage=upstream, strip_details_flag=not upstream))
+    client = Client(body)
+    asyncio.run(h.call(h.middleware(json_response(chat_completion()), (64, 48)), client))
+
+    assert client.status == 200 and len(h.inner_bodies) == 1
+    expected = dict(payload)
+    if not upstream:
+        expected.pop(DETAILS_FLAG, None)
+    if upstream and stream:
+        expected["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
+    if expected == payload:  # nothing to edit: the client's bytes
+        assert h.inner_bodies[0] == body
+    assert _as_engine_reads(h.inner_bodies[0]) == json.dumps(expected, sort_keys=True)
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"-Infinity", b"1e400", b'"\\ud83d"', b"18446744073709551616",
+                                     b"-9223372036854775809", b"123456789012345678901234567890"])
+def test_values_orjson_cannot_hold_reach_the_engine_as_the_client_wrote_them(literal: bytes) -> None:
+    """orjson refuses the first four and reads the last three as floats; the engine reads all."""
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"user":' + literal + b"}"
+    h = Harness(PatchConfig(ghost_usage=True, strip_details_flag=False))  # a rewrite: the ghost usage
+    client = Client(body)
+    asyncio.run(h.call(h.middleware(json_response(chat_completion()), (64, 48)), client))
+    assert client.status == 200
+    forwarded = json.loads(h.inner_bodies[0])
+    assert json.dumps(forwarded["user"]) == json.dumps(json.loads(literal))
+    assert forwarded["stream_options"]["include_usage"] is True
 
 
 # -- through real HTTP in upstream mode ------------------------------------------------------

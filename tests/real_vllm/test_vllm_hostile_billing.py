@@ -16,7 +16,8 @@ counters and the report.
   report counts each once;
 - ``stream: "true"`` / ``1`` / ``"on"`` and ``include_usage: 1`` are read as vLLM reads
   them: the client gets what vLLM sends for ``true``, the record says stream and carries
-  the engine's tokens;
+  the engine's tokens; a body with ``NaN``, an integer past 64 bits and a lone surrogate
+  (which Python's ``json`` reads, as vLLM does, and orjson does not) is served and billed;
 - made-up and 1 MiB model names are refused by vLLM (404) and mint no label, and their
   records and spans stay small.
 
@@ -268,6 +269,27 @@ def test_lax_stream_booleans_stream_as_vllm_reads_them(
         usage = got[-1]["usage"]
         assert (record["prompt_tokens"], record["cached_tokens"]) == (
             usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_a_body_only_the_standard_librarys_json_reads_is_served_and_billed(
+    vllm_server: str, model: str, vllm_usage_dir: Path, vllm_pace: Pace
+) -> None:
+    """vLLM reads a body with Python's ``json`` (Starlette's ``Request.json()``), which takes
+    ``NaN``, integers past 64 bits and a lone surrogate (a JavaScript client's cut emoji);
+    orjson takes none of them. With the details flag the body is also rewritten."""
+    rid = uuid.uuid4().hex
+    body = (b'{"model": ' + orjson.dumps(model) + b', "messages": [{"role": "user", "content": '
+            + orjson.dumps(fresh_prompt()) + b'}], "max_tokens": 2, "return_cached_tokens_details": true, '
+            b'"x-nan": NaN, "x-wide": 123456789012345678901234567890, "x-cut-emoji": "\\ud83d"}')
+    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(2)) as http:
+        answer = http.post("/v1/chat/completions", content=body,
+                           headers={"content-type": "application/json", "x-request-id": rid})
+    assert answer.status_code == 200, answer.text
+    usage, details = answer.json()["usage"], answer.json()["cached_tokens_details"]
+    record = only_record(vllm_usage_dir, rid)
+    assert (record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]) == (
+        usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"])
+    assert details["source"] == "engine" and record["outcome"] == "completed"
 
 
 # -- item 6: made-up model names mint nothing, huge ones stay small -------------------------------
