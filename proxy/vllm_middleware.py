@@ -46,6 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine_adapter.vllm import compat
 from engine_adapter.vllm.tap import EngineTap
 from proxy.asgi.errors import send_error
+from proxy.asgi.paths import route_path
 from proxy.patching.context import DEFAULT_ROUTES
 from proxy.server.instance import Accounting
 from proxy.server.logs import configure_logging
@@ -83,10 +84,10 @@ class CachetallyMiddleware:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        path = scope.get("path")
-        if kind == "http" and path == "/stats":
+        path = route_path(scope) if kind == "http" else None
+        if path == "/stats":
             await read_only(scope, send, self._stats)
-        elif kind == "http" and path in DEFAULT_ROUTES and getattr(self._client, "errored", False):
+        elif path in DEFAULT_ROUTES and getattr(self._client, "errored", False):
             await send_error(send, 503, "the vllm engine is not healthy")
         else:
             await self._patched(scope, receive, send)

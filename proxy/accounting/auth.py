@@ -24,6 +24,7 @@ from starlette.types import Scope, Send
 from proxy.accounting.tenants import KeyTable, bearer_token
 from proxy.asgi.errors import send_error
 from proxy.asgi.headers import only_header
+from proxy.asgi.paths import route_path
 
 #: Path prefixes that need a key: vLLM's own (``vllm.entrypoints.serve.middleware.authenticate``).
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -40,7 +41,7 @@ class ApiKeyGuard:
         """Whether ``scope`` needs a key (module docstring)."""
         if scope.get("method") == "OPTIONS":
             return False
-        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        path = route_path(scope)
         return path.startswith(GUARDED_PREFIXES) and path not in self._exempt
 
     def allows(self, scope: Scope) -> bool:

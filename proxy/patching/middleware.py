@@ -39,6 +39,7 @@ from proxy.accounting.request_id import RequestIds
 from proxy.asgi.error_guard import ErrorGuard
 from proxy.asgi.errors import send_error
 from proxy.asgi.headers import RequestHeaders, without
+from proxy.asgi.paths import route_path
 from proxy.patching.context import PatchConfig, PatchContext
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.metering import meter
@@ -79,12 +80,12 @@ class UsagePatchMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind != "http":
-            if kind == "websocket" and scope["path"] in self._refused:
+            if kind == "websocket" and route_path(scope) in self._refused:
                 await self._refuse(scope, send)
             else:
                 await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path = route_path(scope)
         if path in self._refused:
             await self._refuse(scope, send)
             return
@@ -108,11 +109,12 @@ class UsagePatchMiddleware:
             meter(responder, engine_usage)
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
-        self.metrics.refused_unmetered.labels(scope["path"]).inc()
+        path = route_path(scope)  # one of the refused routes
+        self.metrics.refused_unmetered.labels(path).inc()
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": "not metered"})
             return
-        await send_error(send, 403, f"{scope['path']} runs the engine unmetered: it is refused while billing is on")
+        await send_error(send, 403, f"{path} runs the engine unmetered: it is refused while billing is on")
 
     def _take(self, key: str) -> bool:
         return key not in self.ledger

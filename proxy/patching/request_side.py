@@ -14,6 +14,7 @@ from typing import Any
 from starlette.types import Message, Receive, Scope
 
 from proxy.asgi.errors import send_error
+from proxy.asgi.paths import route_path
 from proxy.patching.pd_leg import leg_of
 from proxy.patching.request_body import (
     DETAILS_FLAG,
@@ -54,7 +55,7 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     if config.pd_legs:
         r.leg = leg_of(payload)
     if r.shape is not None and config.refuse_unmetered and (why := r.shape.refusal(payload)):
-        r.ctx.metrics.refused_unmetered.labels(scope["path"]).inc()
+        r.ctx.metrics.refused_unmetered.labels(route_path(scope)).inc()
         await send_error(r.send, 400, why)
         return
     body = _rewrite(r, payload, body)

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine_adapter.engine import Engine
 from engine_adapter.events import EventSink
 from proxy.asgi.errors import send_error
+from proxy.asgi.paths import route_path
 from proxy.asgi.replies import send_body
 from proxy.server.instance import Accounting
 from proxy.server.own_routes import read_only, ready_line, send_stats
@@ -92,7 +93,7 @@ class CachetallyApp:
         if self._auth is not None and scope["type"] in ("http", "websocket") and not self._auth.allows(scope):
             await self._auth.refuse(scope, send)
             return
-        local = self._local.get(scope.get("path", "")) if scope["type"] == "http" else None
+        local = self._local.get(route_path(scope)) if scope["type"] == "http" else None
         if local is not None:
             await read_only(scope, send, local)
         elif self._patched is None:

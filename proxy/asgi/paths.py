@@ -1,0 +1,30 @@
+"""A request's path as the router reads it, and as a log line may show it."""
+
+from __future__ import annotations
+
+from starlette.types import Scope
+
+#: The most of a client's path a log line shows.
+_LOGGED_CHARS = 200
+
+
+def route_path(scope: Scope) -> str:
+    """``scope["path"]`` less the app's ``root_path``, as Starlette's router matches it.
+
+    vLLM's ``--root-path`` sets its FastAPI app's ``root_path``, and the router then serves
+    ``{root_path}/v1/chat/completions`` as ``/v1/chat/completions`` (the bare path too). The
+    route tables, the refusals and the API-key guard read this, so that a request under the
+    prefix is metered, refused or guarded exactly as the route the engine runs for it.
+    """
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] == "/":
+        return path[len(root) :]
+    return path
+
+
+def logged_path(scope: Scope) -> str:
+    """The client's path for a log line: quoted, so that a decoded ``%0A`` cannot start a
+    forged line, and cut at :data:`_LOGGED_CHARS`."""
+    path: str = scope.get("path", "")
+    return repr(path[:_LOGGED_CHARS]) + ("..." if len(path) > _LOGGED_CHARS else "")
