@@ -14,6 +14,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.asgi.errors import send_error
+from proxy.asgi.paths import logged_path
 
 logger = logging.getLogger("cachetally.app")
 
@@ -79,7 +80,7 @@ class ErrorGuard:
     @staticmethod
     async def _failed(exc: Exception, scope: Scope, send: Send, started: bool) -> None:
         # The type only: an exception's text may quote the request.
-        logger.error("engine app failed on %s: %s", scope.get("path"), type(exc).__name__)
+        logger.error("engine app failed on %s: %s", logged_path(scope), type(exc).__name__)
         if started:
             raise exc
         await send_error(send, 500, "Internal server error")

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.asgi.errors import error_sse_event, send_error
 from proxy.asgi.headers import Headers
+from proxy.asgi.paths import logged_path
 from proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
 from proxy.upstream.hop_headers import declared_length, request_headers, response_headers
 
@@ -107,7 +108,7 @@ class Forward:
         except UpstreamFailure as exc:
             if self.gone:
                 return
-            logger.warning("upstream %s %s: %s -> %d", scope["method"], scope["path"], exc.reason, exc.status)
+            logger.warning("upstream %s %s: %s -> %d", scope["method"], logged_path(scope), exc.reason, exc.status)
             await send_error(self.send, exc.status, exc.message)
             return
         try:
@@ -144,7 +145,7 @@ class Forward:
             if self.gone:  # the client left mid-upload after an early answer: nobody to tell
                 return
             scope = self.scope
-            logger.warning("upstream %s %s failed mid-response: %s", scope["method"], scope["path"], exc.reason)
+            logger.warning("upstream %s %s failed mid-response: %s", scope["method"], logged_path(scope), exc.reason)
             if not is_sse(response.headers):
                 raise UpstreamBodyError(exc.message) from None
             # Close a half-sent event first, so the error event is parsed on its own.

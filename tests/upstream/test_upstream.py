@@ -636,8 +636,24 @@ def test_authorization_is_never_logged(start_proxy: Any, caplog: pytest.LogCaptu
     assert resp.status_code == 502
     # Everything cachetally's server thread logged (the test's own client logs its URL).
     served = "\n".join(r.getMessage() for r in caplog.records if r.threadName.startswith("cachetally-"))
-    assert "upstream POST /v1/completions: ConnectionRefusedError -> 502" in served
+    assert "upstream POST '/v1/completions': ConnectionRefusedError -> 502" in served
     assert "sk-very-secret" not in served and "q-secret" not in served
+
+
+@loopback
+def test_a_path_cannot_forge_or_flood_log_lines(start_proxy: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The path is the client's, and the server decodes ``%0A`` into a newline: a log line
+    quotes it and shows at most 200 characters of it."""
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
+    forged = "%0A2026-01-01 00:00:00,000 ERROR cachetally.app: FORGED tenant=acme"
+    with caplog.at_level("INFO"):
+        for path in (f"/v1/chat/completions{forged}", "/v1/" + "x" * 20_000):
+            assert httpx.post(proxy.url + path, json={"model": "m", "messages": []}).status_code == 502
+    served = [r.getMessage() for r in caplog.records if r.threadName.startswith("cachetally-")]
+    failed = [line for line in served if line.startswith("upstream POST")]
+    assert len(failed) == 2, served
+    assert all("\n" not in line and len(line) < 400 for line in failed)
+    assert "FORGED" in failed[0]  # quoted in its line, not a line of its own
 
 
 # -- the default client (HTTP/1.1 pool) against a raw upstream on 127.0.0.1 ---------------------
