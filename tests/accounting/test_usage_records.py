@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import os
 import re
@@ -238,8 +239,10 @@ def test_an_unwritable_directory_drops_at_stop_and_never_hangs(tmp_path: Path) -
 # -- stream token events counted however the engine's bytes are cut --------------------------
 
 
-def _chat_stream(tokens: int, choices: int, include_usage: bool, crlf: bool) -> bytes:
-    """A vLLM-shaped chat stream: role events, one event per token per choice, usage, [DONE]."""
+def _chat_stream(tokens: int, choices: int, include_usage: bool, crlf: bool, error: str | None = None) -> bytes:
+    """A vLLM-shaped chat stream: role events, one event per token per choice, usage, [DONE].
+    ``error``: the stream fails after its tokens, and the usage chunk is replaced by an error
+    event as vLLM writes it (Python's ``json``) or as cachetally's upstream relay does (orjson)."""
     nl = b"\r\n" if crlf else b"\n"
 
     def event(payload: dict[str, Any]) -> bytes:
@@ -250,7 +253,11 @@ def _chat_stream(tokens: int, choices: int, include_usage: bool, crlf: bool) -> 
         for i in range(choices):
             text = 'data: {"role": x}\n\n' if k % 3 == 0 else f" t{k}"  # generated text that looks like SSE
             out.append(event({"choices": [{"index": i, "delta": {"content": text}, "finish_reason": None}]}))
-    if include_usage:
+    if error is not None:
+        failure = {"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}}
+        data = json.dumps(failure).encode() if error == "vllm" else orjson.dumps(failure)
+        out.append(b"data: " + data + nl + nl)
+    elif include_usage:
         usage = {"prompt_tokens": 9, "completion_tokens": tokens * choices, "total_tokens": 9 + tokens * choices}
         out.append(event({"choices": [], "usage": usage}))
     return b"".join(out) + b"data: [DONE]" + nl + nl
@@ -274,7 +281,7 @@ class _Kept:
         self.records.append(record)
 
 
-def _record_of(pieces: list[bytes], include_usage: bool, ghost: bool) -> UsageRecord:
+def _record_of(pieces: list[bytes], include_usage: bool, ghost: bool, path: str = "/v1/chat/completions") -> UsageRecord:
     async def inner(scope: Any, receive: Any, send: Any) -> None:
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
@@ -286,7 +293,7 @@ def _record_of(pieces: list[bytes], include_usage: bool, ghost: bool) -> UsageRe
     config = PatchConfig(ghost_usage=ghost)
     mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger), config=config, recorder=kept)  # type: ignore[arg-type]
     exchange = Exchange({"messages": [{"role": "user", "content": "hi"}], "stream": True,
-                         "stream_options": {"include_usage": include_usage}})
+                         "stream_options": {"include_usage": include_usage}}, path=path)
     asyncio.run(mw(exchange.scope(), exchange.receive, exchange.send))
     [record] = kept.records
     return record
@@ -309,3 +316,37 @@ def test_stream_token_events_are_counted_the_same_however_the_bytes_are_cut(
     for include_usage, ghost in ((True, False), (False, True)):  # the client's usage chunk, or a ghost one
         record = _record_of(_cut(with_usage, cuts), include_usage, ghost)
         assert (record.completion_tokens, record.completion_source) == (expected, "usage")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.integers(0, 12),
+    choices=st.integers(1, 3),
+    crlf=st.booleans(),
+    cuts=st.none() | st.lists(st.integers(1, 4000), max_size=40),
+    writer=st.sampled_from(["vllm", "cachetally"]),
+)
+def test_a_stream_that_fails_bills_only_its_tokens_and_is_an_error(
+    tokens: int, choices: int, crlf: bool, cuts: list[int] | None, writer: str
+) -> None:
+    """An error event is no token, and the request failed, though the stream ends with [DONE]."""
+    stream = _chat_stream(tokens, choices, False, crlf, error=writer)
+    record = _record_of(_cut(stream, cuts), include_usage=False, ghost=False)
+    assert (record.completion_tokens, record.completion_source, record.outcome) == (tokens * choices, "stream", "error")
+    assert record.status == 200  # what was sent
+
+
+def test_a_messages_stream_that_fails_is_an_error_with_the_tokens_it_sent() -> None:
+    def event(name: str, payload: dict[str, Any]) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **payload}) + b"\n\n"
+
+    delta = {"index": 0, "delta": {"type": "text_delta", "text": "hi"}}
+    stream = [
+        event("message_start", {"message": {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+                                            "content": [], "usage": {"input_tokens": 9, "output_tokens": 0}}}),
+        event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+        event("content_block_delta", delta), event("content_block_delta", delta),
+        event("error", {"error": {"type": "api_error", "message": "boom"}}),
+    ]
+    record = _record_of(stream, include_usage=False, ghost=False, path="/v1/messages")
+    assert (record.completion_tokens, record.completion_source, record.outcome) == (2, "stream", "error")

@@ -11,6 +11,9 @@
   (:mod:`proxy.accounting.records.record`). The Messages and Responses streams frame their tokens
   with other events, so there only their token events count, by ``event:`` line:
   ``content_block_delta`` and ``response.*delta``;
+- an error event in a stream (``data: {"error"...}``, as vLLM and cachetally's upstream
+  relay end a stream that failed; ``event: error`` in the named streams): not a token,
+  and the request's outcome is ``error`` however the stream then ends;
 - the completion tokens and id of a usage object that covers the whole request (a JSON
   body, or a stream's usage-only chunk), which the responder parses anyway.
 """
@@ -24,6 +27,8 @@ from typing import Any
 
 _ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _FIRST_EVENT = (b"data: {", b"data:{")
+_ERROR_EVENTS = (b'data: {"error"', b'data:{"error"')
+_NAMED_ERROR = re.compile(rb"event: ?error[\r\n]")
 _LINE_ENDS = (b"\n", b"\r")
 #: Token events of the streams whose events are named (``event:`` lines), by route.
 _TOKEN_EVENTS = {
@@ -34,7 +39,7 @@ _TOKEN_EVENTS = {
 
 class RequestNotes:
     __slots__ = (
-        "started", "t0", "ttft_s", "response_id", "disconnected", "response_done",
+        "started", "t0", "ttft_s", "response_id", "disconnected", "response_done", "errored",
         "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
         "_usage_events", "_token_events", "_plain",
     )
@@ -47,6 +52,7 @@ class RequestNotes:
         self.response_id: str | None = None
         self.disconnected = False
         self.response_done = False  # the last body message went out
+        self.errored = False  # the stream carried an error event
         self.usage_completion: int | None = None
         self._roles_pending = route == "chat"
         self._cr: bool | None = None
@@ -67,14 +73,24 @@ class RequestNotes:
         stream, so a few ``bytes.count``, written out."""
         if self._plain and events.startswith(b"data: {") and events.find(b"\n") == len(events) - 2 \
                 and events[-1] == 10:
-            self._events += 1  # one event, one line and its blank line, as engines frame each chunk
+            # one event, one line and its blank line, as engines frame each chunk
+            if events.startswith(b'"error"', 7):
+                self.errored = True
+            else:
+                self._events += 1
             return
         if self._token_events is not None:
             self._events += len(self._token_events.findall(events))
+            if _NAMED_ERROR.search(events):
+                self.errored = True
             return
         count = events.count(b"\ndata: {") + events.count(b"\ndata:{")
         if events.startswith(_FIRST_EVENT) and self._line_start:
             count += 1
+        # A JSON string cannot hold '"error"' unescaped: these are error events' first lines.
+        if errors := events.count(_ERROR_EVENTS[0]) + events.count(_ERROR_EVENTS[1]):
+            count -= errors
+            self.errored = True
         if self._cr is None:
             self._cr = b"\r" in events  # a stream keeps the line ends it starts with
         if self._cr:
@@ -117,6 +133,8 @@ class RequestNotes:
         return 0, "none"
 
     def outcome(self, status: int | None) -> str:
+        if self.errored:
+            return "error"
         if self.response_done:
             return "completed" if status is not None and status < 400 else "error"
         return "disconnected" if self.disconnected else "error"
