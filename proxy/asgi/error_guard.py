@@ -13,7 +13,7 @@ from http import HTTPStatus
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.asgi.errors import send_error
+from proxy.asgi.errors import ErrorAnswer, send_error
 from proxy.asgi.paths import logged_path
 
 logger = logging.getLogger("cachetally.app")
@@ -22,7 +22,9 @@ logger = logging.getLogger("cachetally.app")
 class ErrorGuard:
     """The engine app's failures in OpenAI error JSON.
 
-    - An exception before the response started becomes a 500.
+    - An exception before any of the response reached the client becomes a 500 (or what
+      an :class:`~proxy.asgi.errors.ErrorAnswer` says); a response start held to be
+      rewritten has not reached it.
     - A 404 or 405 that is not already an OpenAI error is re-written as one, with the same
       status and headers (``Allow`` stays). Frameworks answer unknown routes and methods
       in their own shape: FastAPI (vLLM's app) ``{"detail": "Not Found"}``, Starlette
@@ -45,15 +47,16 @@ class ErrorGuard:
             nonlocal started, held
             kind = message["type"]
             if kind == "http.response.start":
-                started = True
                 if rewrite and message["status"] in REWRITTEN:
                     held = message
                     return
+                started = True
             elif held is not None and kind == "http.response.body":
                 chunks.append(message.get("body", b""))
                 if message.get("more_body", False):
                     return
                 start, held = held, None
+                started = True
                 await send_rewritten(send, start, b"".join(chunks))
                 return
             await send(message)
@@ -70,8 +73,8 @@ class ErrorGuard:
     async def serve(self, scope: Scope, receive: Receive, send: Send, started: Callable[[], bool]) -> None:
         """Run the engine app for a caller whose ``send`` rewrites a 404 or 405 itself with
         :func:`send_rewritten` (the usage responder, which sees every message anyway): only
-        an exception is answered here, as in ``__call__``. ``started``: whether the app has
-        sent its response start."""
+        an exception is answered here, as in ``__call__``. ``started``: whether a response
+        start has reached the client (one the caller holds has not)."""
         try:
             await self.app(scope, receive, send)
         except Exception as exc:
@@ -83,7 +86,10 @@ class ErrorGuard:
         logger.error("engine app failed on %s: %s", logged_path(scope), type(exc).__name__)
         if started:
             raise exc
-        await send_error(send, 500, "Internal server error")
+        if isinstance(exc, ErrorAnswer):
+            await send_error(send, exc.status, exc.message)
+        else:
+            await send_error(send, 500, "Internal server error")
 
 
 #: The statuses frameworks answer in their own shape, rewritten as OpenAI errors.

@@ -23,6 +23,15 @@ _TYPES = {
 }
 
 
+class ErrorAnswer(Exception):
+    """An engine app's failure that says how the client is to be told of it, when nothing
+    of the response has reached the client yet (:class:`proxy.asgi.error_guard.ErrorGuard`)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
 def error_body(status: int, message: str) -> bytes:
     error_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return orjson.dumps(

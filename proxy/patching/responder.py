@@ -79,8 +79,9 @@ class Responder:
     # -- response side -------------------------------------------------------------------
 
     def started(self) -> bool:
-        """The inner app has sent its response start."""
-        return self.status is not None
+        """A response start has reached the client: the inner app sent one, and it is not
+        held (a JSON body to patch, a 404 or 405 to rewrite)."""
+        return self.status is not None and self._start is None
 
     async def send(self, message: Message) -> None:
         if self._passing and message.get("more_body", False) and message["type"] == "http.response.body":
@@ -114,6 +115,9 @@ class Responder:
             await self._send(message)
 
     async def _on_start(self, message: Message) -> None:
+        if self._start is not None:  # the inner app failed after a held start: its error answer
+            self._start, self.mode, self.stream = None, Mode.PASS, False
+            self._chunks.clear()
         echo_header = self.ctx.echo_header
         content_type, encoded, length = b"", False, None
         headers: Headers = []

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Receive, Scope, Send
 
-from proxy.asgi.errors import error_sse_event, send_error
+from proxy.asgi.errors import ErrorAnswer, error_sse_event, send_error
 from proxy.asgi.headers import Headers
 from proxy.asgi.paths import logged_path
 from proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
@@ -37,8 +37,9 @@ logger = logging.getLogger("cachetally.upstream")
 _EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n")
 
 
-class UpstreamBodyError(Exception):
-    """The upstream failed after the response started, and the body is not SSE."""
+class UpstreamBodyError(ErrorAnswer):
+    """The upstream failed after the response started, and the body is not SSE: a 502 if
+    the client has not had the start yet (a JSON body is held to be patched)."""
 
 
 class _ClientGone(Exception):
@@ -147,7 +148,7 @@ class Forward:
             scope = self.scope
             logger.warning("upstream %s %s failed mid-response: %s", scope["method"], logged_path(scope), exc.reason)
             if not is_sse(response.headers):
-                raise UpstreamBodyError(exc.message) from None
+                raise UpstreamBodyError(502, exc.message) from None
             # Close a half-sent event first, so the error event is parsed on its own.
             prefix = b"" if tail.endswith(_EVENT_ENDS) else b"\n\n"
             event = prefix + error_sse_event(exc.status, exc.message)

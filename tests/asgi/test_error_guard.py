@@ -124,3 +124,28 @@ async def test_an_exception_after_the_start_reaches_the_server(via: str) -> None
         await mw(http_scope(path, method=method), client.receive, client.send)
     assert client.status == 200 and client.body == b"data: {}\n\n" and not client.complete
     assert len(ledger) == 0
+
+
+#: Starts the client has not had yet: a JSON body the responder holds to patch (on the
+#: patched route only), and a 404 held to be rewritten (by either).
+HELD = {"json via responder": ("responder", 200, b"application/json"),
+        "404 via responder": ("responder", 404, b"text/plain"),
+        "404 via guard": ("guard", 404, b"text/plain")}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("held", HELD)
+async def test_an_exception_after_a_held_start_is_an_openai_500_and_its_only_start(held: str) -> None:
+    via, status, content_type = HELD[held]
+
+    async def fails(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+        await send({"type": "http.response.body", "body": b'{"id":"chatcmpl-1","choi', "more_body": True})
+        raise RuntimeError("engine died")
+
+    client = await answer(fails, *VIA[via])
+    assert client.status == 500  # one start: the held one never goes out
+    assert client.json()["error"] == {"message": "Internal server error", "type": "InternalServerError",
+                                      "param": None, "code": 500}
+    assert client.complete and client.header("x-request-id") == "req-1"
+    assert client.header("content-length") == str(len(client.body))

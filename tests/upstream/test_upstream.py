@@ -324,6 +324,36 @@ def test_killing_the_upstream_before_a_json_response_is_502(start_sim: Any, star
     assert proxy.settle("cachetally_upstream_connections_checked_out", 0) == 0
 
 
+async def dies_mid_json(scope: Any, receive: Any, send: Any) -> None:
+    """An upstream that starts a 200 JSON answer to a chat and dies in its body."""
+    if scope["type"] == "lifespan":
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    if scope["path"] == "/v1/models":
+        body = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"500")]})
+    await send({"type": "http.response.body", "body": b'{"id":"chatcmpl-x","choices":[', "more_body": True})
+    raise RuntimeError("the upstream dies mid-body")  # uvicorn drops the connection
+
+
+@loopback
+def test_an_upstream_that_dies_in_a_json_body_is_a_502_in_openai_json(start_proxy: Any) -> None:
+    """The JSON body is held to be patched, so the client has had nothing yet: it gets an
+    OpenAI error, not a dropped connection or the server's plain-text 500."""
+    with serving_in_thread(dies_mid_json, "upstream") as upstream:
+        proxy = start_proxy(upstream)
+        resp = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": []}, timeout=10)
+        assert resp.status_code == 502
+        assert resp.json()["error"]["type"] == "BadGatewayError"
+        assert proxy.settle("cachetally_ledger_open_slots", 0) == 0
+
+
 @loopback
 def test_a_client_that_leaves_closes_the_upstream_stream(start_sim: Any, start_proxy: Any) -> None:
     sim = start_sim("--token-delay-s", "0.1")
