@@ -34,6 +34,10 @@ from proxy.patching.usage import ResponseUsage, UsagePatch
 #: Inside a JSON string a quote is escaped, so this only matches a real key.
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _MODEL_SNIFF_CHUNKS = 4
+#: Routes whose first events carry the client's own objects before the model: a Responses
+#: stream's ``response.created`` echoes the request's ``metadata`` (any keys, ``"model"``
+#: too) ahead of the response's ``model``. Its model is read from the terminal event only.
+_NO_MODEL_SNIFF = frozenset(("responses",))
 
 
 class Mode(Enum):
@@ -65,6 +69,7 @@ class Responder:
         self.ghost_asked = False  # asked for a usage chunk the client did not (proxy.patching.ghost)
         self.completed = False  # a 200 response went out in full
         self._sniff_chunks = _MODEL_SNIFF_CHUNKS
+        self._sniff_model = route not in _NO_MODEL_SNIFF
         self.status: int | None = None
         self._start: Message | None = None
         self._length: tuple[bytes, bytes] | None = None  # a held start's Content-Length
@@ -176,7 +181,7 @@ class Responder:
         if self.in_response.model is None and self._sniff_chunks and body:
             self._sniff_chunks -= 1
             self.notes.sniff_id(body)
-            if match := _MODEL_FIELD.search(body):
+            if self._sniff_model and (match := _MODEL_FIELD.search(body)):
                 self.in_response.model = match.group(1).decode("utf-8", "replace")
         out = self._sse.feed(body) if body else b""
         if not more:

@@ -947,3 +947,42 @@ async def test_lifespan_scope_passes_through() -> None:
     mw = UsagePatchMiddleware(inner, ledger=h.ledger, metrics=h.metrics)
     await mw({"type": "lifespan"}, Client().receive, Client().send)
     assert calls == ["lifespan"]
+
+
+@pytest.mark.asyncio
+async def test_a_responses_stream_cut_early_takes_no_model_name_from_the_clients_metadata() -> None:
+    """vLLM's ``response.created`` echoes the request's ``metadata`` ahead of the response's
+    own ``model``; a client hanging up before ``response.completed`` must not get its
+    metadata's ``model`` into the labels."""
+    h = Harness()
+
+    def event(kind: str, data: dict[str, Any]) -> bytes:
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
+
+    def engine(metadata: dict[str, str]) -> InnerApp:
+        async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+            head = {"id": "resp_1", "created_at": 1, "incomplete_details": None, "instructions": None,
+                    "metadata": metadata, "model": "served", "object": "response", "output": [],
+                    "status": "in_progress", "usage": None}
+            await start(send, b"text/event-stream")
+            await send({"type": "http.response.body", "body": event("response.created", {"response": head}),
+                        "more_body": True})
+            for _ in range(3):
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": event("response.output_text.delta", {"delta": "x"})})
+            assert (await receive())["type"] == "http.disconnect"  # the client hung up: no response.completed
+
+        return respond
+
+    for name in ("mint-1", "mint-2"):
+        metadata = {"model": name}
+        client = Client(orjson.dumps({"model": "served", "input": "hi", "stream": True, "metadata": metadata}))
+        mw = h.middleware(engine(metadata), (20, 0))
+        task = asyncio.create_task(mw(http_scope("/v1/responses"), client.receive, client.send))
+        while len(client.sent) < 5:  # the start and four events
+            await asyncio.sleep(0)
+        client.leave()
+        await asyncio.wait_for(task, 5)
+    models = {s.labels["model"] for f in h.metrics.registry.collect() for s in f.samples
+              if s.name == "cachetally_requests_total"}
+    assert models == {"unknown"}  # the default label: the response never said its model

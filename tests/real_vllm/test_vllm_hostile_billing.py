@@ -19,7 +19,8 @@ counters and the report.
   the engine's tokens; a body with ``NaN``, an integer past 64 bits and a lone surrogate
   (which Python's ``json`` reads, as vLLM does, and orjson does not) is served and billed;
 - made-up and 1 MiB model names are refused by vLLM (404) and mint no label, and their
-  records and spans stay small.
+  records and spans stay small; a Responses stream cut after ``response.created``, which
+  echoes the request's ``metadata``, takes no model name from it.
 
 Keys are not configured on this server (a tenant header beside a key is refused at
 startup); the key rule inside vLLM is held by tests/accounting/test_tenants.py and the upstream
@@ -326,3 +327,26 @@ def test_made_up_model_names_are_refused_and_mint_nothing(
     assert sorted(len(v) for v in spans.values()) == [1] * len(records)
     (huge_span,) = spans[only_record(vllm_usage_dir, ids["huge"])["record_id"]]
     assert len(huge_span.attributes["gen_ai.request.model"]) == 256
+
+
+def test_a_responses_stream_cut_early_cannot_name_its_model_in_metadata(
+    vllm_server: str, model: str, vllm_usage_dir: Path, vllm_pace: Pace
+) -> None:
+    """vLLM's ``response.created`` echoes the request's ``metadata`` before the response's
+    ``model``; a client that hangs up after that event leaves a record and labels with the
+    served model's name or ``unknown``, never its metadata's."""
+    names = {f"mint-{uuid.uuid4().hex}": uuid.uuid4().hex for _ in range(2)}
+    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(4)) as http:
+        for name, rid in names.items():
+            body = {"model": model, "input": fresh_prompt(), "stream": True, "max_output_tokens": 200,
+                    "metadata": {"model": name}}
+            with http.stream("POST", "/v1/responses", json=body, headers={"x-request-id": rid}) as answer:
+                assert answer.status_code == 200
+                lines = answer.iter_lines()
+                while not next(lines).startswith("data:"):  # response.created: then hang up
+                    pass
+    found = records_for(vllm_usage_dir, set(names.values()))
+    records = [r for rid in names.values() for r in found.get(rid, [])]
+    assert len(records) == len(names)
+    assert {r["model"] for r in records} <= {model, "unknown"}
+    assert labels(vllm_server, "model").isdisjoint(names)
