@@ -2,7 +2,10 @@
 
 Which routes need a key follows vLLM's own ``--api-key``: paths under ``/v1``, ``/v2``,
 ``/inference`` and ``/cohere`` (after the ``root_path``), every method but ``OPTIONS``
-(CORS preflights carry no credentials). ``/health``, ``/metrics`` and ``/stats`` stay open,
+(CORS preflights carry no credentials). Beyond vLLM, every metered route needs one too
+(``metered``: SageMaker's ``/invocations``, which vLLM leaves open): it runs the engine and
+is billed, and a key names the tenant billed, so no request is billed to a tenant that no
+credential gave it. ``/health``, ``/metrics`` and ``/stats`` stay open,
 so a Kubernetes probe or a Prometheus scrape needs no key; paths in ``auth_exempt_paths``
 (exact match) are opened as well. A guarded request must carry exactly one
 ``Authorization: Bearer <key>`` header naming a key of the table (:class:`KeyTable`: the
@@ -31,18 +34,19 @@ GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 
 class ApiKeyGuard:
-    def __init__(self, keys: KeyTable, exempt_paths: Iterable[str] = ()) -> None:
+    def __init__(self, keys: KeyTable, exempt_paths: Iterable[str] = (), metered: Iterable[str] = ()) -> None:
         if not keys:
             raise ValueError("an API key guard needs at least one key")
         self._keys = keys
         self._exempt = frozenset(exempt_paths)
+        self._metered = frozenset(metered)
 
     def guards(self, scope: Scope) -> bool:
         """Whether ``scope`` needs a key (module docstring)."""
         if scope.get("method") == "OPTIONS":
             return False
         path = route_path(scope)
-        return path.startswith(GUARDED_PREFIXES) and path not in self._exempt
+        return (path.startswith(GUARDED_PREFIXES) or path in self._metered) and path not in self._exempt
 
     def allows(self, scope: Scope) -> bool:
         if not self.guards(scope):

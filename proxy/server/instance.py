@@ -28,7 +28,7 @@ from proxy.accounting.records.recorder import Recorder, recorder_from_settings
 from proxy.accounting.request_id import process_tag
 from proxy.accounting.tenants import tenancy_from_settings
 from proxy.asgi.error_guard import ErrorGuard
-from proxy.patching.context import PatchConfig
+from proxy.patching.context import DEFAULT_ROUTES, PatchConfig
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.patching.served_models import ServedModels, UpstreamModels
@@ -49,7 +49,7 @@ class Accounting:
         self.metrics = Metrics(self.ledger, registry=registry)
         self.tenancy = tenancy_from_settings(settings)
         keys = self.tenancy.keys
-        self.auth = ApiKeyGuard(keys, settings.auth_exempt_paths) if keys else None
+        self.auth = ApiKeyGuard(keys, settings.auth_exempt_paths, metered=DEFAULT_ROUTES) if keys else None
         # Upstreams may echo the client's model name: only the models they list are labels.
         upstream = settings.engine == "upstream" and settings.upstream
         self.models = ServedModels([settings.model] if settings.model else (), checked=bool(upstream))

@@ -89,13 +89,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--api-key",
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' under /v1 (as vLLM's --api-key: /health, /metrics, /stats "
-        "stay open); tenant 'default'. Prefer CACHETALLY_API_KEY: flags show in the process list",
+        "stay open) and on SageMaker's /invocations, which is billed; tenant 'default'. Prefer "
+        "CACHETALLY_API_KEY: flags show in the process list",
     )
     p.add_argument(
         "--auth-exempt-path",
         action="append",
         metavar="PATH",
-        help="a path under /v1 (or /v2, ...) open without the API key, exact match (repeatable; default: none)",
+        help="a path under /v1 (or /v2, ...), or /invocations, open without the API key, exact match; its "
+        "requests are tenant 'default' (repeatable; default: none)",
     )
     _accounting_flags(p)
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help='`vllm serve` flags, after "--"')

@@ -74,6 +74,7 @@ def echo_upstream(listed: list[str] | None) -> Starlette:
 
     return Starlette(routes=[
         Route("/v1/completions", _completion, methods=["POST"]),
+        Route("/invocations", _completion, methods=["POST"]),  # SageMaker's, a completions body here
         Route("/v1/models", models, methods=["GET"]),
     ])
 
@@ -121,12 +122,18 @@ def keys_file(tmp_path: Path) -> Path:
     return path
 
 
-def complete(url: str, key: str | None, tenant: str | None = None, **extra: Any) -> int:
+def complete(url: str, key: str | None, tenant: str | None = None, path: str = "/v1/completions",
+             **extra: Any) -> int:
     headers = {"authorization": f"Bearer {key}"} if key is not None else {}
     if tenant is not None:
         headers["x-tenant"] = tenant
     body = {"model": SERVED, "prompt": "hi", "max_tokens": 2, **extra}
-    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=10).status_code
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=10).status_code
+
+
+#: Every metered route the client may try: vLLM leaves SageMaker's /invocations open even
+#: with its --api-key, but it runs the engine and is billed, so it needs a key here.
+METERED = ("/v1/completions", "/invocations")
 
 
 # -- tenants: a client cannot choose a tenant its credential does not give it ------------------
@@ -152,13 +159,13 @@ def test_no_credential_bills_a_tenant_it_does_not_name(tmp_path: Path, config: s
         settings["api_keys_file"] = str(keys_file(tmp_path))
     rule = KEYED_RULE[config]
     with proxy(tmp_path / "usage", **settings) as (url, billing):
-        answered = {key: complete(url, key, tenant="globex") for key in rule}
+        answered = {(path, key): complete(url, key, tenant="globex", path=path) for path in METERED for key in rule}
         if config != "file":  # the official client: the shared key asking for acme, in a header
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=SHARED, default_headers={"x-tenant": "acme"})
             client.completions.create(model=SERVED, prompt="hi", max_tokens=2)
-    expected = {key: (200 if want != 401 else 401) for key, want in rule.items()}
+    expected = {(path, key): (200 if want != 401 else 401) for path in METERED for key, want in rule.items()}
     assert answered == expected
-    billed = sorted(want for want in rule.values() if want != 401)
+    billed = sorted(want for _ in METERED for want in rule.values() if want != 401)
     if config != "file":
         billed = sorted([*billed, "default"])  # the openai client's request, on the shared key
     assert sorted(billing.tenants()) == billed
