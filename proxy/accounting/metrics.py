@@ -181,14 +181,14 @@ class Metrics:
             self._completion.add((rec.model, rec.tenant), rec.completion_tokens)
 
     def record(self, rec: UsageRecord, mismatches: int = 0) -> None:
-        """Count one finished request; ``mismatches``: how often the engine's figure overwrote
-        a different one in its response."""
+        """Count one finished request; ``mismatches``: how many of its response's usage
+        objects had a figure the engine's overwrote (the counter counts the response once)."""
         model, tenant = rec.model, rec.tenant
         prompt, cached = rec.prompt_tokens, rec.cached_tokens
         cache = "unknown" if prompt is None or cached is None else "hit" if cached else "miss"
         self._requests.add((model, rec.route, "true" if rec.stream else "false", cache, tenant), 1)
         if mismatches:
-            self._mismatch(mismatches)
+            self._mismatch()
         if rec.completion_tokens:
             self._completion.add((model, tenant), rec.completion_tokens)
         self.stats.add(prompt, cached)

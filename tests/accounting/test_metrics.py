@@ -90,7 +90,8 @@ def reference(recs: list[Counted]) -> bytes:
                       registry=registry)
     for rec in recs:
         requests.labels(rec.model, rec.route, str(rec.stream).lower(), cache_of(rec), rec.tenant).inc()
-        mismatch.inc(rec.mismatches)
+        if rec.mismatches:  # a response counts once, however many of its usage objects
+            mismatch.inc()
         if rec.completion_tokens:
             completion.labels(rec.model, rec.tenant).inc(rec.completion_tokens)
         if cache_of(rec) == "unknown":

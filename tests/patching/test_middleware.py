@@ -542,6 +542,22 @@ async def test_a_different_reported_value_is_overwritten_and_counted_as_a_mismat
     assert h.sample("cachetally_cached_tokens_total", model="m", source="engine", tier="all") == 48
 
 
+@pytest.mark.asyncio
+async def test_a_stream_with_a_wrong_figure_in_every_usage_chunk_is_one_mismatched_response() -> None:
+    """The counter counts responses, as its help says, not the usage chunks of one."""
+    h = Harness()
+    wrong = {"prompt_tokens_details": {"cached_tokens": 32}}
+    continuous = [chunk({"content": f"t{i}"}, usage={"prompt_tokens": 64, "completion_tokens": i,
+                                                     "total_tokens": 64 + i, **wrong}) for i in (1, 2, 3)]
+    final = chunk(usage={"prompt_tokens": 64, "completion_tokens": 3, "total_tokens": 67, **wrong})
+    body = chat_request(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    client = Client(body)
+    await h.call(h.middleware(sse_response(ROLE, *continuous, final, DONE), (64, 48)), client)
+    cached = [p["usage"]["prompt_tokens_details"]["cached_tokens"] for p in sse_payloads(client.body)[1:5]]
+    assert cached == [48, 48, 48, 48]
+    assert h.sample("cachetally_cached_tokens_mismatch_total") == 1
+
+
 # -- passthrough ---------------------------------------------------------------------------------
 
 
