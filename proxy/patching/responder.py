@@ -220,6 +220,7 @@ class Responder:
         self._size += len(self._chunks[-1])
         if self._size > self.ctx.config.max_response_bytes:
             self._count_skip("body_too_large")
+            self.notes.unread = True
             self.mode = Mode.PASS
             start = self._take_start()
             if self._length is not None:

@@ -350,3 +350,27 @@ def test_a_messages_stream_that_fails_is_an_error_with_the_tokens_it_sent() -> N
     ]
     record = _record_of(stream, include_usage=False, ghost=False, path="/v1/messages")
     assert (record.completion_tokens, record.completion_source, record.outcome) == (2, "stream", "error")
+
+
+def test_a_json_body_too_large_to_hold_is_recorded_as_unknown_completion_not_zero() -> None:
+    """Past ``max_response_bytes`` a JSON body passes unread (and unpatched): its record
+    must not say it delivered no tokens."""
+    body = orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion", "model": "m",
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * 8000},
+                                      "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 30, "completion_tokens": 2000, "total_tokens": 2030}})
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        for i in range(0, len(body), 1024):
+            await send({"type": "http.response.body", "body": body[i : i + 1024], "more_body": i + 1024 < len(body)})
+
+    kept, ledger = _Kept(), UsageLedger()
+    mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger), recorder=kept,  # type: ignore[arg-type]
+                              config=PatchConfig(max_response_bytes=4096))
+    exchange = Exchange({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    asyncio.run(mw(exchange.scope(), exchange.receive, exchange.send))
+    assert b"".join(m.get("body", b"") for m in exchange.messages if m["type"] == "http.response.body") == body
+    [record] = kept.records
+    assert (record.completion_tokens, record.completion_source, record.outcome) == (0, "unknown", "completed")

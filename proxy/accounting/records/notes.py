@@ -15,7 +15,9 @@
   relay end a stream that failed; ``event: error`` in the named streams): not a token,
   and the request's outcome is ``error`` however the stream then ends;
 - the completion tokens and id of a usage object that covers the whole request (a JSON
-  body, or a stream's usage-only chunk), which the responder parses anyway.
+  body, or a stream's usage-only chunk), which the responder parses anyway;
+- a JSON body too large to hold (``max_response_bytes``), passed on unread: its completion
+  tokens are not known here (``completion_source: "unknown"``), and never taken for 0.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ _TOKEN_EVENTS = {
 
 class RequestNotes:
     __slots__ = (
-        "started", "t0", "ttft_s", "response_id", "disconnected", "response_done", "errored",
+        "started", "t0", "ttft_s", "response_id", "disconnected", "response_done", "errored", "unread",
         "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
         "_usage_events", "_token_events", "_plain",
     )
@@ -53,6 +55,7 @@ class RequestNotes:
         self.disconnected = False
         self.response_done = False  # the last body message went out
         self.errored = False  # the stream carried an error event
+        self.unread = False  # a JSON body went out unread: too large to hold
         self.usage_completion: int | None = None
         self._roles_pending = route == "chat"
         self._cr: bool | None = None
@@ -130,7 +133,7 @@ class RequestNotes:
             return self.usage_completion, "usage"
         if stream:
             return max(0, self._events - self._role_events - self._usage_events), "stream"
-        return 0, "none"
+        return 0, "unknown" if self.unread else "none"
 
     def outcome(self, status: int | None) -> str:
         if self.errored:

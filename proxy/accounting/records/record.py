@@ -26,7 +26,9 @@ whole request was seen (``completion_source="usage"``). A stream cut before its 
 chunk counts the token events produced up to the end (``"stream"``): one per choice per
 engine step, which is one token in vLLM (stream interval 1, no speculative decoding) and
 in the sim, and a lower bound when several tokens share an event. Otherwise 0
-(``"none"``): a JSON response that was never produced delivered nothing.
+(``"none"``): a JSON response that was never produced delivered nothing; or 0 with
+``"unknown"``: a JSON response too large to hold (``max_response_bytes``) went out unread,
+so its tokens were not counted here.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class UsageRecord:
     cache_creation_tokens: int | None = None
     source: str | None = None  # engine | upstream | None when unknown
     completion_tokens: int = 0
-    completion_source: str = "none"  # usage | stream | none
+    completion_source: str = "none"  # usage | stream | none | unknown
     ttft_s: float | None = None  # first response body bytes after the request started
     traceparent: str | None = None  # the client's W3C trace context, if it sent one
     record_id: str = field(default_factory=new_record_id)  # ours, unique: deduplicate on this
