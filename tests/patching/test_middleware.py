@@ -995,8 +995,12 @@ async def test_a_responses_stream_cut_early_takes_no_model_name_from_the_clients
         client = Client(orjson.dumps({"model": "served", "input": "hi", "stream": True, "metadata": metadata}))
         mw = h.middleware(engine(metadata), (20, 0))
         task = asyncio.create_task(mw(http_scope("/v1/responses"), client.receive, client.send))
-        while len(client.sent) < 5:  # the start and four events
-            await asyncio.sleep(0)
+
+        async def events_sent() -> None:
+            while len(client.sent) < 5:  # the start and four events
+                await asyncio.sleep(0)
+
+        await asyncio.wait_for(events_sent(), 5)  # a failure, never a spin
         client.leave()
         await asyncio.wait_for(task, 5)
     models = {s.labels["model"] for f in h.metrics.registry.collect() for s in f.samples
