@@ -37,6 +37,7 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
         local, external, writes = engine.local_cached_tokens, engine.external_cached_tokens, engine.cache_creation_tokens
     elif in_response.source == "upstream":
         prompt, cached, source = in_response.prompt_tokens, in_response.cached_tokens, "upstream"
+        writes = in_response.cache_creation_tokens
     else:
         prompt, cached, source = in_response.prompt_tokens, None, None
     options = r.options

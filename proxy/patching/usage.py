@@ -9,7 +9,8 @@
 
 Cache writes (prompt tokens the engine wrote to its prefix cache) go in the same object
 under vLLM's own name, ``created_cache_tokens``, when the engine event reports them for the
-whole request; otherwise the field stays as the response had it.
+whole request; otherwise the field stays as the response had it (``source=upstream``: the
+upstream's own count, which the usage record keeps).
 
 0 is a value. Per-tier detail goes into a separate top-level ``cached_tokens_details``
 object, only when the client asked for it, and never changes the standard fields.
@@ -21,21 +22,21 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.patching.ledger import EngineUsage
-from proxy.patching.vendor_usage import reported_cached_tokens
+from proxy.patching.vendor_usage import WRITES_KEY, reported_cache_writes, reported_cached_tokens
 
 Missing = Literal["zero", "omit"]
 DETAILS_KEY = "cached_tokens_details"
-WRITES_KEY = "created_cache_tokens"  # vLLM's name in prompt_tokens_details
 
 
 @dataclass(slots=True)
 class ResponseUsage:
     """What the response itself said: its model and usage figures, and how often the engine's
-    figure overwrote them; the last usage object read wins."""
+    figure overwrote them; the last usage object that reports a figure wins."""
 
     model: str | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    cache_creation_tokens: int | None = None
     source: str | None = None  # engine | upstream | None (unknown)
     mismatches: int = 0
 
@@ -77,6 +78,7 @@ class UsagePatch:
             if writes is not None and details.get(WRITES_KEY) != writes:
                 details[WRITES_KEY] = writes
                 changed = True
+        in_response.cache_creation_tokens = reported_cache_writes(usage)  # as patched: the engine's, else its own
         if self.details:
             payload[DETAILS_KEY] = self._details(value, source)
             changed = True

@@ -18,12 +18,18 @@ carries no value. The first reader that knows the value wins. What each engine s
   builds with timings; ``-1`` or absent when unknown).
 - TensorRT-LLM ``trtllm-serve`` and lmdeploy >= 0.14 (chat route): the standard field.
 - Ollama: nothing; the ``missing`` policy applies.
+
+Cache writes on these routes: vLLM's ``usage.prompt_tokens_details.created_cache_tokens``
+(with ``--enable-prompt-tokens-details``); none of the other engines sends them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+WRITES_KEY = "created_cache_tokens"  # vLLM's name in prompt_tokens_details
+
 
 def _count(value: Any) -> int | None:
     # bool is an int subclass; a JSON true is not a token count.
@@ -69,3 +75,9 @@ def reported_cached_tokens(payload: dict[str, Any]) -> int | None:
         if value is not None and (count := reader(value)) is not None:
             return count
     return None
+
+
+def reported_cache_writes(usage: dict[str, Any]) -> int | None:
+    """vLLM's count of the prompt tokens written to its prefix cache, when ``usage`` has one."""
+    details = usage.get("prompt_tokens_details")
+    return _count(details.get(WRITES_KEY)) if isinstance(details, dict) else None

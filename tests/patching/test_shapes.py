@@ -5,7 +5,9 @@ upstream mode in front of the sim.
 Embedded: the engine's figures in every path (JSON and SSE), 0 reads cold, the full
 blocks warm, writes = the blocks the cold request cached; Anthropic's three input figures
 add up to the prompt; one record per request under its route. Upstream in front of an
-engine that reports the right figures: every stream and body goes through byte for byte.
+engine that reports the right figures: every stream and body goes through byte for byte,
+and the records and counters carry its reads and writes; in front of Anthropic's own
+stream shape, a final ``message_delta`` without cache figures stays as it came.
 Refused while billing is on: engine routes that are not metered, background responses."""
 
 from __future__ import annotations
@@ -14,15 +16,21 @@ import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
 import openai
+import orjson
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from engine_adapter.sim.tokenizer import render_chat, tokenize
 from tests.real_vllm import test_vllm_apis as apis
-from tests.servers import metric_value, running_server
+from tests.servers import metric_value, running_server, serving_in_thread
 from tests.real_vllm.test_vllm_records import records_for
 
 pytestmark = pytest.mark.loopback
@@ -107,11 +115,12 @@ def test_without_billing_unmetered_routes_pass_through() -> None:
 
 
 @pytest.fixture(scope="module")
-def upstream_pair() -> Iterator[tuple[str, str]]:
-    """(the sim alone, reporting its figures; cachetally --upstream in front of it)."""
+def upstream_pair(usage_dir: Path) -> Iterator[tuple[str, str]]:
+    """(the sim alone, reporting its figures; cachetally --upstream in front of it, billing on)."""
     sim = ["-m", "engine_adapter.sim", "--log-level", "warning", "--report-cached-tokens"]
     with running_server(sim) as (engine, _):
-        proxy = ["-m", "proxy.server.cli", "serve", "--upstream", engine, "--log-level", "warning"]
+        proxy = ["-m", "proxy.server.cli", "serve", "--upstream", engine, "--log-level", "warning",
+                 "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
         with running_server(proxy) as (front, _):
             yield engine, front
 
@@ -137,6 +146,99 @@ def test_upstream_passes_right_figures_byte_for_byte(upstream_pair: tuple[str, s
 def masked(raw: bytes) -> bytes:
     raw = re.sub(rb'"(resp|msg)_[0-9a-f]{32}"', b'"X"', raw)
     return re.sub(rb'"created_at":\d+', b'"created_at":0', raw)
+
+
+def chat_json(client: openai.OpenAI, model: str, prompt: str, rid: str) -> tuple[int, int, int | None]:
+    answer = client.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": prompt}],
+                                            extra_headers={"x-request-id": rid})
+    assert answer.usage is not None
+    return _chat(answer.usage)
+
+
+def chat_sse(client: openai.OpenAI, model: str, prompt: str, rid: str) -> tuple[int, int, int | None]:
+    chunks = client.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": prompt}],
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_headers={"x-request-id": rid})
+    [usage] = [chunk.usage for chunk in chunks if chunk.usage is not None]
+    return _chat(usage)
+
+
+def _chat(usage: Any) -> tuple[int, int, int | None]:
+    details = usage.prompt_tokens_details.model_dump()
+    return usage.prompt_tokens, details["cached_tokens"], details.get("created_cache_tokens")
+
+
+@pytest.mark.parametrize("path", [*apis.PATHS, "chat-json", "chat-sse"])
+def test_upstream_cache_writes_reach_the_record_and_the_counter(
+    upstream_pair: tuple[str, str], usage_dir: Path, path: str
+) -> None:
+    """The upstream's own count of the prompt tokens it wrote to its cache, which the client
+    reads, is the record's ``cache_creation_tokens`` and moves the write counter."""
+    _, front = upstream_pair
+    route, ask = {**apis.PATHS, "chat-json": ("chat", chat_json), "chat-sse": ("chat", chat_sse)}[path]
+    prompt = fresh_prompt()
+    size = prompt_size(prompt)
+    rid = uuid.uuid4().hex
+    before = httpx.get(f"{front}/metrics").text
+    with sdk(front, route) as client:
+        cold = ask(client, MODEL, prompt, rid)
+    assert cold == (size, 0, (size // BLOCK) * BLOCK)
+    after = httpx.get(f"{front}/metrics").text
+    written = metric_value(after, "cachetally_cache_write_tokens_total", source="upstream") - metric_value(
+        before, "cachetally_cache_write_tokens_total", source="upstream")
+    assert written == cold[2]
+    [record] = records_for(usage_dir, {rid})[rid]
+    assert record["source"] == "upstream"
+    assert (record["prompt_tokens"], record["cached_tokens"], record["cache_creation_tokens"]) == cold
+
+
+# Anthropic's own stream: the prompt's figures in message_start, output_tokens only in the
+# final message_delta (https://docs.anthropic.com/en/docs/build-with-claude/streaming).
+ANTHROPIC_EVENTS = [
+    {"type": "message_start", "message": {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 50,
+                  "output_tokens": 1}}},
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
+    {"type": "content_block_stop", "index": 0},
+    {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+     "usage": {"output_tokens": 5}},
+    {"type": "message_stop"},
+]
+
+
+async def anthropic_stream(request: Request) -> Response:
+    await request.body()
+    body = b"".join(b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e)) for e in ANTHROPIC_EVENTS)
+    return Response(body, media_type="text/event-stream")
+
+
+@pytest.mark.parametrize("missing", ["zero", "omit"])
+def test_an_upstream_message_delta_without_cache_figures_keeps_those_of_message_start(
+    usage_dir: Path, missing: str
+) -> None:
+    upstream_app = Starlette(routes=[Route("/v1/messages", anthropic_stream, methods=["POST"])])
+    rid = uuid.uuid4().hex
+    with serving_in_thread(upstream_app, "anthropic") as upstream:
+        args = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--missing", missing,
+                "--log-level", "warning", "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
+        with running_server(args) as (front, _), sdk(front, "messages") as client:
+            assert isinstance(client, anthropic.Anthropic)
+            with client.messages.stream(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                                        extra_headers={"x-request-id": rid}) as stream:
+                [delta] = [event for event in stream if event.type == "message_delta"]
+                usage = stream.get_final_message().usage
+            metrics = httpx.get(f"{front}/metrics").text
+    assert delta.usage.cache_read_input_tokens is None  # as the upstream wrote it
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens, usage.output_tokens) \
+        == (10, 50, 0, 5)
+    [record] = records_for(usage_dir, {rid})[rid]
+    assert (record["source"], record["prompt_tokens"], record["cached_tokens"], record["cache_creation_tokens"]) \
+        == ("upstream", 60, 50, 0)
+    assert metric_value(metrics, "cachetally_requests_total", cache="hit") == 1
+    assert metric_value(metrics, "cachetally_cached_tokens_total", source="upstream", tier="all") == 50
 
 
 @pytest.mark.asyncio

@@ -6,6 +6,11 @@ counts as a mismatch); else the response's own value (``source=upstream``); else
 writes (prompt tokens the engine wrote to its prefix cache) come from the same event,
 else from the response, else stay unwritten: they are never guessed.
 
+A usage object that reports neither the prompt nor its cache reads, with no engine event
+(Anthropic's final ``message_delta`` carries ``output_tokens`` only), has nothing to
+resolve: it stays as the upstream wrote it, and the figures of an earlier usage object
+(``message_start``) stand for the response.
+
 A shape says where its usage object sits in a payload (:meth:`Shape.locate`) and how to
 write the resolved :class:`Figures` into it (:meth:`Shape.write`).
 """
@@ -80,12 +85,15 @@ class Shape:
         if not isinstance(usage, dict):
             return None, None
         reported = self.read(usage)
+        if engine is None and reported.prompt is None and reported.reads is None:
+            return None, (holder if final else None)
         figures = resolve(engine, missing, reported)
         if engine is not None and reported.reads is not None and reported.reads != figures.reads:
             in_response.mismatches += 1
         if figures.prompt is not None:
             in_response.prompt_tokens = figures.prompt
-        in_response.cached_tokens, in_response.source = figures.reads, figures.source
+        in_response.cached_tokens, in_response.cache_creation_tokens = figures.reads, figures.writes
+        in_response.source = figures.source
         before = orjson.dumps(usage)
         self.write(usage, figures)
         return (True if orjson.dumps(usage) != before else None), (holder if final else None)

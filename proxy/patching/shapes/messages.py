@@ -11,6 +11,8 @@ prompt. Writes are the prompt tokens the engine wrote to its prefix cache.
 
 ``cache_read_input_tokens`` is written in both events and in JSON, 0 included (under the
 ``zero`` missing policy); vLLM writes it only with ``--enable-prompt-tokens-details``.
+Upstream, a final ``message_delta`` with ``output_tokens`` only (Anthropic's own shape) is
+left as it came: the figures are ``message_start``'s (:mod:`proxy.patching.shapes.base`).
 """
 
 from __future__ import annotations
