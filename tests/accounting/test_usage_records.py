@@ -299,13 +299,17 @@ def _record_of(pieces: list[bytes], include_usage: bool, ghost: bool, path: str 
     return record
 
 
+#: Chat streams of 0 to 12 tokens for 1 to 3 choices, LF or CRLF, cut anywhere or per event.
+STREAMS = {
+    "tokens": st.integers(0, 12),
+    "choices": st.integers(1, 3),
+    "crlf": st.booleans(),
+    "cuts": st.none() | st.lists(st.integers(1, 4000), max_size=40),
+}
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    tokens=st.integers(0, 12),
-    choices=st.integers(1, 3),
-    crlf=st.booleans(),
-    cuts=st.none() | st.lists(st.integers(1, 4000), max_size=40),
-)
+@given(**STREAMS)
 def test_stream_token_events_are_counted_the_same_however_the_bytes_are_cut(
     tokens: int, choices: int, crlf: bool, cuts: list[int] | None
 ) -> None:
@@ -319,13 +323,7 @@ def test_stream_token_events_are_counted_the_same_however_the_bytes_are_cut(
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    tokens=st.integers(0, 12),
-    choices=st.integers(1, 3),
-    crlf=st.booleans(),
-    cuts=st.none() | st.lists(st.integers(1, 4000), max_size=40),
-    writer=st.sampled_from(["vllm", "cachetally"]),
-)
+@given(**STREAMS, writer=st.sampled_from(["vllm", "cachetally"]))
 def test_a_stream_that_fails_bills_only_its_tokens_and_is_an_error(
     tokens: int, choices: int, crlf: bool, cuts: list[int] | None, writer: str
 ) -> None:
