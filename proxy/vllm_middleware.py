@@ -125,7 +125,7 @@ class CachetallyMiddleware:
         keys = [keys] if isinstance(keys, str) else keys or [os.environ.get("VLLM_API_KEY")]
         if any(keys) and self.accounting.tenancy.header is not None:
             return ("CACHETALLY_TENANT_HEADER cannot be combined with vLLM's --api-key: give the keys "
-                    "to cachetally instead (CACHETALLY_API_KEYS names each key's tenant)")
+                    "to cachetally instead (CACHETALLY_API_KEYS_FILE names each key's tenant)")
         return None
 
     def _tap_engine(self, app: Any, stack: contextlib.AsyncExitStack) -> None:

@@ -2,12 +2,16 @@
 
 Shaped like uvicorn's ``Config``: plain keyword fields with defaults and no I/O in the
 constructor; :func:`load_settings` does the reading. Environment variables are the field
-names upper-cased with the prefix ``CACHETALLY_`` (``CACHETALLY_PORT=9000``).
+names upper-cased with the prefix ``CACHETALLY_`` (``CACHETALLY_PORT=9000``). A
+``CACHETALLY_*`` variable that names no setting is logged as ignored (by name, never its
+value), so a misspelt one (``CACHETALLY_API_KEYS`` for ``CACHETALLY_API_KEYS_FILE``) does
+not go unseen; ``CACHETALLY_MODEL_DIR`` is the model store's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import tomllib
@@ -21,6 +25,11 @@ from proxy.accounting.tenants import check_tenant_name
 from proxy.upstream.client import Origin
 
 ENV_PREFIX = "CACHETALLY_"
+#: ``CACHETALLY_*`` variables that are not settings: the model store's folder
+#: (:mod:`engine_adapter.vllm.model_store`).
+NOT_SETTINGS = frozenset(("CACHETALLY_MODEL_DIR",))
+
+logger = logging.getLogger("cachetally.settings")
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "default.toml"
 
 
@@ -195,11 +204,12 @@ def load_settings(
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise SettingsError(f"cannot read config {path}: {exc}") from None
     environ = os.environ if env is None else env
-    from_env = {
-        key[len(ENV_PREFIX) :].lower(): value
-        for key, value in environ.items()
-        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :].lower() in _HINTS
-    }
+    ours = [key for key in environ if key.startswith(ENV_PREFIX) and key not in NOT_SETTINGS]
+    from_env = {key[len(ENV_PREFIX) :].lower(): environ[key] for key in ours
+                if key[len(ENV_PREFIX) :].lower() in _HINTS}
+    if ignored := sorted(key for key in ours if key[len(ENV_PREFIX) :].lower() not in _HINTS):
+        logger.warning("ignored: %s %s no setting (cachetally serve --help lists them)",
+                       ", ".join(ignored), "names" if len(ignored) == 1 else "name")
     _apply(settings, from_env, "environment")
     _apply(settings, {k: v for k, v in (overrides or {}).items() if v is not None}, "flags")
     return settings.validate()

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.server.settings import DEFAULT_CONFIG, Settings, SettingsError, load_settings
+from proxy.server.settings import DEFAULT_CONFIG, NOT_SETTINGS, Settings, SettingsError, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def toml(tmp_path: Path, text: str) -> Path:
@@ -69,11 +71,28 @@ def test_invalid_toml_and_missing_file_are_errors(tmp_path: Path) -> None:
         load_settings(tmp_path / "absent.toml", env={})
 
 
-def test_env_vars_without_the_prefix_or_unknown_are_ignored(tmp_path: Path) -> None:
-    env = {"PORT": "1", "CACHETALLY_NOT_A_SETTING": "x", "CACHETALLY_ENGINE_ARGS": "--max-model-len 4096"}
-    settings = load_settings(toml(tmp_path, ""), env=env)
-    assert settings.port == 8000
+def test_env_vars_without_the_prefix_or_unknown_are_ignored_and_the_unknown_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A misspelt variable (``CACHETALLY_API_KEYS``, the docs' old name for the keys file)
+    would leave the server without its key check: it is named in a warning, never its value."""
+    env = {"PORT": "1", "CACHETALLY_NOT_A_SETTING": "x", "CACHETALLY_ENGINE_ARGS": "--max-model-len 4096",
+           "CACHETALLY_API_KEYS": "/secret/keys.toml", "CACHETALLY_MODEL_DIR": "/models"}
+    with caplog.at_level("WARNING", logger="cachetally.settings"):
+        settings = load_settings(toml(tmp_path, ""), env=env)
+    assert settings.port == 8000 and settings.api_keys_file is None
     assert settings.engine_args == ["--max-model-len", "4096"]
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "CACHETALLY_API_KEYS, CACHETALLY_NOT_A_SETTING" in warning
+    assert "/secret" not in warning and "MODEL_DIR" not in warning and "PORT" not in warning
+
+
+def test_every_variable_the_docs_name_is_read(tmp_path: Path) -> None:
+    """A user sets what README.md, docs/ACCOUNTING.md and docs/DEPLOY.md say."""
+    text = "".join((ROOT / name).read_text() for name in ("README.md", "docs/ACCOUNTING.md", "docs/DEPLOY.md"))
+    named = set(re.findall(r"CACHETALLY_[A-Z0-9_]+", text)) - {"CACHETALLY_SOAK"}  # the test suite's own knob
+    settings = {"CACHETALLY_" + f.name.upper() for f in dataclasses.fields(Settings)}
+    assert named - settings - NOT_SETTINGS == set()
 
 
 def test_upstream_implies_the_upstream_engine(tmp_path: Path) -> None:
