@@ -99,9 +99,11 @@ class Http1Pool:
         try:
             if in_hand:
                 conn.write(head, body)  # type: ignore[arg-type]
-                if conn.write_paused:
-                    await conn.drain(self._write_timeout_s)
-                conn.wrote_all()
+                if conn.write_paused:  # the upstream may answer before it takes the rest
+                    conn.ours = SEND_BODY
+                    response.upload = self.loop.create_task(self._finish_write(conn, response))
+                else:
+                    conn.wrote_all()
             else:
                 conn.write(head)
                 conn.ours = SEND_BODY
@@ -120,6 +122,19 @@ class Http1Pool:
                 exc.resendable = True
             raise
         return response
+
+    async def _finish_write(self, conn: Connection, response: Http1Response) -> None:
+        """Wait for the transport to take the rest of an in-hand body, beside the response: an
+        early answer (a 413 before the upstream reads a large body) is the client's, as for a
+        streamed body. Our side ends DONE or ERROR."""
+        try:
+            await conn.drain(self._write_timeout_s)
+            conn.wrote_all()
+        except BaseException as exc:
+            conn.abandon(type(exc).__name__)
+            raise
+        finally:
+            response.wake()
 
     async def _upload(
         self, conn: Connection, response: Http1Response, body: AsyncIterable[bytes], length: int | None

@@ -342,3 +342,39 @@ async def test_a_101_from_the_upstream_is_a_502_and_nothing_escapes_to_the_loop(
         loop.set_exception_handler(None)
     assert info.value.status == 502
     assert escaped == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("then", ["holds the socket", "closes"])
+async def test_an_early_answer_to_a_large_body_in_hand_is_the_clients(then: str) -> None:
+    """A body the middleware replays whole is written at once; an upstream that answers 413
+    before it reads that body must get its 413 to the client, not a 504 after the write
+    timeout or a 502 when it closes. The connection is not reused: its request is unsent."""
+    answer = b'HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\ncontent-length: 17\r\n\r\n{"error":"big!!"}'
+    heads: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        if len(heads) > 1:  # the next request, on a new connection
+            await reader.readexactly(4)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            return
+        writer.write(answer)  # the body is never read
+        await writer.drain()
+        if then == "holds the socket":
+            await asyncio.sleep(5)
+
+    async with serving(handle) as url:
+        pool = Http1Pool(Origin.parse(url), max_connections=4, keepalive_s=30.0, connect_timeout_s=2.0,
+                         read_timeout_s=5.0, write_timeout_s=1.0)
+        try:
+            response = await asyncio.wait_for(pool.send("POST", b"/v1/chat/completions", [], b"x" * (16 << 20)), 4)
+            assert (response.status, await read_all(response)) == (413, b'{"error":"big!!"}')
+            response.close()
+            response = await asyncio.wait_for(pool.send("POST", b"/next", [], b"next"), 4)
+            assert (response.status, await read_all(response)) == (200, b"ok")
+            response.close()
+        finally:
+            await pool.aclose()
+    assert len(heads) == 2  # a new connection for the second request
