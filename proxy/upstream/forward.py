@@ -136,7 +136,7 @@ class Forward:
     async def _relay(self, response: UpstreamResponse) -> None:
         send, read = self.send, response.read
         await send({"type": "http.response.start", "status": response.status,
-                    "headers": response_headers(response.headers)})
+                    "headers": response_headers(response.headers, response.status)})
         tail = b"\n\n"
         try:
             while chunk := await read():

@@ -56,9 +56,14 @@ def declared_length(headers: Headers) -> int | None:
     return None
 
 
-def response_headers(headers: Headers) -> Headers:
-    """The upstream's response headers as sent to the client (``Content-Length`` kept)."""
-    return _filter(headers, _RESPONSE_ONLY)
+def response_headers(headers: Headers, status: int = 200) -> Headers:
+    """The upstream's response headers as sent to the client (``Content-Length`` kept, but
+    on a 304: there it may state the length of the unsent representation, RFC 9110 §8.6,
+    and the server in front would read it as body bytes owed and fail the connection)."""
+    kept = _filter(headers, _RESPONSE_ONLY)
+    if status == 304:
+        return [(name, value) for name, value in kept if name.lower() != b"content-length"]
+    return kept
 
 
 def keep_alive_timeout(value: bytes) -> float | None:

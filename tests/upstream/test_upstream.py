@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
 import threading
 import time
 import uuid
@@ -849,3 +850,49 @@ async def test_default_client_answers_502_when_nothing_listens() -> None:
     finally:
         await client.aclose()
     assert (info.value.status, info.value.reason) == (502, "ConnectionRefusedError")
+
+
+@contextlib.contextmanager
+def raw_upstream_in_thread(answers: list[bytes]) -> Iterator[str]:
+    """:class:`RawUpstream` on an event loop of its own thread, for a proxy started from a
+    test that blocks (the proxy asks the upstream for its models while it starts)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    upstream = RawUpstream(answers)
+    async def stop() -> None:
+        await upstream.__aexit__()
+        handlers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in handlers:  # a connection still waiting for a request it will not get
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+    try:
+        yield asyncio.run_coroutine_threadsafe(upstream.__aenter__(), loop).result(5)
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+@loopback
+def test_a_304_with_a_content_length_leaves_the_clients_connection_usable(start_proxy: Any) -> None:
+    """RFC 9110 lets a 304 state the length of the representation it does not send; passed on,
+    the server in front would wait for those bytes and drop the connection. Two pipelined
+    requests on one connection both get their answers."""
+    models = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
+    ok = b"HTTP/1.1 200 OK\r\netag: \"v1\"\r\ncontent-length: %d\r\n\r\n%s" % (len(models), models)
+    not_modified = b"HTTP/1.1 304 Not Modified\r\netag: \"v1\"\r\ncontent-length: 54\r\n\r\n"
+    with raw_upstream_in_thread([ok, not_modified, ok]) as url:
+        proxy = start_proxy(url)  # its first answer is the model list the proxy asks for at start
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as client:
+            client.sendall(b'GET /v1/models HTTP/1.1\r\nhost: x\r\nif-none-match: "v1"\r\n\r\n'
+                           b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+            got = b""
+            with contextlib.suppress(TimeoutError):
+                while not got.endswith(models) and (chunk := client.recv(65536)):
+                    got += chunk
+    assert got.startswith(b"HTTP/1.1 304 ")
+    assert got.count(b"HTTP/1.1 200 OK") == 1 and got.endswith(models)
