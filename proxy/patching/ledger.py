@@ -6,7 +6,10 @@ ledger (it is an :class:`~engine_adapter.events.EventSink`). Closing is a plain 
 with no ``await``, so cancellation cannot skip it.
 
 A slot aggregates every engine request of one HTTP request (a batch of prompts, or one
-request with ``n > 1``) the way the engine counts ``prompt_tokens``: each prompt once.
+request with ``n > 1``) the way the engine counts ``prompt_tokens``: each prompt once. A
+beam search (vLLM's ``use_beam_search``) runs one engine request per beam per step, each
+on the prompt and the tokens chosen so far: its slot keeps the first, the client's prompt
+(:meth:`UsageLedger.first_event_only`).
 
 Events for keys that are not open are counted and dropped, never stored. A TTL sweep and
 a size cap are a second line of defence against a slot that outlives its request; each
@@ -96,6 +99,7 @@ class _Slot:
     #: The task serving the request, weakly: the slot is its request's as long as it runs.
     owner: weakref.ref[asyncio.Task[object]] | None = None
     usage: EngineUsage = field(default_factory=EngineUsage)
+    first_only: bool = False  # a beam search: later events are its steps, not prompts
 
     def ended(self) -> bool:
         """The request that opened it is over (or unknown): its ``finally`` cannot close it now."""
@@ -195,6 +199,11 @@ class UsageLedger:
         finally:
             self.close(key)
 
+    def first_event_only(self, key: str) -> None:
+        """The slot of ``key`` keeps its first event and drops the rest (a beam search)."""
+        if (slot := self._slots.get(key)) is not None:
+            slot.first_only = True
+
     def usage(self, key: str) -> EngineUsage | None:
         """The engine's figures for ``key``, or ``None`` if no event arrived (yet)."""
         slot = self._slots.get(key)
@@ -208,6 +217,8 @@ class UsageLedger:
         if slot is None:
             self.counters.unmatched_events += 1
             self.observer.unmatched()
+            return
+        if slot.first_only and slot.usage.events:
             return
         slot.usage.add(event)
 

@@ -75,6 +75,8 @@ class RequestOptions:
     valid: bool = True
     #: orjson read the body (else the standard library did: :func:`editable`).
     orjson_read: bool = True
+    #: vLLM's ``use_beam_search``: the engine runs one request per beam per step.
+    beam_search: bool = False
 
 
 _TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
@@ -142,7 +144,20 @@ def parse_request(body: bytes) -> tuple[dict[str, Any], RequestOptions]:
         want_details=payload.get(DETAILS_FLAG) is True,
         valid=valid,
         orjson_read=orjson_read,
+        beam_search=_beam_search(payload),
     )
+
+
+def _beam_search(payload: dict[str, Any]) -> bool:
+    """``use_beam_search`` as vLLM's chat and completions models read it (a value it refuses
+    is a 400 there, and no search)."""
+    value = payload.get("use_beam_search")
+    if value is None:
+        return False
+    try:
+        return lax_bool(value)
+    except ValueError:
+        return False
 
 
 def _json_object(body: bytes) -> tuple[dict[str, Any], bool]:

@@ -54,6 +54,10 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         return
     if config.pd_legs:
         r.leg = leg_of(payload)
+    if r.options.beam_search:
+        # vLLM's beam search runs one engine request per beam per step, each on the prompt
+        # plus the tokens so far: the client's prompt is the first, which the response reports.
+        r.ctx.ledger.first_event_only(r.key)
     if r.shape is not None and config.refuse_unmetered and (why := r.shape.refusal(payload)):
         r.ctx.metrics.refused_unmetered.labels(route_path(scope)).inc()
         await send_error(r.send, 400, why)

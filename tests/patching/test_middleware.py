@@ -1006,3 +1006,18 @@ async def test_a_responses_stream_cut_early_takes_no_model_name_from_the_clients
     models = {s.labels["model"] for f in h.metrics.registry.collect() for s in f.samples
               if s.name == "cachetally_requests_total"}
     assert models == {"unknown"}  # the default label: the response never said its model
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("flag", [True, "true", 1])
+async def test_a_beam_search_counts_the_clients_prompt_not_every_beam_step(flag: Any) -> None:
+    """vLLM's beam search runs one engine request per beam per step on the prompt and the
+    tokens so far (each publishes its event): the bill is the client's prompt, as its
+    response says, not the sum of the steps."""
+    h = Harness()
+    client = Client(chat_request(use_beam_search=flag, n=2))
+    steps = [(64, 48), (65, 64), (65, 64), (66, 65), (66, 65)]  # the prompt, then two beams per step
+    await h.call(h.middleware(json_response(chat_completion()), *steps), client)
+    assert client.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert h.sample("cachetally_prompt_tokens_total", model="m") == 64
+    assert h.sample("cachetally_cached_tokens_total", model="m", source="engine", tier="all") == 48

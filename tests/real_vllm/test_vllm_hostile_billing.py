@@ -293,6 +293,23 @@ def test_a_body_only_the_standard_librarys_json_reads_is_served_and_billed(
     assert details["source"] == "engine" and record["outcome"] == "completed"
 
 
+def test_a_beam_search_is_billed_the_prompt_its_response_reports(
+    vllm_server: str, model: str, vllm_usage_dir: Path, vllm_pace: Pace
+) -> None:
+    """vLLM's beam search runs the engine once per beam per step, each on the prompt and the
+    tokens so far; the record bills the prompt once, as the response's usage says."""
+    rid = uuid.uuid4().hex
+    body = {"model": model, "messages": [{"role": "user", "content": fresh_prompt()}], "max_tokens": 4,
+            "n": 2, "use_beam_search": True, "temperature": 0}
+    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(4)) as http:
+        answer = http.post("/v1/chat/completions", json=body, headers={"x-request-id": rid})
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    record = only_record(vllm_usage_dir, rid)
+    assert (record["prompt_tokens"], record["cached_tokens"]) == (
+        usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+
+
 # -- item 6: made-up model names mint nothing, huge ones stay small -------------------------------
 
 
