@@ -211,7 +211,10 @@ def load_settings(
         logger.warning("ignored: %s %s no setting (cachetally serve --help lists them)",
                        ", ".join(ignored), "names" if len(ignored) == 1 else "name")
     _apply(settings, from_env, "environment")
-    _apply(settings, {k: v for k, v in (overrides or {}).items() if v is not None}, "flags")
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if flags.get("engine", "upstream") != "upstream" and "upstream" not in flags:
+        settings.upstream = None  # --engine sim (or vllm) wins over an upstream from the file or the environment
+    _apply(settings, flags, "flags")
     return settings.validate()
 
 

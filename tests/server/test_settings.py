@@ -95,6 +95,13 @@ def test_every_variable_the_docs_name_is_read(tmp_path: Path) -> None:
     assert named - settings - NOT_SETTINGS == set()
 
 
+def test_an_engine_flag_wins_over_an_upstream_in_the_environment(tmp_path: Path) -> None:
+    """Flags win: ``cachetally serve --engine sim`` with ``CACHETALLY_UPSTREAM`` exported serves the sim."""
+    env = {"CACHETALLY_UPSTREAM": "http://127.0.0.1:8001"}
+    assert load_settings(toml(tmp_path, ""), env=env, overrides={"engine": "sim"}).engine == "sim"
+    assert load_settings(toml(tmp_path, ""), env=env, overrides={"engine": None}).engine == "upstream"
+
+
 def test_upstream_implies_the_upstream_engine(tmp_path: Path) -> None:
     settings = load_settings(toml(tmp_path, ""), env={}, overrides={"upstream": "http://127.0.0.1:8001"})
     assert (settings.engine, settings.upstream) == ("upstream", "http://127.0.0.1:8001")
