@@ -132,7 +132,7 @@ class CachetallyMiddleware:
         client = getattr(getattr(app, "state", None), "engine_client", None)
         if client is None:
             raise RuntimeError("no vLLM engine client on app.state: is this vLLM's OpenAI server?")
-        tap = EngineTap(client, self.accounting.ledger)
+        tap = EngineTap(client, self.accounting.ledger, pd_legs=self.accounting.settings.pd_legs)
         self._client = client
         stack.callback(tap.uninstall)
         stack.callback(setattr, self, "_client", None)

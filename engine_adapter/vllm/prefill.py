@@ -13,8 +13,18 @@ cold prompt that is 0 streamed but the second copy's hit on the first copy's blo
 without streaming. The policy (README.md, "What it does") is one meaning for both: each
 prompt counted once, with what its **first copy** found in the cache. So the figures come from here, not from
 the output: :class:`PrefillTap` records the first prefill of each request (for ``n > 1``,
-the first child the scheduler prefilled; it schedules children in order) under the id
-passed to ``generate()``, and the adapter publishes that.
+the first child the scheduler prefilled; it schedules children in order) under vLLM's
+internal request id (the parent's for ``n > 1``), and the adapter publishes that. The
+internal id is the id passed to ``generate()`` plus 8 random characters
+(``InputProcessor.assign_request_id``), so it is unique per ``generate()`` call where the
+external id need not be: vLLM's Responses API names its engine requests after the body's
+``request_id``, which two concurrent requests may share. The tap learns each call's internal
+id from ``AsyncLLM.add_request`` (:mod:`engine_adapter.vllm.tap`).
+
+``remote_prefill_cached_tokens`` (the prefill instance's hits, which vLLM reads from the
+request's ``kv_transfer_params``, so from the client's body on any server) is trusted only
+where cachetally runs disaggregated prefill/decode (``pd_legs``, behind the router); anywhere
+else the scheduler's own figures stand, whatever the body claims.
 
 How that relates to vLLM's own counters: ``vllm:prompt_tokens_cached_total`` (and
 ``vllm:prompt_tokens_total``) count every child of an ``n > 1`` request. The sum of the
@@ -30,8 +40,8 @@ sources. It is feature-detected: if the running engine's method is missing or ta
 parameters, ``installed`` is False, one warning says so
 (:func:`~engine_adapter.vllm.compat.log_missing_once` where vLLM itself lacks it), and the
 adapter publishes the output's totals (exact for ``n = 1``). Entries are popped when
-published, discarded when ``generate()`` ends, and capped in number as a second line of
-defence, so nothing outlives its request.
+published or when ``generate()`` ends, and capped in number as a second line of defence, so
+nothing outlives its request.
 """
 
 from __future__ import annotations
@@ -63,10 +73,15 @@ class Prefill:
 
 
 class PrefillTap:
-    """Captures the first :class:`Prefill` per ``generate()`` request id from an ``AsyncLLM``."""
+    """Captures the first :class:`Prefill` per internal request id from an ``AsyncLLM``.
 
-    def __init__(self, engine_client: Any) -> None:
+    ``pd_legs``: this instance serves disaggregated prefill/decode legs from a router, so a
+    decode's ``remote_prefill_cached_tokens`` is the prefill instance's word, not a client's.
+    """
+
+    def __init__(self, engine_client: Any, *, pd_legs: bool = False) -> None:
         self._first: OrderedDict[str, Prefill] = OrderedDict()
+        self._pd_legs = pd_legs
         self._processor = getattr(engine_client, "output_processor", None)
         self._original = getattr(self._processor, _HOOKED, None)
         self.installed = self._original is not None and compat.params_match(_HOOK, self._original)
@@ -85,13 +100,13 @@ class PrefillTap:
 
     def _record(self, req_state: Any, stats: Any) -> None:
         parent = getattr(req_state, "parent_req", None)
-        key = getattr(parent or req_state, "external_req_id", None)
+        key = getattr(parent or req_state, "request_id", None)
         if key is None or key in self._first:
             return  # a later copy: the first one's figures stand
         cached = getattr(stats, "num_cached_tokens", None)
         local = getattr(stats, "num_local_cached_tokens", None)
         external = getattr(stats, "num_external_cached_tokens", None)
-        remote = getattr(req_state, "remote_prefill_cached_tokens", None)
+        remote = getattr(req_state, "remote_prefill_cached_tokens", None) if self._pd_legs else None
         if isinstance(remote, int):
             # A disaggregated decode: the client is told what the prefill instance found
             # (vLLM's own override); the tokens the connector brought are a transfer.
@@ -115,13 +130,8 @@ class PrefillTap:
             self._first.popitem(last=False)
 
     def pop(self, request_id: str | None) -> Prefill | None:
-        """The first prefill recorded for ``request_id``, forgotten once returned."""
+        """The first prefill recorded for internal id ``request_id``, forgotten once returned."""
         return self._first.pop(request_id, None) if request_id is not None else None
-
-    def discard(self, request_id: str | None) -> None:
-        """Forget ``request_id`` (its ``generate()`` ended before publishing)."""
-        if request_id is not None:
-            self._first.pop(request_id, None)
 
     def uninstall(self) -> None:
         """Restore the output processor's own method. Idempotent."""

@@ -10,15 +10,22 @@ of ``--api-server-count N`` builds its own app and taps its own client), and
 Per engine request, one :class:`~engine_adapter.events.Scheduled` is published from the
 first ``RequestOutput`` of ``generate()``, before the serving layer sees it, with the
 figures of the request's first copy (:mod:`engine_adapter.vllm.prefill`; ``n > 1`` fans
-out). The key is :data:`~engine_adapter.events.current_request_key`, which the HTTP
-middleware set around the request, else vLLM's own request id. vLLM's
+out). The key is :data:`~engine_adapter.events.current_request_key`, which
+the HTTP middleware set around the request, else vLLM's own request id. vLLM's
 ``--enable-prompt-tokens-details`` is left off: the numbers come from here.
+
+The prefill figures are matched to their ``generate()`` call by vLLM's internal request id,
+unique per call, which vLLM mints inside ``generate()``'s first step
+(``AsyncLLM.add_request``, called on the same instance): the tap wraps that method too and
+hands the id to the call through a context variable set around that step. A figure that
+fails ``Scheduled``'s checks is logged (once) and not published: the request goes on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator
+from contextvars import ContextVar
 from typing import Any
 
 from engine_adapter.events import EventSink, Scheduled, current_request_key
@@ -28,55 +35,98 @@ from engine_adapter.vllm.prefill import Prefill, PrefillTap
 logger = logging.getLogger("cachetally.engine.vllm")
 
 
-class EngineTap:
-    """Installed on an ``AsyncLLM`` instance until :meth:`uninstall`."""
+class _Call:
+    """One ``generate()`` call: the internal id vLLM gave its request, once added."""
 
-    def __init__(self, client: Any, sink: EventSink) -> None:
+    __slots__ = ("engine_id",)
+
+    def __init__(self) -> None:
+        self.engine_id: str | None = None
+
+
+#: Set around a call's first step, in which vLLM's ``generate()`` runs ``add_request()``.
+_adding: ContextVar[_Call | None] = ContextVar("cachetally_adding", default=None)
+
+
+class EngineTap:
+    """Installed on an ``AsyncLLM`` instance until :meth:`uninstall`.
+
+    ``pd_legs``: the instance serves a router's disaggregated prefill/decode legs
+    (:class:`~engine_adapter.vllm.prefill.PrefillTap`).
+    """
+
+    def __init__(self, client: Any, sink: EventSink, *, pd_legs: bool = False) -> None:
         compat.check_version_once(logger)  # once per process: stock `vllm serve` never ran ours
         compat.log_missing_once(logger)
         self._client = client
         self._sink = sink
+        self._refused_logged = False
         self._generate = client.generate
-        self._prefill = PrefillTap(client)
+        self._add_request = getattr(client, "add_request", None)
+        self._prefill = PrefillTap(client, pd_legs=pd_legs)
         client.generate = self.generate
+        if self._add_request is not None:
+            client.add_request = self.add_request
 
     def uninstall(self) -> None:
-        """Give the client its own ``generate`` and output processor back. Idempotent."""
+        """Give the client its own ``generate``, ``add_request`` and output processor back. Idempotent."""
         self._client.__dict__.pop("generate", None)
+        self._client.__dict__.pop("add_request", None)
         self._prefill.uninstall()
+
+    async def add_request(self, *args: Any, **kwargs: Any) -> Any:
+        queue = await self._add_request(*args, **kwargs)
+        call = _adding.get()
+        if call is not None and call.engine_id is None:
+            call.engine_id = getattr(queue, "request_id", None)  # vLLM's internal id
+        return queue
 
     async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         # vLLM's signature: generate(prompt, sampling_params, request_id, *, ...)
         request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
         outputs = self._generate(*args, **kwargs)
+        call = _Call()
         published = False
         try:
-            async for output in outputs:
+            token = _adding.set(call)
+            try:  # reset in the same step: later steps may run in other tasks' contexts
+                output = await anext(outputs, None)
+            finally:
+                _adding.reset(token)
+            while output is not None:
                 if not published:
                     published = True
-                    self._publish(request_id, output)
+                    self._publish(request_id, self._prefill.pop(call.engine_id), output)
                 yield output
+                output = await anext(outputs, None)
         finally:
-            self._prefill.discard(request_id)
+            self._prefill.pop(call.engine_id)  # one cut before its first output: nothing to keep
             await outputs.aclose()  # on disconnect: vLLM's generate() aborts the request
 
-    def _publish(self, request_id: str | None, output: Any) -> None:
+    def _publish(self, request_id: str | None, first: Prefill | None, output: Any) -> None:
+        """``first``'s figures, else ``output``'s totals (no hook: exact with ``n = 1``)."""
         prompt_ids = getattr(output, "prompt_token_ids", None)
-        first = self._prefill.pop(request_id)
-        if first is None:  # no hook: the output's totals (exact with n = 1)
+        if first is None:
             cached = getattr(output, "num_cached_tokens", None)
             creation = getattr(output, "num_cache_creation_tokens", None)
             first = Prefill(cached, None, None, creation) if isinstance(cached, int) else None
         if prompt_ids is None or first is None:
             return  # e.g. prompt embeddings: no exact count to publish
-        self._sink.publish(Scheduled(
-            request_id=current_request_key.get() or str(output.request_id),
-            prompt_tokens=len(prompt_ids),
-            cached_tokens=first.cached_tokens,
-            local_cached_tokens=first.local_cached_tokens,
-            external_cached_tokens=first.external_cached_tokens,
-            cache_creation_tokens=first.cache_creation_tokens,
-            source="engine",
-            transferred_tokens=first.transferred_tokens,
-            decode_local_tokens=first.decode_local_tokens,
-        ))
+        try:
+            event = Scheduled(
+                request_id=current_request_key.get() or str(output.request_id),
+                prompt_tokens=len(prompt_ids),
+                cached_tokens=first.cached_tokens,
+                local_cached_tokens=first.local_cached_tokens,
+                external_cached_tokens=first.external_cached_tokens,
+                cache_creation_tokens=first.cache_creation_tokens,
+                source="engine",
+                transferred_tokens=first.transferred_tokens,
+                decode_local_tokens=first.decode_local_tokens,
+            )
+        except ValueError as exc:  # never fail the request over its figures
+            if not self._refused_logged:
+                self._refused_logged = True
+                logger.warning("engine figures not published (this is logged once): %s", exc)
+            return
+        self._sink.publish(event)

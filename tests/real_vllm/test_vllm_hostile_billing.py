@@ -310,6 +310,54 @@ def test_a_beam_search_is_billed_the_prompt_its_response_reports(
         usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
 
 
+def test_a_client_cannot_claim_its_own_cache_reads_in_kv_transfer_params(
+    vllm_server: str, model: str, vllm_usage_dir: Path, vllm_pace: Pace
+) -> None:
+    """vLLM reads ``kv_transfer_params.remote_prefill_cached_tokens`` from any body, with or
+    without a KV connector; this server runs no P/D legs, so the bill is what the scheduler
+    found: 0 for a fresh prompt, whatever the claim (and a claim past the prompt fails nothing)."""
+    ids = {claim: uuid.uuid4().hex for claim in (100, 10_000_000)}
+    answers = {}
+    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(2)) as http:
+        for claim, rid in ids.items():
+            body = {"model": model, "messages": [{"role": "user", "content": fresh_prompt()}], "max_tokens": 2,
+                    "kv_transfer_params": {"do_remote_prefill": True, "remote_prefill_cached_tokens": claim}}
+            answers[claim] = http.post("/v1/chat/completions", json=body, headers={"x-request-id": rid})
+    for claim, rid in ids.items():
+        assert answers[claim].status_code == 200, answers[claim].text
+        record = only_record(vllm_usage_dir, rid)
+        usage = answers[claim].json()["usage"]
+        assert record["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"] == 0
+        assert record["prompt_tokens"] == usage["prompt_tokens"]
+
+
+def test_two_responses_sharing_a_body_request_id_are_each_billed_their_own_prompt(
+    vllm_server: str, model: str, vllm_usage_dir: Path, vllm_pace: Pace
+) -> None:
+    """vLLM names a Responses request's engine request after the body's ``request_id``; two
+    at once with the same one, a warm long prompt and a cold short one, keep their own figures."""
+    warm, cold = fresh_prompt(400), fresh_prompt(40)
+    shared = f"resp_{uuid.uuid4().hex}"
+    ids = {"warm": uuid.uuid4().hex, "cold": uuid.uuid4().hex}
+    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(4)) as http:
+        assert http.post("/v1/responses", json={"model": model, "input": warm, "max_output_tokens": 1}).status_code == 200
+
+        def ask(name: str) -> httpx.Response:
+            body = {"model": model, "input": warm if name == "warm" else cold, "max_output_tokens": 16,
+                    "request_id": shared}
+            return http.post("/v1/responses", json=body, headers={"x-request-id": ids[name]})
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = dict(zip(ids, pool.map(ask, ids), strict=True))
+    for name, rid in ids.items():
+        assert answers[name].status_code == 200, answers[name].text
+        usage = answers[name].json()["usage"]
+        record = only_record(vllm_usage_dir, rid)
+        assert (record["prompt_tokens"], record["cached_tokens"]) == (
+            usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]), name
+    assert only_record(vllm_usage_dir, ids["warm"])["cached_tokens"] > 0
+
+
 # -- item 6: made-up model names mint nothing, huge ones stay small -------------------------------
 
 

@@ -85,6 +85,7 @@ def test_fields_are_found_in_class_bodies_and_init(fake_vllm) -> None:
         from dataclasses import dataclass
         @dataclass
         class PrefillStats:
+            num_prompt_tokens: int = 0
             num_cached_tokens: int = 0
             num_local_cached_tokens: int = 0
             num_external_cached_tokens: int = 0
@@ -95,7 +96,7 @@ def test_fields_are_found_in_class_bodies_and_init(fake_vllm) -> None:
             def __init__(self, parent_req):
                 self.is_prefilling = True
                 self.parent_req = parent_req
-                self.external_req_id = "x"
+                self.request_id = "x"
     """)
     assert compat.resolve("PrefillStats") is not None
     assert compat.resolve("RequestState") is None
@@ -216,7 +217,7 @@ class _Processor:
         self.calls: list[str] = []
 
     def _update_stats_from_output(self, req_state, engine_core_output, timestamp, iteration_stats):
-        self.calls.append(req_state.external_req_id)
+        self.calls.append(req_state.request_id)
 
 
 class _OldProcessor:
@@ -237,13 +238,13 @@ def test_prefill_tap_hooks_a_matching_method_and_records_the_first_prefill(fake_
     processor = _Processor()
     tap = PrefillTap(_Client(processor))
     assert tap.installed
-    state = NS(is_prefilling=True, parent_req=None, external_req_id="r1",
+    state = NS(is_prefilling=True, parent_req=None, request_id="r1-0a1b2c3d",
                remote_prefill_cached_tokens=None)
     stats = NS(num_cached_tokens=384, num_local_cached_tokens=256, num_external_cached_tokens=128,
                num_cache_creation_tokens=128)
     processor._update_stats_from_output(state, NS(prefill_stats=stats), 0.0, None)
-    assert processor.calls == ["r1"]  # vLLM's own method still runs
-    assert tap.pop("r1") == Prefill(384, 256, 128, 128)
+    assert processor.calls == ["r1-0a1b2c3d"]  # vLLM's own method still runs
+    assert tap.pop("r1-0a1b2c3d") == Prefill(384, 256, 128, 128)
     tap.uninstall()
     assert "_update_stats_from_output" not in vars(processor)
 
@@ -256,12 +257,13 @@ def test_prefill_tap_on_a_disaggregated_decode_reports_the_prefills_hits_and_the
     from engine_adapter.vllm.prefill import Prefill, PrefillTap
 
     processor = _Processor()
-    tap = PrefillTap(_Client(processor))
-    state = NS(is_prefilling=True, parent_req=None, external_req_id="d1", remote_prefill_cached_tokens=256)
+    tap = PrefillTap(_Client(processor), pd_legs=True)
+    state = NS(is_prefilling=True, parent_req=None, request_id="d1-0a1b2c3d", remote_prefill_cached_tokens=256)
     stats = NS(num_cached_tokens=639, num_local_cached_tokens=128, num_external_cached_tokens=511,
                num_cache_creation_tokens=1)
     processor._update_stats_from_output(state, NS(prefill_stats=stats), 0.0, None)
-    assert tap.pop("d1") == Prefill(256, None, None, None, transferred_tokens=511, decode_local_tokens=128)
+    assert tap.pop("d1-0a1b2c3d") == Prefill(256, None, None, None, transferred_tokens=511,
+                                             decode_local_tokens=128)
 
 
 def test_prefill_tap_without_the_method_logs_one_line(fake_vllm, caplog) -> None:

@@ -76,12 +76,12 @@ def test_fields_from_class_body_and_init(tmp_path: Path, as_wheel: bool) -> None
                 def __init__(self, parent_req):
                     self.is_prefilling = True
                     self.parent_req = parent_req
-                    other.external_req_id = 1
+                    other.request_id = 1
                     self.remote_prefill_cached_tokens = None
         """}, as_wheel)
     assert locate(sources, TOUCH_POINTS["EngineCoreOutput"]) == ("vllm.v1.engine", "")
     _, why = locate(sources, TOUCH_POINTS["RequestState"])
-    assert why.endswith("no field external_req_id")  # set on another object: not a field
+    assert why.endswith("no field request_id")  # set on another object: not a field
 
 
 def test_stores_loads_and_constants(tmp_path: Path, as_wheel: bool) -> None:

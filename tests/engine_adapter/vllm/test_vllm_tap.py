@@ -1,0 +1,181 @@
+"""The engine tap (engine_adapter/vllm/tap.py, prefill.py) on a fake ``AsyncLLM``: what each
+request's ``Scheduled`` puts in a real :class:`UsageLedger`, without an engine.
+
+The fake does what vLLM 0.32's ``AsyncLLM.generate`` does that the tap relies on:
+``add_request()`` on the same instance mints the internal request id (the external one plus a
+random suffix) and returns a queue named by it; the output processor sees the request's first
+prefill (``_update_stats_from_output``, with the scheduler's ``PrefillStats``); then the
+outputs come, with the request's totals as vLLM computes them (``num_cached_tokens`` is
+``remote_prefill_cached_tokens`` when the request carries one). A non-streaming request
+(``FINAL_ONLY``) has one output, at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+
+from engine_adapter.events import current_request_key
+from engine_adapter.vllm import compat
+from engine_adapter.vllm.tap import EngineTap
+from proxy.patching.ledger import EngineUsage, UsageLedger
+
+
+@pytest.fixture(autouse=True)
+def _no_startup_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tap checks the installed vLLM once per process at startup; these tests need none of it."""
+    monkeypatch.setattr(compat, "check_version_once", lambda logger: True)
+    monkeypatch.setattr(compat, "log_missing_once", lambda logger: [])
+
+
+class _Processor:
+    def _update_stats_from_output(self, req_state, engine_core_output, timestamp, iteration_stats):
+        pass
+
+
+def _stats(prompt: int, cached: int, written: int) -> NS:
+    return NS(num_prompt_tokens=prompt, num_cached_tokens=cached, num_local_cached_tokens=cached,
+              num_external_cached_tokens=0, num_cache_creation_tokens=written)
+
+
+class _Request:
+    """One request's script: the scheduler's figures, and when it prefills and finishes."""
+
+    def __init__(self, stats: NS) -> None:
+        self.stats = stats
+        self.prefill = asyncio.Event()
+        self.finish = asyncio.Event()
+        self.prefill.set()
+        self.finish.set()
+
+
+class _AsyncLLM:
+    def __init__(self, make_state: Callable[[str, str, Any], Any] | None = None) -> None:
+        self.output_processor = _Processor()
+        self._suffixes = itertools.count()
+        self._make_state = make_state or (lambda internal, external, params: NS(
+            is_prefilling=True, parent_req=None, request_id=internal, external_req_id=external,
+            remote_prefill_cached_tokens=None))
+
+    async def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> NS:
+        return NS(request_id=f"{request_id}-{next(self._suffixes):08x}")
+
+    async def generate(self, prompt: _Request, sampling_params: Any, request_id: str, **kwargs: Any):
+        queue = await self.add_request(request_id, prompt, sampling_params)
+        state = self._make_state(queue.request_id, request_id, sampling_params)
+        await prompt.prefill.wait()
+        self.output_processor._update_stats_from_output(state, NS(prefill_stats=prompt.stats), 0.0, None)
+        remote = state.remote_prefill_cached_tokens
+        await prompt.finish.wait()  # FINAL_ONLY: nothing reaches generate() before this
+        yield NS(request_id=request_id, prompt_token_ids=list(range(prompt.stats.num_prompt_tokens)),
+                 num_cached_tokens=prompt.stats.num_cached_tokens if remote is None else remote,
+                 num_cache_creation_tokens=prompt.stats.num_cache_creation_tokens, finished=True)
+
+
+async def _serve(client: _AsyncLLM, ledger: UsageLedger, key: str, request: _Request,
+                 engine_id: str = "chatcmpl-k") -> tuple[int, EngineUsage | None]:
+    """One HTTP request as the middleware and vLLM's handler run it: (outputs seen, usage)."""
+    ledger.open(key)
+    token = current_request_key.set(key)
+    seen = 0
+    try:
+        async for _ in client.generate(request, None, engine_id):
+            seen += 1
+    finally:
+        current_request_key.reset(token)
+        usage = ledger.close(key)
+    return seen, usage
+
+
+def _figures(usage: EngineUsage | None) -> tuple | None:
+    if usage is None:
+        return None
+    return (usage.prompt_tokens, usage.cached_tokens, usage.local_cached_tokens,
+            usage.cache_creation_tokens)
+
+
+def _vllm_request_state(claim: int) -> Callable[[str, str, Any], Any]:
+    """vLLM's own RequestState for a chat body carrying a decode leg's ``kv_transfer_params``."""
+    protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.output_processor import RequestState
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_prefill_cached_tokens": claim}}
+    params = protocol.ChatCompletionRequest(**body).to_sampling_params(16, {})
+
+    def make(internal: str, external: str, _: Any) -> Any:
+        request = EngineCoreRequest(
+            request_id=internal, prompt_token_ids=list(range(1000)), mm_features=None,
+            sampling_params=params, pooling_params=None, arrival_time=time.time(), lora_request=None,
+            cache_salt=None, data_parallel_rank=None, external_req_id=external)
+        return RequestState.from_new_request(None, request, None, None, 0, None, False, 1)
+
+    return make
+
+
+@pytest.mark.parametrize("pd_legs, claim, billed", [
+    (False, 1000, (1000, 0, 0, 896)),   # a client's claim: the scheduler's figures stand
+    (False, 5000, (1000, 0, 0, 896)),   # more than the prompt: still billed, the request goes on
+    (True, 256, (1000, 256, None, None)),  # behind a P/D router: the prefill instance's hits
+])
+def test_a_clients_remote_prefill_claim_is_billed_only_behind_a_pd_router(pd_legs, claim, billed) -> None:
+    async def main() -> tuple[int, EngineUsage | None]:
+        client, ledger = _AsyncLLM(_vllm_request_state(claim)), UsageLedger()
+        EngineTap(client, ledger, pd_legs=pd_legs)
+        return await _serve(client, ledger, "k", _Request(_stats(1000, 0, 896)))
+
+    seen, usage = asyncio.run(asyncio.wait_for(main(), 30))
+    assert seen == 1
+    assert _figures(usage) == billed
+
+
+def test_figures_that_fail_validation_are_not_published_and_the_request_goes_on(caplog) -> None:
+    """A P/D decode whose router claims more prefill hits than the prompt has."""
+    async def main() -> list[tuple[int, EngineUsage | None]]:
+        state = lambda internal, external, _: NS(  # noqa: E731
+            is_prefilling=True, parent_req=None, request_id=internal, external_req_id=external,
+            remote_prefill_cached_tokens=5000)
+        client, ledger = _AsyncLLM(state), UsageLedger()
+        EngineTap(client, ledger, pd_legs=True)
+        return [await _serve(client, ledger, key, _Request(_stats(1000, 0, 896))) for key in "ab"]
+
+    with caplog.at_level(logging.WARNING, logger="cachetally.engine.vllm"):
+        served = asyncio.run(asyncio.wait_for(main(), 30))
+    assert served == [(1, None), (1, None)]  # every output reached the client, nothing billed
+    assert [r.getMessage() for r in caplog.records if "not published" in r.getMessage()] == [
+        "engine figures not published (this is logged once): "
+        "cached_tokens (5000) exceeds prompt_tokens (1000)"]
+
+
+@pytest.mark.parametrize("b_prompt", [3000, 500])
+def test_two_requests_sharing_an_engine_request_id_are_each_billed_their_own_figures(b_prompt) -> None:
+    """vLLM's Responses API names engine requests after the body's ``request_id``: two
+    concurrent non-streaming requests share one external id. Order: A prefills (warm), B
+    prefills (cold), B finishes, A finishes."""
+    async def main() -> tuple[tuple, tuple]:
+        client, ledger = _AsyncLLM(), UsageLedger()
+        EngineTap(client, ledger)
+        a, b = _Request(_stats(2000, 1920, 0)), _Request(_stats(b_prompt, 0, b_prompt // 128 * 128))
+        for request in (a, b):
+            request.prefill.clear()
+            request.finish.clear()
+        served = [asyncio.create_task(_serve(client, ledger, key, request, "resp_same_0"))
+                  for key, request in (("key-A", a), ("key-B", b))]
+        await asyncio.sleep(0.01)
+        for event in (a.prefill, b.prefill, b.finish, a.finish):
+            event.set()
+            await asyncio.sleep(0.01)
+        return tuple(await asyncio.gather(*served))
+
+    (seen_a, usage_a), (seen_b, usage_b) = asyncio.run(asyncio.wait_for(main(), 30))
+    assert (seen_a, seen_b) == (1, 1)
+    assert _figures(usage_a) == (2000, 1920, 1920, 0)
+    assert _figures(usage_b) == (b_prompt, 0, 0, b_prompt // 128 * 128)
