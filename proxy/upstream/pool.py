@@ -34,9 +34,10 @@ and a waiter that leaves (timeout, cancel) as it is handed one passes it on. Wai
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 from collections import deque
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Awaitable, Callable
 
 from proxy.asgi.headers import Headers
 from proxy.upstream.client import POOL_FULL, TIMED_OUT, UNREACHABLE, Origin, UpstreamFailure
@@ -101,14 +102,15 @@ class Http1Pool:
                 conn.write(head, body)  # type: ignore[arg-type]
                 if conn.write_paused:  # the upstream may answer before it takes the rest
                     conn.ours = SEND_BODY
-                    response.upload = self.loop.create_task(self._finish_write(conn, response))
+                    drain = functools.partial(conn.drain, self._write_timeout_s)
+                    response.upload = self.loop.create_task(self._writing(conn, response, drain))
                 else:
                     conn.wrote_all()
             else:
                 conn.write(head)
                 conn.ours = SEND_BODY
-                upload = self._upload(conn, response, body, length)  # type: ignore[arg-type]
-                response.upload = self.loop.create_task(upload)
+                upload = functools.partial(self._upload, conn, response, body, length)
+                response.upload = self.loop.create_task(self._writing(conn, response, upload))  # type: ignore[arg-type]
             while not response.status:
                 if response.upload is not None and response.upload.done() and not response.upload.cancelled():
                     if (exc := response.upload.exception()) is not None:
@@ -123,12 +125,13 @@ class Http1Pool:
             raise
         return response
 
-    async def _finish_write(self, conn: Connection, response: Http1Response) -> None:
-        """Wait for the transport to take the rest of an in-hand body, beside the response: an
-        early answer (a 413 before the upstream reads a large body) is the client's, as for a
-        streamed body. Our side ends DONE or ERROR."""
+    @staticmethod
+    async def _writing(conn: Connection, response: Http1Response, write: Callable[[], Awaitable[None]]) -> None:
+        """The rest of a request, written beside its response (so that an early answer, a 413
+        before the upstream reads the body, is the client's): a streamed body, or the part of
+        an in-hand one the transport still holds. Our side ends DONE or ERROR."""
         try:
-            await conn.drain(self._write_timeout_s)
+            await write()  # made here: a task cancelled before it starts leaves no coroutine unawaited
             conn.wrote_all()
         except BaseException as exc:
             conn.abandon(type(exc).__name__)
@@ -139,29 +142,22 @@ class Http1Pool:
     async def _upload(
         self, conn: Connection, response: Http1Response, body: AsyncIterable[bytes], length: int | None
     ) -> None:
-        """Write a streamed body (the client's length, checked, or chunked); our side ends DONE or ERROR."""
+        """Write a streamed body: the client's length, checked, or chunked."""
         check = LengthCheck(length) if length is not None else None
-        try:
-            async for chunk in body:
-                if conn.closed:
-                    raise response.error or UpstreamFailure(UNREACHABLE, "ServerDisconnected")
-                if not chunk:
-                    continue
-                if check is None:
-                    conn.write(b"%x\r\n" % len(chunk), chunk, b"\r\n")
-                elif part := check.part(chunk):
-                    conn.write(part)
-                await conn.drain(self._write_timeout_s)
-            conn.write(b"0\r\n\r\n" if check is None else check.end())
-            await conn.drain(self._write_timeout_s)
+        async for chunk in body:
             if conn.closed:
                 raise response.error or UpstreamFailure(UNREACHABLE, "ServerDisconnected")
-            conn.wrote_all()
-        except BaseException as exc:
-            conn.abandon(type(exc).__name__)
-            raise
-        finally:
-            response.wake()
+            if not chunk:
+                continue
+            if check is None:
+                conn.write(b"%x\r\n" % len(chunk), chunk, b"\r\n")
+            elif part := check.part(chunk):
+                conn.write(part)
+            await conn.drain(self._write_timeout_s)
+        conn.write(b"0\r\n\r\n" if check is None else check.end())
+        await conn.drain(self._write_timeout_s)
+        if conn.closed:
+            raise response.error or UpstreamFailure(UNREACHABLE, "ServerDisconnected")
 
     # -- the pool --------------------------------------------------------------------------
 
