@@ -299,8 +299,8 @@ def test_a_beam_search_is_billed_the_prompt_its_response_reports(
     """vLLM's beam search runs the engine once per beam per step, each on the prompt and the
     tokens so far; the record bills the prompt once, as the response's usage says."""
     rid = uuid.uuid4().hex
-    body = {"model": model, "messages": [{"role": "user", "content": fresh_prompt()}], "max_tokens": 4,
-            "n": 2, "use_beam_search": True, "temperature": 0}
+    body = {"model": model, "messages": [{"role": "user", "content": fresh_prompt(40)}], "max_tokens": 2,
+            "n": 2, "use_beam_search": True, "temperature": 0}  # steps: the prompt, then two beams
     with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(4)) as http:
         answer = http.post("/v1/chat/completions", json=body, headers={"x-request-id": rid})
     assert answer.status_code == 200, answer.text
@@ -336,14 +336,14 @@ def test_two_responses_sharing_a_body_request_id_are_each_billed_their_own_promp
 ) -> None:
     """vLLM names a Responses request's engine request after the body's ``request_id``; two
     at once with the same one, a warm long prompt and a cold short one, keep their own figures."""
-    warm, cold = fresh_prompt(400), fresh_prompt(40)
+    warm, cold = fresh_prompt(200), fresh_prompt(40)
     shared = f"resp_{uuid.uuid4().hex}"
     ids = {"warm": uuid.uuid4().hex, "cold": uuid.uuid4().hex}
     with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(4)) as http:
         assert http.post("/v1/responses", json={"model": model, "input": warm, "max_output_tokens": 1}).status_code == 200
 
         def ask(name: str) -> httpx.Response:
-            body = {"model": model, "input": warm if name == "warm" else cold, "max_output_tokens": 16,
+            body = {"model": model, "input": warm if name == "warm" else cold, "max_output_tokens": 4,
                     "request_id": shared}
             return http.post("/v1/responses", json=body, headers={"x-request-id": ids[name]})
 
