@@ -151,11 +151,8 @@ def parse_request(body: bytes) -> tuple[dict[str, Any], RequestOptions]:
 def _beam_search(payload: dict[str, Any]) -> bool:
     """``use_beam_search`` as vLLM's chat and completions models read it (a value it refuses
     is a 400 there, and no search)."""
-    value = payload.get("use_beam_search")
-    if value is None:
-        return False
     try:
-        return lax_bool(value)
+        return optional_bool(payload.get("use_beam_search"))
     except ValueError:
         return False
 
