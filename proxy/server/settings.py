@@ -204,10 +204,10 @@ def load_settings(
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise SettingsError(f"cannot read config {path}: {exc}") from None
     environ = os.environ if env is None else env
-    ours = [key for key in environ if key.startswith(ENV_PREFIX) and key not in NOT_SETTINGS]
-    from_env = {key[len(ENV_PREFIX) :].lower(): environ[key] for key in ours
-                if key[len(ENV_PREFIX) :].lower() in _HINTS}
-    if ignored := sorted(key for key in ours if key[len(ENV_PREFIX) :].lower() not in _HINTS):
+    ours = {key: key[len(ENV_PREFIX) :].lower() for key in environ
+            if key.startswith(ENV_PREFIX) and key not in NOT_SETTINGS}
+    from_env = {name: environ[key] for key, name in ours.items() if name in _HINTS}
+    if ignored := sorted(key for key, name in ours.items() if name not in _HINTS):
         logger.warning("ignored: %s %s no setting (cachetally serve --help lists them)",
                        ", ".join(ignored), "names" if len(ignored) == 1 else "name")
     _apply(settings, from_env, "environment")
