@@ -82,28 +82,24 @@ class EngineTap:
         return queue
 
     async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-        # vLLM's signature: generate(prompt, sampling_params, request_id, *, ...)
-        request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
         outputs = self._generate(*args, **kwargs)
         call = _Call()
-        published = False
         try:
             token = _adding.set(call)
             try:  # reset in the same step: later steps may run in other tasks' contexts
                 output = await anext(outputs, None)
             finally:
                 _adding.reset(token)
+            if output is not None:  # the first, before the serving layer sees it
+                self._publish(self._prefill.pop(call.engine_id), output)
             while output is not None:
-                if not published:
-                    published = True
-                    self._publish(request_id, self._prefill.pop(call.engine_id), output)
                 yield output
                 output = await anext(outputs, None)
         finally:
             self._prefill.pop(call.engine_id)  # one cut before its first output: nothing to keep
             await outputs.aclose()  # on disconnect: vLLM's generate() aborts the request
 
-    def _publish(self, request_id: str | None, first: Prefill | None, output: Any) -> None:
+    def _publish(self, first: Prefill | None, output: Any) -> None:
         """``first``'s figures, else ``output``'s totals (no hook: exact with ``n = 1``)."""
         prompt_ids = getattr(output, "prompt_token_ids", None)
         if first is None:
