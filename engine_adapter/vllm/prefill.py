@@ -14,12 +14,15 @@ without streaming. The policy (README.md, "What it does") is one meaning for bot
 prompt counted once, with what its **first copy** found in the cache. So the figures come from here, not from
 the output: :class:`PrefillTap` records the first prefill of each request (for ``n > 1``,
 the first child the scheduler prefilled; it schedules children in order) under vLLM's
-internal request id (the parent's for ``n > 1``), and the adapter publishes that. The
-internal id is the id passed to ``generate()`` plus 8 random characters
+internal request id (the parent's for ``n > 1``), and hands it to the adapter at once, to
+publish at the prefill rather than with the first output: a non-streaming request has no
+output before it ends, and a client that leaves before then is still billed the prefill
+vLLM ran. The internal id is the id passed to ``generate()`` plus 8 random characters
 (``InputProcessor.assign_request_id``), so it is unique per ``generate()`` call where the
 external id need not be: vLLM's Responses API names its engine requests after the body's
 ``request_id``, which two concurrent requests may share. The tap learns each call's internal
-id from ``AsyncLLM.add_request`` (:mod:`engine_adapter.vllm.tap`).
+id from ``AsyncLLM.add_request`` (:mod:`engine_adapter.vllm.tap`) and registers the call
+under it (:meth:`PrefillTap.expect`).
 
 ``remote_prefill_cached_tokens`` (the prefill instance's hits, which vLLM reads from the
 request's ``kv_transfer_params``, so from the client's body on any server) is trusted only
@@ -39,17 +42,20 @@ declared in :mod:`engine_adapter.vllm.compat` and checked against each supported
 sources. It is feature-detected: if the running engine's method is missing or takes other
 parameters, ``installed`` is False, one warning says so
 (:func:`~engine_adapter.vllm.compat.log_missing_once` where vLLM itself lacks it), and the
-adapter publishes the output's totals (exact for ``n = 1``). Entries are popped when
-published or when ``generate()`` ends, and capped in number as a second line of defence, so
-nothing outlives its request.
+adapter publishes the output's totals (exact for ``n = 1``), at the first output.
+Registrations are dropped at the prefill or when ``generate()`` ends, and capped in number
+as a second line of defence (the oldest falls back to the first output), so nothing
+outlives its request. The hook runs on the API server's event loop (vLLM's output handler
+task), the loop the ledger lives on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from engine_adapter.vllm import compat
 
@@ -58,6 +64,8 @@ logger = logging.getLogger("cachetally.engine.vllm")
 _HOOK = compat.TOUCH_POINTS["OutputProcessor._update_stats_from_output"]
 _HOOKED = _HOOK.attr
 _MAX_ENTRIES = 4096
+
+Call = TypeVar("Call")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +80,18 @@ class Prefill:
     decode_local_tokens: int | None = None  # a disaggregated decode: its own prefix-cache hits
 
 
-class PrefillTap:
-    """Captures the first :class:`Prefill` per internal request id from an ``AsyncLLM``.
+class PrefillTap(Generic[Call]):
+    """Hands the first :class:`Prefill` of each registered internal request id, with its
+    prompt's length, to ``prefilled(call, prefill, prompt_tokens)``, once.
 
     ``pd_legs``: this instance serves disaggregated prefill/decode legs from a router, so a
     decode's ``remote_prefill_cached_tokens`` is the prefill instance's word, not a client's.
     """
 
-    def __init__(self, engine_client: Any, *, pd_legs: bool = False) -> None:
-        self._first: OrderedDict[str, Prefill] = OrderedDict()
+    def __init__(self, engine_client: Any, prefilled: Callable[[Call, Prefill, int], None], *,
+                 pd_legs: bool = False) -> None:
+        self._waiting: OrderedDict[str, Call] = OrderedDict()
+        self._prefilled = prefilled
         self._pd_legs = pd_legs
         self._processor = getattr(engine_client, "output_processor", None)
         self._original = getattr(self._processor, _HOOKED, None)
@@ -92,6 +103,19 @@ class PrefillTap:
             logger.warning("engine client %s has no %s(%s, ...): %s", type(engine_client).__name__,
                            _HOOKED, ", ".join(_HOOK.params), _HOOK.without)
 
+    def expect(self, engine_id: str, call: Call) -> None:
+        """Hand the first prefill of internal id ``engine_id`` to ``call`` (when installed)."""
+        if not self.installed:
+            return
+        self._waiting[engine_id] = call
+        while len(self._waiting) > _MAX_ENTRIES:
+            self._waiting.popitem(last=False)
+
+    def forget(self, engine_id: str | None) -> None:
+        """``generate()`` for ``engine_id`` ended: nothing more to hand it."""
+        if engine_id is not None:
+            self._waiting.pop(engine_id, None)
+
     def _hook(self, req_state: Any, engine_core_output: Any, *args: Any, **kwargs: Any) -> Any:
         stats = getattr(engine_core_output, "prefill_stats", None)
         if stats is not None and getattr(req_state, "is_prefilling", False):
@@ -101,8 +125,12 @@ class PrefillTap:
     def _record(self, req_state: Any, stats: Any) -> None:
         parent = getattr(req_state, "parent_req", None)
         key = getattr(parent or req_state, "request_id", None)
-        if key is None or key in self._first:
-            return  # a later copy: the first one's figures stand
+        call = self._waiting.pop(key, None) if key is not None else None
+        if call is None:
+            return  # a later copy (the first one's figures stand), or a call not registered
+        prompt_ids = getattr(req_state, "prompt_token_ids", None)
+        if prompt_ids is None:
+            return  # e.g. prompt embeddings: no exact count to publish
         cached = getattr(stats, "num_cached_tokens", None)
         local = getattr(stats, "num_local_cached_tokens", None)
         external = getattr(stats, "num_external_cached_tokens", None)
@@ -110,7 +138,7 @@ class PrefillTap:
         if isinstance(remote, int):
             # A disaggregated decode: the client is told what the prefill instance found
             # (vLLM's own override); the tokens the connector brought are a transfer.
-            self._first[key] = Prefill(
+            first = Prefill(
                 remote, None, None, None,
                 transferred_tokens=external if isinstance(external, int) else None,
                 decode_local_tokens=local if isinstance(local, int) else None,
@@ -118,7 +146,7 @@ class PrefillTap:
         elif isinstance(cached, int):
             split = isinstance(local, int) and isinstance(external, int) and local + external == cached
             creation = getattr(stats, "num_cache_creation_tokens", None)
-            self._first[key] = Prefill(
+            first = Prefill(
                 cached,
                 local if split else None,
                 external if split else None,
@@ -126,16 +154,11 @@ class PrefillTap:
             )
         else:
             return
-        while len(self._first) > _MAX_ENTRIES:
-            self._first.popitem(last=False)
-
-    def pop(self, request_id: str | None) -> Prefill | None:
-        """The first prefill recorded for internal id ``request_id``, forgotten once returned."""
-        return self._first.pop(request_id, None) if request_id is not None else None
+        self._prefilled(call, first, len(prompt_ids))
 
     def uninstall(self) -> None:
         """Restore the output processor's own method. Idempotent."""
         if self.installed:
             self._processor.__dict__.pop(_HOOKED, None)
             self.installed = False
-        self._first.clear()
+        self._waiting.clear()

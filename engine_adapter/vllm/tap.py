@@ -7,17 +7,20 @@ object it holds: vLLM's own ``vllm serve`` with ``--middleware`` (each API serve
 of ``--api-server-count N`` builds its own app and taps its own client), and
 ``cachetally serve``, which runs that same entry point.
 
-Per engine request, one :class:`~engine_adapter.events.Scheduled` is published from the
-first ``RequestOutput`` of ``generate()``, before the serving layer sees it, with the
-figures of the request's first copy (:mod:`engine_adapter.vllm.prefill`; ``n > 1`` fans
-out). The key is :data:`~engine_adapter.events.current_request_key`, which
-the HTTP middleware set around the request, else vLLM's own request id. vLLM's
+Per engine request, one :class:`~engine_adapter.events.Scheduled` is published at its
+prefill, with the figures of the request's first copy (:mod:`engine_adapter.vllm.prefill`;
+``n > 1`` fans out), before any output of it exists. A non-streaming request has no
+output until it ends, so a client that leaves while it decodes is still billed the prompt
+vLLM prefilled. Where the prefill hook is not installed, the figures come from the first
+``RequestOutput`` of ``generate()`` instead, before the serving layer sees it (exact with
+``n = 1``). The key is :data:`~engine_adapter.events.current_request_key`, which the HTTP
+middleware set around the request, else vLLM's own request id (then from the output). vLLM's
 ``--enable-prompt-tokens-details`` is left off: the numbers come from here.
 
-The prefill figures are matched to their ``generate()`` call by vLLM's internal request id,
-unique per call, which vLLM mints inside ``generate()``'s first step
-(``AsyncLLM.add_request``, called on the same instance): the tap wraps that method too and
-hands the id to the call through a context variable set around that step. A figure that
+The prefill is matched to its ``generate()`` call by vLLM's internal request id, unique per
+call, which vLLM mints inside ``generate()``'s first step (``AsyncLLM.add_request``, called
+on the same instance): the tap wraps that method too, finds the call through a context
+variable set around that step, and registers it with the prefill hook. A figure that
 fails ``Scheduled``'s checks is logged (once) and not published: the request goes on.
 """
 
@@ -36,12 +39,15 @@ logger = logging.getLogger("cachetally.engine.vllm")
 
 
 class _Call:
-    """One ``generate()`` call: the internal id vLLM gave its request, once added."""
+    """One ``generate()`` call: the middleware's key, the internal id vLLM gave its request
+    once added, and whether its figures were published (or refused) at the prefill."""
 
-    __slots__ = ("engine_id",)
+    __slots__ = ("key", "engine_id", "settled")
 
-    def __init__(self) -> None:
+    def __init__(self, key: str | None) -> None:
+        self.key = key
         self.engine_id: str | None = None
+        self.settled = False
 
 
 #: Set around a call's first step, in which vLLM's ``generate()`` runs ``add_request()``.
@@ -63,7 +69,7 @@ class EngineTap:
         self._refused_logged = False
         self._generate = client.generate
         self._add_request = getattr(client, "add_request", None)
-        self._prefill = PrefillTap(client, pd_legs=pd_legs)
+        self._prefill: PrefillTap[_Call] = PrefillTap(client, self._prefilled, pd_legs=pd_legs)
         client.generate = self.generate
         if self._add_request is not None:
             client.add_request = self.add_request
@@ -79,39 +85,47 @@ class EngineTap:
         call = _adding.get()
         if call is not None and call.engine_id is None:
             call.engine_id = getattr(queue, "request_id", None)  # vLLM's internal id
+            if call.engine_id is not None:
+                self._prefill.expect(call.engine_id, call)
         return queue
 
     async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         outputs = self._generate(*args, **kwargs)
-        call = _Call()
+        call = _Call(current_request_key.get())
         try:
             token = _adding.set(call)
             try:  # reset in the same step: later steps may run in other tasks' contexts
                 output = await anext(outputs, None)
             finally:
                 _adding.reset(token)
-            if output is not None:  # the first, before the serving layer sees it
-                self._publish(self._prefill.pop(call.engine_id), output)
+            if output is not None and not call.settled:  # the first, before the serving layer sees it
+                self._publish_output(call, output)
             while output is not None:
                 yield output
                 output = await anext(outputs, None)
         finally:
-            self._prefill.pop(call.engine_id)  # one cut before its first output: nothing to keep
+            self._prefill.forget(call.engine_id)  # one cut before its prefill: nothing to hand it
             await outputs.aclose()  # on disconnect: vLLM's generate() aborts the request
 
-    def _publish(self, first: Prefill | None, output: Any) -> None:
-        """``first``'s figures, else ``output``'s totals (no hook: exact with ``n = 1``)."""
+    def _prefilled(self, call: _Call, first: Prefill, prompt_tokens: int) -> None:
+        if call.key is not None:  # else outside a metered request: keyed by vLLM's id, from the output
+            call.settled = True
+            self._publish(call.key, first, prompt_tokens)
+
+    def _publish_output(self, call: _Call, output: Any) -> None:
+        """``output``'s totals (no prefill hook: exact with ``n = 1``)."""
         prompt_ids = getattr(output, "prompt_token_ids", None)
-        if first is None:
-            cached = getattr(output, "num_cached_tokens", None)
-            creation = getattr(output, "num_cache_creation_tokens", None)
-            first = Prefill(cached, None, None, creation) if isinstance(cached, int) else None
-        if prompt_ids is None or first is None:
+        cached = getattr(output, "num_cached_tokens", None)
+        if prompt_ids is None or not isinstance(cached, int):
             return  # e.g. prompt embeddings: no exact count to publish
+        creation = getattr(output, "num_cache_creation_tokens", None)
+        self._publish(call.key or str(output.request_id), Prefill(cached, None, None, creation), len(prompt_ids))
+
+    def _publish(self, key: str, first: Prefill, prompt_tokens: int) -> None:
         try:
             event = Scheduled(
-                request_id=current_request_key.get() or str(output.request_id),
-                prompt_tokens=len(prompt_ids),
+                request_id=key,
+                prompt_tokens=prompt_tokens,
                 cached_tokens=first.cached_tokens,
                 local_cached_tokens=first.local_cached_tokens,
                 external_cached_tokens=first.external_cached_tokens,

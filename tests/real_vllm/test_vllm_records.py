@@ -2,7 +2,8 @@
 writes them to a session directory. Each request's record matches what its client got;
 a stream without a usage chunk counts the same completion tokens as the same request
 answered as JSON (temperature 0), which checks the stream's token-event count against
-vLLM's own numbers; a client that leaves mid-stream gets a `disconnected` record."""
+vLLM's own numbers; a client that leaves mid-stream gets a `disconnected` record, and one that leaves a JSON
+request while it is decoding is billed the prefill vLLM counted."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import orjson
 import pytest
 
+from tests.clients import fresh_prompt
 from tests.load import DropPoint, dropping_client
+from tests.servers import Pace, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -75,3 +79,60 @@ def test_each_request_leaves_one_record_matching_its_usage(vllm_server: str, vll
     cut = record["cut"]
     assert (cut["outcome"], cut["completion_source"]) == ("disconnected", "stream")
     assert 3 <= cut["completion_tokens"] < 200
+
+
+def test_a_json_request_cut_during_decode_is_billed_the_prompt_vllm_prefilled(
+    vllm_server: str, vllm_usage_dir: Path, vllm_pace: Pace
+) -> None:
+    """A non-streaming client that hangs up while its answer is being generated: vLLM has
+    prefilled the prompt (its counters say how much, and how much of it was cached), the
+    client got nothing. The record bills that prefill and says the client left.
+
+    Nothing reaches vLLM's handler before a ``FINAL_ONLY`` request ends, so the figures must
+    be taken at the prefill. The hang-up comes once vLLM's own counters show the request
+    decoding: its generation tokens have grown past the first."""
+    prompt = fresh_prompt()
+    request_id = uuid.uuid4().hex
+    model = httpx.get(f"{vllm_server}/v1/models", timeout=None).json()["data"][0]["id"]
+    messages = [{"role": "user", "content": prompt}]
+    with openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", max_retries=0) as client:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=1)  # cache the prefix
+    body = orjson.dumps({"model": model, "messages": messages, "max_tokens": 4000, "ignore_eos": True,
+                         "temperature": 0})
+    port = int(vllm_server.rsplit(":", 1)[1])
+
+    async def cut() -> tuple[dict[str, float], dict[str, float]]:
+        async def counters() -> dict[str, float]:
+            async with httpx.AsyncClient(timeout=vllm_pace.timeout()) as http:
+                text = (await http.get(f"{vllm_server}/metrics")).text
+            return {name: metric_value(text, name) for name in (
+                "vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
+                "vllm:generation_tokens_total", "vllm:num_requests_running")}
+
+        before = await counters()
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                     b"content-type: application/json\r\nx-request-id: %s\r\ncontent-length: %d\r\n\r\n%s"
+                     % (request_id.encode(), len(body), body))
+        await writer.drain()
+        deadline = time.monotonic() + vllm_pace.timeout()
+        while (now := await counters())["vllm:generation_tokens_total"] < before["vllm:generation_tokens_total"] + 2:
+            assert time.monotonic() < deadline, "vLLM never began decoding the request"
+            await asyncio.sleep(0.02)
+        writer.transport.abort()  # hang up, with no byte of the answer received
+        while (after := await counters())["vllm:num_requests_running"] != 0:
+            assert time.monotonic() < deadline, "vLLM kept running the request after its client left"
+            await asyncio.sleep(0.05)
+        assert now["vllm:num_requests_running"] >= 1
+        return before, after
+
+    before, after = asyncio.run(cut())
+    found = records_for(vllm_usage_dir, {request_id})
+    assert len(found.get(request_id, [])) == 1
+    record = found[request_id][0]
+    prefilled = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    cached = after["vllm:prompt_tokens_cached_total"] - before["vllm:prompt_tokens_cached_total"]
+    assert cached > 0  # the prefix was warm: this checks a figure, not a 0 by default
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == (
+        "disconnected", prefilled, cached)
+    assert (record["completion_tokens"], record["completion_source"]) == (0, "none")  # the client got nothing

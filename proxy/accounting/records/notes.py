@@ -138,6 +138,8 @@ class RequestNotes:
     def outcome(self, status: int | None) -> str:
         if self.errored:
             return "error"
+        if self.disconnected:  # whatever the app sent after (vLLM's handler: a null body)
+            return "disconnected"
         if self.response_done:
             return "completed" if status is not None and status < 400 else "error"
-        return "disconnected" if self.disconnected else "error"
+        return "error"

@@ -19,7 +19,8 @@ the models the engine serves (:mod:`proxy.patching.served_models`).
 - ``completed``: the whole response went out with a status below 400;
 - ``error``: the whole response went out with a status of 400 or more, or the server
   side failed or ended the response early while the client was still there;
-- ``disconnected``: the client left before the response was complete.
+- ``disconnected``: the client left before the response was complete, whatever the app
+  sent after (vLLM answers a request whose client left with a 200 and ``null``).
 
 ``completion_tokens`` comes from the response's own usage object when one covering the
 whole request was seen (``completion_source="usage"``). A stream cut before its usage

@@ -97,6 +97,7 @@ def test_fields_are_found_in_class_bodies_and_init(fake_vllm) -> None:
                 self.is_prefilling = True
                 self.parent_req = parent_req
                 self.request_id = "x"
+                self.prompt_token_ids = None
     """)
     assert compat.resolve("PrefillStats") is not None
     assert compat.resolve("RequestState") is None
@@ -235,16 +236,18 @@ def test_prefill_tap_hooks_a_matching_method_and_records_the_first_prefill(fake_
 
     from engine_adapter.vllm.prefill import Prefill, PrefillTap
 
-    processor = _Processor()
-    tap = PrefillTap(_Client(processor))
+    processor, handed = _Processor(), []
+    tap = PrefillTap(_Client(processor), lambda *figures: handed.append(figures))
     assert tap.installed
-    state = NS(is_prefilling=True, parent_req=None, request_id="r1-0a1b2c3d",
+    tap.expect("r1-0a1b2c3d", "call")
+    state = NS(is_prefilling=True, parent_req=None, request_id="r1-0a1b2c3d", prompt_token_ids=[0] * 500,
                remote_prefill_cached_tokens=None)
     stats = NS(num_cached_tokens=384, num_local_cached_tokens=256, num_external_cached_tokens=128,
                num_cache_creation_tokens=128)
-    processor._update_stats_from_output(state, NS(prefill_stats=stats), 0.0, None)
-    assert processor.calls == ["r1-0a1b2c3d"]  # vLLM's own method still runs
-    assert tap.pop("r1-0a1b2c3d") == Prefill(384, 256, 128, 128)
+    for _ in range(2):  # the second: vLLM's next output of the request (it still reads is_prefilling)
+        processor._update_stats_from_output(state, NS(prefill_stats=stats), 0.0, None)
+    assert processor.calls == ["r1-0a1b2c3d"] * 2  # vLLM's own method still runs
+    assert handed == [("call", Prefill(384, 256, 128, 128), 500)]
     tap.uninstall()
     assert "_update_stats_from_output" not in vars(processor)
 
@@ -256,22 +259,24 @@ def test_prefill_tap_on_a_disaggregated_decode_reports_the_prefills_hits_and_the
 
     from engine_adapter.vllm.prefill import Prefill, PrefillTap
 
-    processor = _Processor()
-    tap = PrefillTap(_Client(processor), pd_legs=True)
-    state = NS(is_prefilling=True, parent_req=None, request_id="d1-0a1b2c3d", remote_prefill_cached_tokens=256)
+    processor, handed = _Processor(), []
+    tap = PrefillTap(_Client(processor), lambda *figures: handed.append(figures), pd_legs=True)
+    tap.expect("d1-0a1b2c3d", "call")
+    state = NS(is_prefilling=True, parent_req=None, request_id="d1-0a1b2c3d", prompt_token_ids=[0] * 640,
+               remote_prefill_cached_tokens=256)
     stats = NS(num_cached_tokens=639, num_local_cached_tokens=128, num_external_cached_tokens=511,
                num_cache_creation_tokens=1)
     processor._update_stats_from_output(state, NS(prefill_stats=stats), 0.0, None)
-    assert tap.pop("d1-0a1b2c3d") == Prefill(256, None, None, None, transferred_tokens=511,
-                                             decode_local_tokens=128)
+    assert handed == [("call", Prefill(256, None, None, None, transferred_tokens=511,
+                                       decode_local_tokens=128), 640)]
 
 
 def test_prefill_tap_without_the_method_logs_one_line(fake_vllm, caplog) -> None:
     from engine_adapter.vllm.prefill import PrefillTap
 
     with caplog.at_level(logging.WARNING, logger="cachetally.engine.vllm"):
-        assert not PrefillTap(_Client(_OldProcessor())).installed
-        assert not PrefillTap(_Client(None)).installed
+        assert not PrefillTap(_Client(_OldProcessor()), print).installed
+        assert not PrefillTap(_Client(None), print).installed
     # vLLM (here: an empty fake) lacks it too: the one compat line says it all.
     assert len(caplog.records) == 1
     assert "not found: " in caplog.records[0].getMessage()
@@ -286,7 +291,7 @@ def test_prefill_tap_on_a_client_unlike_vllms_says_so(fake_vllm, caplog) -> None
                 pass
     """)
     with caplog.at_level(logging.WARNING, logger="cachetally.engine.vllm"):
-        assert not PrefillTap(_Client(_OldProcessor())).installed
+        assert not PrefillTap(_Client(_OldProcessor()), print).installed
     messages = [r.getMessage() for r in caplog.records]
     assert messages[-1] == ("engine client _Client has no _update_stats_from_output(req_state, "
                             "engine_core_output, ...): " + compat.TOUCH_POINTS[

@@ -60,16 +60,16 @@ class _AsyncLLM:
     def __init__(self, make_state: Callable[[str, str, Any], Any] | None = None) -> None:
         self.output_processor = _Processor()
         self._suffixes = itertools.count()
-        self._make_state = make_state or (lambda internal, external, params: NS(
+        self._make_state = make_state or (lambda internal, external, prompt: NS(
             is_prefilling=True, parent_req=None, request_id=internal, external_req_id=external,
-            remote_prefill_cached_tokens=None))
+            prompt_token_ids=list(range(prompt.stats.num_prompt_tokens)), remote_prefill_cached_tokens=None))
 
     async def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> NS:
         return NS(request_id=f"{request_id}-{next(self._suffixes):08x}")
 
     async def generate(self, prompt: _Request, sampling_params: Any, request_id: str, **kwargs: Any):
         queue = await self.add_request(request_id, prompt, sampling_params)
-        state = self._make_state(queue.request_id, request_id, sampling_params)
+        state = self._make_state(queue.request_id, request_id, prompt)
         await prompt.prefill.wait()
         self.output_processor._update_stats_from_output(state, NS(prefill_stats=prompt.stats), 0.0, None)
         remote = state.remote_prefill_cached_tokens
@@ -92,6 +92,26 @@ async def _serve(client: _AsyncLLM, ledger: UsageLedger, key: str, request: _Req
         current_request_key.reset(token)
         usage = ledger.close(key)
     return seen, usage
+
+
+def test_a_request_is_billed_at_its_prefill_before_any_output() -> None:
+    """A non-streaming request has no output before it ends: a client that leaves while it
+    decodes (vLLM then aborts it) must find its prefill in the slot already."""
+    async def main() -> tuple[tuple | None, tuple | None, bool]:
+        client, ledger = _AsyncLLM(), UsageLedger()
+        EngineTap(client, ledger)
+        request = _Request(_stats(2000, 1920, 0))
+        request.finish.clear()  # decoding until the client leaves
+        served = asyncio.create_task(_serve(client, ledger, "k", request))
+        await asyncio.sleep(0.01)
+        during = _figures(ledger.usage("k"))
+        served.cancel()  # the client left: vLLM's handler is cancelled
+        await asyncio.gather(served, return_exceptions=True)
+        return during, _figures(ledger.usage("k")), "k" in ledger
+
+    during, after, still_open = asyncio.run(asyncio.wait_for(main(), 30))
+    assert during == (2000, 1920, 1920, 0)
+    assert (after, still_open) == (None, False)  # the slot closed with its request
 
 
 def _figures(usage: EngineUsage | None) -> tuple | None:
@@ -142,7 +162,7 @@ def test_figures_that_fail_validation_are_not_published_and_the_request_goes_on(
     async def main() -> list[tuple[int, EngineUsage | None]]:
         state = lambda internal, external, _: NS(  # noqa: E731
             is_prefilling=True, parent_req=None, request_id=internal, external_req_id=external,
-            remote_prefill_cached_tokens=5000)
+            prompt_token_ids=list(range(1000)), remote_prefill_cached_tokens=5000)
         client, ledger = _AsyncLLM(state), UsageLedger()
         EngineTap(client, ledger, pd_legs=True)
         return [await _serve(client, ledger, key, _Request(_stats(1000, 0, 896))) for key in "ab"]
