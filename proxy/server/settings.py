@@ -22,7 +22,7 @@ from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
 from proxy.accounting.tenants import check_tenant_name
-from proxy.upstream.client import Origin
+from proxy.upstream.client import Origin, redacted
 
 ENV_PREFIX = "CACHETALLY_"
 #: ``CACHETALLY_*`` variables that are not settings: the model store's folder
@@ -94,7 +94,7 @@ class Settings:
                 origin = Origin.parse(self.upstream)
             except ValueError:
                 raise SettingsError(
-                    f"upstream must be http://HOST:PORT[/PATH] or https://HOST:PORT[/PATH], not {self.upstream!r}"
+                    f"upstream must be http://HOST:PORT[/PATH] or https://HOST:PORT[/PATH], not {redacted(self.upstream)!r}"
                 ) from None
             if self.upstream_ca and not origin.tls:
                 raise SettingsError("upstream_ca applies to an https:// upstream only")

@@ -57,18 +57,28 @@ class Origin:
 
     @classmethod
     def parse(cls, url: str) -> Origin:
-        """Raises ``ValueError`` for anything but ``http(s)://HOST[:PORT][/PATH]``."""
+        """Raises ``ValueError`` for anything but ``http(s)://HOST[:PORT][/PATH]``; its
+        message shows the URL :func:`redacted`."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
+            raise ValueError(f"not an http(s) URL: {redacted(url)!r}")
         if parts.username is not None or parts.query or parts.fragment:
-            raise ValueError(f"the upstream URL takes no user, query or fragment: {url!r}")
+            raise ValueError(f"the upstream URL takes no user, query or fragment: {redacted(url)!r}")
         tls = parts.scheme == "https"
         port = parts.port or (443 if tls else 80)  # .port raises ValueError when out of range
         base = parts.path.rstrip("/")
         if any(ch in base + parts.netloc for ch in " \t\r\n\x00"):
-            raise ValueError(f"the upstream URL holds whitespace or a control character: {url!r}")
+            raise ValueError(f"the upstream URL holds whitespace or a control character: {redacted(url)!r}")
         return cls(parts.hostname, port, tls, parts.netloc.encode("idna"), base.encode("latin-1"))
+
+
+def redacted(url: str) -> str:
+    """``url`` fit for a message: whatever precedes its last ``@`` (a user, a password, however
+    malformed) shown as ``***``."""
+    if (at := url.rfind("@")) < 0:
+        return url
+    scheme, sep, _ = url.partition("://")
+    return f"{scheme}://***{url[at:]}" if sep and len(scheme) < at else f"***{url[at:]}"
 
 
 class UpstreamResponse(Protocol):

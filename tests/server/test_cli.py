@@ -168,3 +168,20 @@ def test_only_the_bench_command_loads_the_benchmark_harness(argv: list[str], loa
     loaded = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
     assert "proxy.server.settings" in loaded  # the report names this checkout's modules
     assert any(name.startswith("proxy.bench") for name in loaded) is loads_bench
+
+
+@pytest.mark.parametrize("url", [
+    "http://user:s3cret@127.0.0.1:8001",  # credentials are refused: the message must not repeat them
+    "http://user:s3cr/et@127.0.0.1:8001",  # a malformed one
+    "127.0.0.1:s3cret@8001",  # no scheme at all
+])
+@pytest.mark.parametrize("where", ["flag", "environment"])
+def test_a_refused_upstream_url_never_prints_its_password(url: str, where: str) -> None:
+    import os
+
+    argv = [sys.executable, "-m", "proxy.server.cli", "serve"] + (["--upstream", url] if where == "flag" else [])
+    env = {**os.environ, **({"CACHETALLY_UPSTREAM": url} if where == "environment" else {})}
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode != 0
+    assert "upstream" in out.stderr and "***@" in out.stderr
+    assert "s3cr" not in out.stdout + out.stderr
