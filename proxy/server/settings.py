@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import re
+import shlex
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -162,6 +163,8 @@ def _coerce(name: str, value: Any) -> Any:
         if hint is bool:
             return _boolean(value)
         if hint == list[str]:
+            if name == "engine_args":  # as a shell reads them: a JSON config holds spaces
+                return shlex.split(value)
             # "a,b c" and "a b" alike: --tenants a,b,c and CACHETALLY_TENANTS="a b c"
             return [item for item in _LIST_SEPARATORS.split(value) if item] if name == "tenants" else value.split()
         if hint == str | None and value == "":

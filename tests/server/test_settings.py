@@ -172,3 +172,13 @@ def test_default_config_file_names_only_real_settings_with_their_defaults(tmp_pa
     assert keys, "no settings found in the default config"
     assert keys <= {f.name for f in dataclasses.fields(Settings)}
     assert load_settings(toml(tmp_path, uncommented), env={}) == Settings().validate()
+
+
+def test_engine_args_from_the_environment_are_read_as_a_shell_reads_them(tmp_path: Path) -> None:
+    """vLLM's JSON flags hold spaces: ``--kv-transfer-config '{"kv_role": "kv_both"}'``."""
+    config = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+    env = {"CACHETALLY_ENGINE_ARGS": f"--kv-transfer-config '{config}' --served-model-name \"my model\""}
+    settings = load_settings(toml(tmp_path, ""), env=env)
+    assert settings.engine_args == ["--kv-transfer-config", config, "--served-model-name", "my model"]
+    with pytest.raises(SettingsError, match="engine_args"):
+        load_settings(toml(tmp_path, ""), env={"CACHETALLY_ENGINE_ARGS": "--chat-template 'unclosed"})
