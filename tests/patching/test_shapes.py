@@ -102,10 +102,11 @@ def test_unmetered_engine_routes_are_refused_while_billing(billed: str, path: st
     assert after - before == 1
 
 
-def test_background_responses_are_refused_while_billing(billed: str) -> None:
+@pytest.mark.parametrize("flag", [True, 1, "true", "on", "YES", "t"])  # what vLLM's pydantic reads as true
+def test_background_responses_are_refused_while_billing(billed: str, flag: object) -> None:
     with openai.OpenAI(base_url=f"{billed}/v1", api_key="unused", max_retries=0) as client, \
             pytest.raises(openai.BadRequestError, match="not metered"):
-        client.responses.create(model=MODEL, input="hello", background=True)
+        client.responses.create(model=MODEL, input="hello", store=True, extra_body={"background": flag})
 
 
 def test_without_billing_unmetered_routes_pass_through() -> None:

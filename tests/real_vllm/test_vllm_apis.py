@@ -188,10 +188,14 @@ def test_unmetered_engine_routes_are_refused_and_counted(vllm_server: str, model
     assert after - before == 1
 
 
-def test_background_responses_are_refused_while_billing(vllm_server: str, model: str, oai: openai.OpenAI) -> None:
+@pytest.mark.parametrize("flag", [True, 1])  # vLLM (pydantic, lax) reads 1 as true
+def test_background_responses_are_refused_while_billing(
+    vllm_server: str, model: str, oai: openai.OpenAI, flag: object
+) -> None:
     """Refused by cachetally (counted), whatever vLLM's own store settings would say."""
     name, route = "cachetally_refused_unmetered_total", "/v1/responses"
     before = metric_value(clients.scrape(vllm_server), name, route=route)
     with pytest.raises(openai.BadRequestError, match="not metered"):
-        oai.responses.create(model=model, input="hello", max_output_tokens=2, background=True, store=True)
+        oai.responses.create(model=model, input="hello", max_output_tokens=2, store=True,
+                             extra_body={"background": flag})
     assert metric_value(clients.scrape(vllm_server), name, route=route) - before == 1

@@ -10,13 +10,15 @@ written to the prefix cache (written here whenever the engine's count is known).
   request; earlier events carry ``"usage": null``.
 
 A ``background`` request returns before the engine runs, outside the HTTP request that
-meters it, so it is refused while billing is on (:meth:`ResponsesShape.refusal`).
+meters it, so it is refused while billing is on (:meth:`ResponsesShape.refusal`). The flag
+is read as vLLM reads it (pydantic's lax ``bool``: ``1``, ``"true"``, ``"on"`` ...).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from proxy.patching.request_body import optional_bool
 from proxy.patching.shapes.base import Figures, Reported, Shape, count
 
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -26,7 +28,11 @@ class ResponsesShape(Shape):
     name = "responses"
 
     def refusal(self, payload: dict[str, Any]) -> str | None:
-        if payload.get("background") is True:
+        try:
+            background = optional_bool(payload.get("background"))
+        except ValueError:  # vLLM answers 400 itself, and runs nothing
+            return None
+        if background:
             return "background responses are not metered on this server; send the request without background"
         return None
 
