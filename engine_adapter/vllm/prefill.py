@@ -63,7 +63,8 @@ logger = logging.getLogger("cachetally.engine.vllm")
 
 _HOOK = compat.TOUCH_POINTS["OutputProcessor._update_stats_from_output"]
 _HOOKED = _HOOK.attr
-_MAX_ENTRIES = 4096
+#: Registrations live while their request waits for its prefill: as many as the ledger's slots.
+_MAX_ENTRIES = 100_000
 
 Call = TypeVar("Call")
 
@@ -92,6 +93,7 @@ class PrefillTap(Generic[Call]):
                  pd_legs: bool = False) -> None:
         self._waiting: OrderedDict[str, Call] = OrderedDict()
         self._prefilled = prefilled
+        self._failed_logged = False
         self._pd_legs = pd_legs
         self._processor = getattr(engine_client, "output_processor", None)
         self._original = getattr(self._processor, _HOOKED, None)
@@ -119,7 +121,13 @@ class PrefillTap(Generic[Call]):
     def _hook(self, req_state: Any, engine_core_output: Any, *args: Any, **kwargs: Any) -> Any:
         stats = getattr(engine_core_output, "prefill_stats", None)
         if stats is not None and getattr(req_state, "is_prefilling", False):
-            self._record(req_state, stats)
+            try:
+                self._record(req_state, stats)
+            except Exception:  # vLLM's output handler serves every request: never break it
+                if not self._failed_logged:
+                    self._failed_logged = True
+                    logger.exception("prefill figures not handed over (this is logged once; "
+                                     "the request's first output publishes them)")
         return self._original(req_state, engine_core_output, *args, **kwargs)
 
     def _record(self, req_state: Any, stats: Any) -> None:

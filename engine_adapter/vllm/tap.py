@@ -109,8 +109,8 @@ class EngineTap:
 
     def _prefilled(self, call: _Call, first: Prefill, prompt_tokens: int) -> None:
         if call.key is not None:  # else outside a metered request: keyed by vLLM's id, from the output
-            call.settled = True
             self._publish(call.key, first, prompt_tokens)
+            call.settled = True
 
     def _publish_output(self, call: _Call, output: Any) -> None:
         """``output``'s totals (no prefill hook: exact with ``n = 1``)."""

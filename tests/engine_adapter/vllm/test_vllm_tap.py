@@ -114,6 +114,30 @@ def test_a_request_is_billed_at_its_prefill_before_any_output() -> None:
     assert (after, still_open) == (None, False)  # the slot closed with its request
 
 
+def test_a_sink_that_fails_at_the_prefill_never_reaches_vllms_output_handler(caplog) -> None:
+    """The hook runs in vLLM's output handler, which serves every request: an exception there
+    would stop the engine for all. It is logged once, and the first output publishes instead."""
+    class FailsOnce(UsageLedger):
+        failed = False
+
+        def publish(self, event: Any) -> None:
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("a sink bug")
+            super().publish(event)
+
+    async def main() -> list[tuple[int, EngineUsage | None]]:
+        client, ledger = _AsyncLLM(), FailsOnce()
+        EngineTap(client, ledger)
+        return [await _serve(client, ledger, key, _Request(_stats(2000, 1920, 0))) for key in "ab"]
+
+    with caplog.at_level(logging.ERROR, logger="cachetally.engine.vllm"):
+        served = asyncio.run(asyncio.wait_for(main(), 30))
+    assert [(seen, _figures(usage)) for seen, usage in served] == [(1, (2000, 1920, None, 0)),
+                                                                   (1, (2000, 1920, 1920, 0))]
+    assert ["logged once" in r.getMessage() for r in caplog.records] == [True]
+
+
 def _figures(usage: EngineUsage | None) -> tuple | None:
     if usage is None:
         return None
