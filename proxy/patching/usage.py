@@ -96,8 +96,8 @@ class UsagePatch:
             value = engine.cached_for(prompt_tokens)
             if value is not None:
                 return value, "engine"
-        if reported is not None:
-            return reported, "upstream"
+        if reported is not None and not (isinstance(prompt_tokens, int) and reported > prompt_tokens):
+            return reported, "upstream"  # never more reads than the prompt it reports
         return (0 if self.missing == "zero" else None), None
 
     def _details(self, value: int | None, source: str | None) -> dict[str, Any]:

@@ -79,6 +79,31 @@ def test_no_engine_event_keeps_the_reported_standard_value_as_upstream() -> None
     assert (seen.cached_tokens, seen.source, seen.mismatches) == (32, "upstream", 0)
 
 
+@pytest.mark.parametrize("route", ["chat", "responses"])
+def test_an_upstream_reporting_more_reads_than_its_prompt_is_not_believed(route: str) -> None:
+    """vLLM reports a client's ``remote_prefill_cached_tokens`` claim as its reads, past the
+    prompt too: such a figure is no count of this prompt, so the missing policy applies.
+    (Messages counts its reads apart from ``input_tokens``: any figure there fits its prompt.)"""
+    from proxy.patching.shapes import shape_for
+
+    usages = {
+        "chat": {"prompt_tokens": 64, "prompt_tokens_details": {"cached_tokens": 10_000_000}},
+        "responses": {"input_tokens": 64, "input_tokens_details": {"cached_tokens": 65}},
+    }
+    seen = ResponseUsage()
+    if route == "chat":
+        payload = body(**usages["chat"])
+        UsagePatch(None).apply(payload, seen)
+        written = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
+    else:
+        holder = {"object": "response", "usage": usages["responses"]}
+        shape = shape_for(route)
+        assert shape is not None
+        shape.patch(holder, None, "zero", seen)
+        written = holder["usage"]["input_tokens_details"]["cached_tokens"]
+    assert (written, seen.cached_tokens, seen.source) == (0, 0, None)
+
+
 def test_no_engine_event_normalizes_llama_cpp_cache_n_into_the_standard_field() -> None:
     payload = {**body(), "timings": {"cache_n": 17, "prompt_n": 47}}
     seen = ResponseUsage()

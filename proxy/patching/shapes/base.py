@@ -111,6 +111,6 @@ def resolve(engine: EngineUsage | None, missing: Missing, reported: Reported) ->
                 reported.writes if writes is None else writes,
                 "engine",
             )
-    if reported.reads is not None:
-        return Figures(reported.prompt, reported.reads, reported.writes, "upstream")
+    if reported.reads is not None and (reported.prompt is None or reported.reads <= reported.prompt):
+        return Figures(reported.prompt, reported.reads, reported.writes, "upstream")  # never more reads than the prompt
     return Figures(reported.prompt, 0 if missing == "zero" else None, reported.writes, None)
