@@ -40,6 +40,9 @@ class PatchConfig:
     #: Recognize disaggregated prefill/decode legs by their ``kv_transfer_params``: the
     #: prefill leg is counted as a leg only, the decode leg bills (:mod:`proxy.patching.pd_leg`).
     pd_legs: bool = False
+    #: Remove a client's ``kv_transfer_params`` before the inner app sees them (upstream mode
+    #: without ``pd_legs``): vLLM reports ``remote_prefill_cached_tokens`` as cache reads.
+    drop_kv_transfer_params: bool = False
     #: Which response model names are labels (others are ``other``).
     models: ServedModels = field(default_factory=ServedModels)
     #: Billing is on (tenants or usage records): refuse what would run the engine unmetered,

@@ -5,6 +5,11 @@ The inner app sees the request key as ``X-Request-Id``, the replayed body's
 ``Content-Length`` and ``Accept-Encoding: identity`` (its response is parsed and patched);
 in upstream mode with ghost usage (:mod:`proxy.patching.ghost`) a stream is asked for the
 usage chunk the client did not request.
+
+A client cannot choose its own count: a chat or completions body loses vLLM's per-request
+``stream_interval`` (a cut stream is counted in chunks), and in upstream mode without
+``pd_legs`` its ``kv_transfer_params`` (vLLM reports a ``remote_prefill_cached_tokens``
+claim as cache reads). While billing is on, a beam search over several prompts is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from proxy.patching.request_body import (
     replay,
 )
 from proxy.patching.responder import Responder
+
+INTERVAL = "stream_interval"
+TRANSFER = "kv_transfer_params"
 
 #: Request headers replaced before the inner app sees them.
 REPLACED_HEADERS = frozenset((b"x-request-id", b"content-length", b"accept-encoding"))
@@ -54,11 +62,13 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         return
     if config.pd_legs:
         r.leg = leg_of(payload)
-    if r.options.beam_search:
+    # use_beam_search is a chat and completions field: the Responses and Messages models drop it.
+    beam_search = r.shape is None and r.options.beam_search
+    if beam_search:
         # vLLM's beam search runs one engine request per beam per step, each on the prompt
         # plus the tokens so far: the client's prompt is the first, which the response reports.
         r.ctx.ledger.first_event_only(r.key)
-    if r.shape is not None and config.refuse_unmetered and (why := r.shape.refusal(payload)):
+    if config.refuse_unmetered and (why := _refusal(r, payload, beam_search)):
         r.ctx.metrics.refused_unmetered.labels(route_path(scope)).inc()
         await send_error(r.send, 400, why)
         return
@@ -79,6 +89,22 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         await guard.serve(scope, receive, r.send, r.started)
 
 
+def _refusal(r: Responder, payload: dict[str, Any], beam_search: bool) -> str | None:
+    """Why billing cannot meter this body, or ``None``."""
+    if r.shape is not None:
+        return r.shape.refusal(payload)
+    if beam_search and _several_prompts(payload.get("prompt")):
+        # One search per prompt, their steps interleaved: no event says which is a prompt.
+        return "use_beam_search with several prompts is not metered on this server; send one prompt per request"
+    return None
+
+
+def _several_prompts(prompt: object) -> bool:
+    """A completions ``prompt`` that vLLM reads as more than one: a list of strings or of
+    token-id lists (a list of token ids is one prompt)."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+
+
 def _watch(r: Responder, receive: Receive) -> Receive:
     async def watched() -> Message:
         message = await receive()
@@ -94,11 +120,20 @@ def _rewrite(r: Responder, payload: dict[str, Any], body: bytes) -> bytes:
     assert options is not None
     strip = config.strip_details_flag and DETAILS_FLAG in payload
     ghost = config.ghost_usage and r.shape is None and options.stream and not options.include_usage
-    if not (strip or ghost):
+    # vLLM's per-request stream_interval puts that many tokens in one chunk, and a stream cut
+    # before its usage chunk is counted in chunks: the client would choose its own count.
+    interval = r.shape is None and INTERVAL in payload
+    # A claim of the prefill instance's cache hits that the upstream would report as its own.
+    transfer = config.drop_kv_transfer_params and TRANSFER in payload
+    if not (strip or ghost or interval or transfer):
         return body
     payload, encode = editable(payload, body, options)
     if strip:
         del payload[DETAILS_FLAG]
+    if interval:
+        del payload[INTERVAL]
+    if transfer:
+        del payload[TRANSFER]
     if ghost:
         # continuous_usage_stats only applies with include_usage; keep it off.
         payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}

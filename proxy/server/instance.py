@@ -80,6 +80,7 @@ class Accounting:
             default_model=s.model or "unknown",
             tenancy=self.tenancy,
             pd_legs=s.pd_legs,
+            drop_kv_transfer_params=upstream and not s.pd_legs,
             models=self.models,
             refuse_unmetered=self.tenancy.keys is not None or self.recorder is not None,
         )

@@ -1009,6 +1009,23 @@ async def test_a_responses_stream_cut_early_takes_no_model_name_from_the_clients
 
 
 @pytest.mark.asyncio
+async def test_use_beam_search_on_responses_is_ignored_as_vllm_ignores_it() -> None:
+    """vLLM's Responses model has no ``use_beam_search`` (an extra, dropped): a request whose
+    tool loop runs two engine requests is billed both, whatever the body says."""
+    protocol = pytest.importorskip("vllm.entrypoints.openai.responses.protocol")
+    assert "use_beam_search" not in protocol.ResponsesRequest.model_fields
+    h = Harness()
+    client = Client(orjson.dumps({"model": "m", "input": "hi", "use_beam_search": True}))
+    answer = {"id": "resp_1", "object": "response", "model": "m", "status": "completed", "output": [],
+              "usage": {"input_tokens": 250, "output_tokens": 2, "total_tokens": 252,
+                        "input_tokens_details": {"cached_tokens": 100}}}
+    await h.call(h.middleware(json_response(orjson.dumps(answer)), (100, 0), (150, 100)), client,
+                 http_scope("/v1/responses"))
+    assert client.json()["usage"]["input_tokens_details"]["cached_tokens"] == 100
+    assert h.sample("cachetally_prompt_tokens_total", model="m") == 250
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("flag", [True, "true", 1])
 async def test_a_beam_search_counts_the_clients_prompt_not_every_beam_step(flag: Any) -> None:
     """vLLM's beam search runs one engine request per beam per step on the prompt and the

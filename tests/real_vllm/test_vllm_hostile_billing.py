@@ -47,7 +47,7 @@ from proxy.accounting.records.report import read
 from tests.clients import fresh_prompt
 from tests.conftest import VLLM_TENANT_HEADER, VLLM_TENANTS
 from tests.otlp_receiver import Receiver, ReceivedSpan
-from tests.servers import Pace
+from tests.servers import Pace, metric_value
 from tests.real_vllm.test_vllm_records import records_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -308,6 +308,46 @@ def test_a_beam_search_is_billed_the_prompt_its_response_reports(
     record = only_record(vllm_usage_dir, rid)
     assert (record["prompt_tokens"], record["cached_tokens"]) == (
         usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_a_beam_search_over_several_prompts_is_refused_not_billed_one(
+    vllm_server: str, model: str, vllm_pace: Pace
+) -> None:
+    """vLLM runs one beam search per prompt of a completions list, their steps interleaved: no
+    engine event says which step is a client's prompt, so billing refuses it (one prompt is
+    served and billed as above)."""
+    name = "cachetally_refused_unmetered_total"
+    before = metric_value(httpx.get(f"{vllm_server}/metrics", timeout=30).text, name, route="/v1/completions")
+    body = {"model": model, "prompt": [fresh_prompt(10), fresh_prompt(30)], "max_tokens": 2, "n": 2,
+            "use_beam_search": True}
+    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(4)) as http:
+        refused = http.post("/v1/completions", json=body)
+        served = http.post("/v1/completions", json={**body, "prompt": body["prompt"][:1]})
+    assert refused.status_code == 400 and "not metered" in refused.json()["error"]["message"]
+    assert served.status_code == 200, served.text
+    after = metric_value(httpx.get(f"{vllm_server}/metrics", timeout=30).text, name, route="/v1/completions")
+    assert after - before == 1
+
+
+def test_a_client_cannot_group_its_streamed_tokens_to_be_billed_fewer(
+    vllm_server: str, model: str, vllm_usage_dir: Path, vllm_pace: Pace
+) -> None:
+    """vLLM's per-request ``stream_interval`` puts that many tokens in one chunk, and a stream
+    without a usage chunk is billed by its token events. The record equals what vLLM
+    generated (its own ``vllm:generation_tokens_total``)."""
+    rid = uuid.uuid4().hex
+    body = {"model": model, "messages": [{"role": "user", "content": fresh_prompt(20)}], "max_tokens": 24,
+            "ignore_eos": True, "stream": True, "stream_interval": 50}
+    name = "vllm:generation_tokens_total"
+    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(2)) as http:
+        before = metric_value(http.get("/metrics").text, name)
+        with http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": rid}) as answer:
+            events = [line for line in answer.iter_lines() if line.startswith("data: {")]
+        generated = metric_value(http.get("/metrics").text, name) - before
+    assert answer.status_code == 200 and generated == 24
+    record = only_record(vllm_usage_dir, rid)
+    assert (record["completion_tokens"], record["completion_source"]) == (24, "stream")
+    assert len(events) == 1 + 24  # the role event, then one per token
 
 
 def test_a_client_cannot_claim_its_own_cache_reads_in_kv_transfer_params(

@@ -251,6 +251,23 @@ def test_cached_tokens_and_bytes_equal_vllms_own(stack: Stack, route: str, strea
 
 
 @ON
+@pytest.mark.parametrize("claim", [60, 10_000_000])
+def test_a_clients_claim_of_cache_reads_never_reaches_the_upstream(stack: Stack, claim: int) -> None:
+    """vLLM reports ``kv_transfer_params.remote_prefill_cached_tokens`` from any body as the
+    request's cache reads (asked directly, it says so). Through the proxy, which serves no P/D
+    legs, a fresh prompt reads 0, as billed."""
+    payload = body("chat", fresh_prompt(), False)
+    payload["kv_transfer_params"] = {"do_remote_prefill": True, "remote_prefill_cached_tokens": claim}
+    direct = usage_of(stack.send(stack.vllm, "chat", payload), False)
+    assert direct["prompt_tokens_details"]["cached_tokens"] == claim  # the attack, on vLLM itself
+    payload["messages"][0]["content"] = fresh_prompt()
+    counts = Counts(stack.proxy)
+    proxied = usage_of(stack.send(stack.proxy, "chat", payload), False)
+    assert proxied["prompt_tokens_details"]["cached_tokens"] == 0
+    assert counts.delta("cachetally_cached_tokens_total", tier="all") == 0
+
+
+@ON
 @pytest.mark.parametrize("path", list(apis.PATHS))
 def test_messages_and_responses_cold_zero_warm_full_blocks_and_counted(stack: Stack, path: str) -> None:
     """The Messages and Responses APIs in front of vLLM, with the official SDKs: the
