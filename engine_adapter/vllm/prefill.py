@@ -93,7 +93,7 @@ class PrefillTap(Generic[Call]):
                  pd_legs: bool = False) -> None:
         self._waiting: OrderedDict[str, Call] = OrderedDict()
         self._prefilled = prefilled
-        self._failed_logged = False
+        self._failed_logged = self._evicted_logged = False
         self._pd_legs = pd_legs
         self._processor = getattr(engine_client, "output_processor", None)
         self._original = getattr(self._processor, _HOOKED, None)
@@ -110,8 +110,12 @@ class PrefillTap(Generic[Call]):
         if not self.installed:
             return
         self._waiting[engine_id] = call
-        while len(self._waiting) > _MAX_ENTRIES:
+        if len(self._waiting) > _MAX_ENTRIES:  # a leak, not a queue: generate() forgets its own
             self._waiting.popitem(last=False)
+            if not self._evicted_logged:
+                self._evicted_logged = True
+                logger.warning("more than %d requests wait for their prefill: the oldest is billed from "
+                               "its first output instead (this is logged once)", _MAX_ENTRIES)
 
     def forget(self, engine_id: str | None) -> None:
         """``generate()`` for ``engine_id`` ended: nothing more to hand it."""

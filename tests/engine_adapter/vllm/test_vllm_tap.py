@@ -138,6 +138,29 @@ def test_a_sink_that_fails_at_the_prefill_never_reaches_vllms_output_handler(cap
     assert ["logged once" in r.getMessage() for r in caplog.records] == [True]
 
 
+def test_thousands_of_requests_queued_before_their_prefill_are_each_billed_at_it() -> None:
+    """vLLM does not bound its queue (``max_num_queued_reqs`` is None by default): 5,000
+    requests added before any prefills are each billed at their prefill, and so at a cut."""
+    async def main(n: int) -> tuple[int, int]:
+        client, ledger = _AsyncLLM(), UsageLedger()
+        EngineTap(client, ledger)
+        requests = [_Request(_stats(2000, 1920, 0)) for _ in range(n)]
+        for request in requests:
+            request.prefill.clear()
+            request.finish.clear()
+        served = [asyncio.create_task(_serve(client, ledger, f"k{i}", r)) for i, r in enumerate(requests)]
+        await asyncio.sleep(0.2)  # all added, none prefilled
+        for request in requests:
+            request.prefill.set()
+        await asyncio.sleep(0.2)
+        at_prefill = sum(ledger.usage(f"k{i}") is not None for i in range(n))
+        for request in requests:
+            request.finish.set()
+        return at_prefill, sum(usage is not None for _, usage in await asyncio.gather(*served))
+
+    assert asyncio.run(asyncio.wait_for(main(5000), 60)) == (5000, 5000)
+
+
 def _figures(usage: EngineUsage | None) -> tuple | None:
     if usage is None:
         return None
