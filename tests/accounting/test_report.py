@@ -120,3 +120,48 @@ def test_cache_writes_have_their_own_price_and_default_to_input(tmp_path: Path, 
     assert rows["m2"]["cache_write_tokens"] == 10
     # no cache_write_input for m2: writes cost what fresh input costs
     assert rows["m2"]["cost"] == pytest.approx((10 * 1.0 + 90 * 0.5) / 1e6)
+
+
+def test_a_total_over_a_model_with_no_price_has_no_cost_and_says_which(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A partial sum read as the whole bill undercharges: no [default], m2 has no table."""
+    path = write(tmp_path / "a.jsonl", [rec("acme", "m1", 1000, 0, 0), rec("acme", "m2", 1000, 0, 0),
+                                        rec("zeta", "m1", 1000, 0, 0)])
+    prices = tmp_path / "prices.toml"
+    prices.write_text('[models.m1]\ninput = 1.0\ncached_input = 0.1\noutput = 2.0\n')
+    assert main(["report", str(path), "--prices", str(prices), "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    rows = {(r["tenant"], r["model"]): r["cost"] for r in report["rows"]}
+    assert rows == {("acme", "m1"): pytest.approx(1000 / 1e6), ("acme", "m2"): None, ("zeta", "m1"): pytest.approx(1000 / 1e6)}
+    assert (report["tenants"]["acme"]["cost"], report["total"]["cost"]) == (None, None)
+    assert report["tenants"]["zeta"]["cost"] == pytest.approx(1000 / 1e6)
+    assert report["unpriced_models"] == ["m2"] and "no price for model(s) m2" in err
+
+
+def test_more_cached_tokens_than_the_prompt_never_bill_a_negative_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Records an upstream's claim wrote before cachetally stopped believing it."""
+    path = write(tmp_path / "a.jsonl", [rec("acme", "m", 159, 10_000_000, 0), rec("acme", "m", 100, 50, 0)])
+    prices = tmp_path / "prices.toml"
+    prices.write_text("[default]\ninput = 10.0\ncached_input = 1.0\noutput = 2.0\n")
+    assert main(["report", str(path), "--prices", str(prices), "--json"]) == 0
+    out, err = capsys.readouterr()
+    [row] = json.loads(out)["rows"]
+    assert (row["prompt_tokens"], row["cached_tokens"], row["uncached_tokens"]) == (259, 209, 50)
+    assert row["cost"] == pytest.approx((50 * 10.0 + 209 * 1.0) / 1e6)
+    assert json.loads(out)["clamped"] == 1 and "1 record(s) report more cached tokens" in err
+
+
+def test_a_file_named_twice_is_read_once_even_without_record_ids(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Schema-1 records have no record_id: only the file's identity tells a re-read apart."""
+    (tmp_path / "usage").mkdir()
+    path = write(tmp_path / "usage" / "old.jsonl", RECORDS)
+    (tmp_path / "link.jsonl").symlink_to(path)
+    assert main(["report", str(tmp_path / "usage"), str(path), str(tmp_path / "link.jsonl"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["files"], report["records"], report["total"]["prompt_tokens"]) == (1, 5, 3800)

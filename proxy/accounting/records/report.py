@@ -7,13 +7,17 @@ places) is counted once; the client's ``request_id`` is never a key, since clien
 it. Records written before ``record_id`` existed (schema 1) have none and each counts. A record with no
 ``prompt_tokens`` (refused or abandoned before the engine saw it) adds a request and its
 completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
-billed as uncached input. Cache writes (``cache_creation_tokens``: uncached prompt tokens
+billed as uncached input; one past its prompt (written by an upstream before cachetally
+stopped believing such figures) counts as the whole prompt cached, and is counted in
+``clamped``. Cache writes (``cache_creation_tokens``: uncached prompt tokens
 the engine wrote to its prefix cache) are part of the uncached input, priced at
 ``cache_write_input`` when a price table sets it (Anthropic prices writes above fresh
 input), else at ``input``.
 
 Prices (``--prices FILE``, TOML) are per million tokens, with a ``[default]`` table and
-optional per-model tables that override it::
+optional per-model tables that override it. A total over rows of which one has no price
+(a model with no table, and no ``[default]``) has no cost: it would be a partial sum read
+as the whole bill. :meth:`Report.unpriced` names those models. ::
 
     [default]
     input = 0.50          # uncached input
@@ -45,8 +49,10 @@ class Totals:
     #: Records read, and of them those whose client left before the response ended.
     requests: int = 0
     disconnected: int = 0
-    #: With a price table for the model; ``None`` without one.
+    #: With a price table for the model; ``None`` without one, or over rows one of which has none.
     cost: float | None = None
+    #: Rows merged in that have no price: the cost above would be partial, so it is ``None``.
+    unpriced: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     #: Of the uncached tokens, those written to the cache (priced as cache writes).
@@ -68,7 +74,7 @@ class Totals:
         if isinstance(prompt, int):
             self.prompt_tokens += prompt
             cached = record.get("cached_tokens")
-            cached = cached if isinstance(cached, int) else 0
+            cached = min(max(cached, 0), prompt) if isinstance(cached, int) else 0
             self.cached_tokens += cached
             writes = record.get("cache_creation_tokens")
             if isinstance(writes, int) and writes > 0:
@@ -83,8 +89,11 @@ class Totals:
         self.cached_tokens += other.cached_tokens
         self.cache_write_tokens += other.cache_write_tokens
         self.completion_tokens += other.completion_tokens
+        self.unpriced += other.unpriced
         if other.cost is not None:
             self.cost = (self.cost or 0.0) + other.cost
+        if self.unpriced:
+            self.cost = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -162,6 +171,8 @@ class Report:
     records: int = 0
     skipped_lines: int = 0
     duplicates: int = 0
+    #: Records with more cached tokens than their prompt, counted as the whole prompt cached.
+    clamped: int = 0
     _record_ids: set[str] = field(default_factory=set, repr=False)
 
     def add(self, record: dict[str, Any]) -> None:
@@ -177,11 +188,18 @@ class Report:
             totals = self.rows[key] = Totals()
         totals.add(record)
         self.records += 1
+        prompt, cached = record.get("prompt_tokens"), record.get("cached_tokens")
+        self.clamped += isinstance(prompt, int) and isinstance(cached, int) and cached > prompt
 
     def price(self, prices: PriceList) -> None:
         for (_, model), totals in self.rows.items():
             model_prices = prices.for_model(model)
             totals.cost = model_prices.cost(totals) if model_prices else None
+            totals.unpriced = int(model_prices is None)
+
+    def unpriced(self) -> list[str]:
+        """The models of rows that :meth:`price` found no price for."""
+        return sorted({model for (_, model), totals in self.rows.items() if totals.unpriced})
 
     def by_tenant(self) -> dict[str, Totals]:
         out: dict[str, Totals] = {}
@@ -204,6 +222,8 @@ class Report:
             "records": self.records,
             "skipped_lines": self.skipped_lines,
             "duplicates": self.duplicates,
+            "clamped": self.clamped,
+            "unpriced_models": self.unpriced(),
         }
 
 

@@ -60,9 +60,16 @@ def _utc(text: str) -> datetime:
 
 
 def _expand(paths: list[Path]) -> list[Path]:
+    """Each file once, however often it is named (a directory and a file in it, a link): a
+    record without ``record_id`` (schema 1) cannot be told from itself read twice."""
     out: list[Path] = []
+    seen: set[tuple[int, int]] = set()
     for path in paths:
-        out.extend(sorted(path.glob("*.jsonl")) if path.is_dir() else [path])
+        for file in sorted(path.glob("*.jsonl")) if path.is_dir() else [path]:
+            identity = (stat := file.stat()).st_dev, stat.st_ino
+            if identity not in seen:
+                seen.add(identity)
+                out.append(file)
     return out
 
 
@@ -85,6 +92,12 @@ def run(args: argparse.Namespace) -> int:
     if report.duplicates:
         print(f"cachetally report: counted once {report.duplicates} record(s) read twice (same record_id)",
               file=sys.stderr)
+    if report.clamped:
+        print(f"cachetally report: {report.clamped} record(s) report more cached tokens than their prompt; "
+              "counted as the whole prompt cached", file=sys.stderr)
+    if prices is not None and (unpriced := report.unpriced()):
+        print(f"cachetally report: no price for model(s) {', '.join(unpriced)}: "
+              "the totals over them have no cost", file=sys.stderr)
     if args.json:
         sys.stdout.write(orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
