@@ -7,6 +7,10 @@ code does to the root logger cannot silence it. This is not hypothetical: while 
 0.32 builds its OpenAI app it imports ``model_hosting_container_standards``, which sets
 the root logger's level to ``$LOG_LEVEL`` (default ``ERROR``) and leaves it there; with
 ``logging.basicConfig`` alone that dropped the debug stats line and the ready line.
+
+Nothing secret reaches a line: URLs the operator gives are :func:`redacted`, and uvicorn's
+access log (on by default, in every mode, vLLM's too) loses the query string, where
+clients put keys (``?api_key=...``).
 """
 
 from __future__ import annotations
@@ -28,4 +32,31 @@ def configure_logging(level: str) -> logging.Logger:
         handler.setFormatter(logging.Formatter(FORMAT))
         handler._cachetally = True  # type: ignore[attr-defined]  # idempotent re-configuration
         root.addHandler(handler)
+    _keep_queries_out_of_the_access_log()
     return root
+
+
+class _NoQuery(logging.Filter):
+    """uvicorn's access line (``'%s - "%s %s HTTP/%s" %d'``) with its path's query as ``?***``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) > 2 and isinstance(path := args[2], str) and "?" in path:
+            record.args = (*args[:2], path[: path.index("?")] + "?***", *args[3:])
+        return True
+
+
+def _keep_queries_out_of_the_access_log() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _NoQuery) for f in access.filters):
+        access.addFilter(_NoQuery())
+
+
+def redacted(url: str) -> str:
+    """``url`` fit for a message: whatever precedes its last ``@`` (a user, a password, however
+    malformed), and its query or fragment (a token), shown as ``***``."""
+    if (at := url.rfind("@")) >= 0:
+        scheme, sep, _ = url.partition("://")
+        url = f"{scheme}://***{url[at:]}" if sep and len(scheme) < at else f"***{url[at:]}"
+    cut = min((i for i in (url.find("?"), url.find("#")) if i >= 0), default=-1)
+    return url if cut < 0 else url[: cut + 1] + "***"

@@ -23,7 +23,8 @@ from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
 from proxy.accounting.tenants import check_tenant_name
-from proxy.upstream.client import Origin, redacted
+from proxy.server.logs import redacted
+from proxy.upstream.client import Origin
 
 ENV_PREFIX = "CACHETALLY_"
 #: ``CACHETALLY_*`` variables that are not settings: the model store's folder
@@ -137,7 +138,7 @@ class Settings:
         if self.otlp_endpoint:
             parts = urlsplit(self.otlp_endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise SettingsError(f"otlp_endpoint must be an http(s) URL, not {self.otlp_endpoint!r}")
+                raise SettingsError(f"otlp_endpoint must be an http(s) URL, not {redacted(self.otlp_endpoint)!r}")
         if not self.usage_flush_interval_s > 0:
             raise SettingsError("usage_flush_interval_s must be > 0")
         if self.usage_max_file_bytes < 4096:
@@ -151,6 +152,10 @@ class Settings:
 _HINTS = get_type_hints(Settings)
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
 _LIST_SEPARATORS = re.compile(r"[\s,]+")
+
+
+#: Settings whose empty value is refused, not read as "none": an empty key would open the server.
+_KEYS = frozenset({"api_key", "api_keys_file"})
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -168,6 +173,8 @@ def _coerce(name: str, value: Any) -> Any:
             # "a,b c" and "a b" alike: --tenants a,b,c and CACHETALLY_TENANTS="a b c"
             return [item for item in _LIST_SEPARATORS.split(value) if item] if name == "tenants" else value.split()
         if hint == str | None and value == "":
+            if name in _KEYS:  # CACHETALLY_API_KEY=$UNSET_VARIABLE must not open the server
+                raise ValueError("empty; leave it unset to serve without a key")
             return None
     return value
 
@@ -232,6 +239,8 @@ def settings_environment(settings: Settings) -> dict[str, str]:
         if f.name == "engine_args":
             continue
         value = getattr(settings, f.name)
+        if value is None and f.name in _KEYS:
+            continue  # unset here, so unset in the environment too ("" is refused)
         text = "" if value is None else " ".join(value) if isinstance(value, list) else str(value)
         env[ENV_PREFIX + f.name.upper()] = text
     return env

@@ -22,6 +22,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from proxy.asgi.headers import Headers
+from proxy.server.logs import redacted
 
 INVALID = 400, "The request cannot be forwarded upstream as valid HTTP/1.1"
 BODY_MISMATCH = 400, "The request body does not match its Content-Length"
@@ -70,15 +71,6 @@ class Origin:
         if any(ch in base + parts.netloc for ch in " \t\r\n\x00"):
             raise ValueError(f"the upstream URL holds whitespace or a control character: {redacted(url)!r}")
         return cls(parts.hostname, port, tls, parts.netloc.encode("idna"), base.encode("latin-1"))
-
-
-def redacted(url: str) -> str:
-    """``url`` fit for a message: whatever precedes its last ``@`` (a user, a password, however
-    malformed) shown as ``***``."""
-    if (at := url.rfind("@")) < 0:
-        return url
-    scheme, sep, _ = url.partition("://")
-    return f"{scheme}://***{url[at:]}" if sep and len(scheme) < at else f"***{url[at:]}"
 
 
 class UpstreamResponse(Protocol):

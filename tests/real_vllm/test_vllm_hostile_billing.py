@@ -455,3 +455,17 @@ def test_a_responses_stream_cut_early_cannot_name_its_model_in_metadata(
     assert len(records) == len(names)
     assert {r["model"] for r in records} <= {model, "unknown"}
     assert labels(vllm_server, "model").isdisjoint(names)
+
+
+def test_a_key_in_the_query_string_never_reaches_vllms_access_log(
+    vllm_server: str, model: str, vllm_server_log: Path, vllm_pace: Pace
+) -> None:
+    """Clients put keys in query strings; vLLM's uvicorn logs every request line at info."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout()) as http:
+        assert http.post("/v1/chat/completions?api_key=SECRET-IN-QUERY", json=body).status_code == 200
+    deadline = time.monotonic() + 10
+    while '"POST /v1/chat/completions?*** HTTP/1.1" 200' not in (text := vllm_server_log.read_text(errors="replace")):
+        assert time.monotonic() < deadline, "no access line for the request"
+        time.sleep(0.1)
+    assert "SECRET-IN-QUERY" not in text

@@ -170,18 +170,22 @@ def test_only_the_bench_command_loads_the_benchmark_harness(argv: list[str], loa
     assert any(name.startswith("proxy.bench") for name in loaded) is loads_bench
 
 
-@pytest.mark.parametrize("url", [
-    "http://user:s3cret@127.0.0.1:8001",  # credentials are refused: the message must not repeat them
-    "http://user:s3cr/et@127.0.0.1:8001",  # a malformed one
-    "127.0.0.1:s3cret@8001",  # no scheme at all
+@pytest.mark.parametrize(("setting", "url"), [
+    ("upstream", "http://user:s3cret@127.0.0.1:8001"),  # credentials are refused: the message must not repeat them
+    ("upstream", "http://user:s3cr/et@127.0.0.1:8001"),  # a malformed one
+    ("upstream", "127.0.0.1:s3cret@8001"),  # no scheme at all
+    ("upstream", "http://127.0.0.1:8001/v1?token=s3cret"),  # a token in the query
+    ("otlp_endpoint", "ftp://user:s3cret@127.0.0.1:4318/v1/traces?token=s3cret"),
 ])
 @pytest.mark.parametrize("where", ["flag", "environment"])
-def test_a_refused_upstream_url_never_prints_its_password(url: str, where: str) -> None:
+def test_a_refused_url_never_prints_its_password_or_token(setting: str, url: str, where: str) -> None:
     import os
 
-    argv = [sys.executable, "-m", "proxy.server.cli", "serve"] + (["--upstream", url] if where == "flag" else [])
-    env = {**os.environ, **({"CACHETALLY_UPSTREAM": url} if where == "environment" else {})}
+    flag = "--" + setting.replace("_", "-")
+    argv = [sys.executable, "-m", "proxy.server.cli", "serve", *(["--engine", "sim"] if setting != "upstream" else [])]
+    argv += [flag, url] if where == "flag" else []
+    env = {**os.environ, **({f"CACHETALLY_{setting.upper()}": url} if where == "environment" else {})}
     out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode != 0
-    assert "upstream" in out.stderr and "***@" in out.stderr
+    assert setting in out.stderr and "***" in out.stderr
     assert "s3cr" not in out.stdout + out.stderr

@@ -25,7 +25,7 @@ import pytest
 from starlette.types import Message
 
 from proxy.server.app import CachetallyApp
-from proxy.server.settings import Settings, load_settings
+from proxy.server.settings import Settings, SettingsError, load_settings
 from proxy.upstream.engine import UpstreamEngine
 from tests.load import count, log_failures, report
 from tests.servers import running_server
@@ -357,9 +357,31 @@ def test_api_key_comes_from_env_or_flag_and_is_never_printed() -> None:
     assert "from-env" not in repr(settings)
     flags = load_settings(env={"CACHETALLY_API_KEY": "from-env"}, overrides={"api_key": "from-flag"})
     assert flags.api_key == "from-flag"
-    assert load_settings(env={"CACHETALLY_API_KEY": ""}).api_key is None
+    # CACHETALLY_API_KEY=$UNSET in a template would open the server: refused, not read as "no key".
+    for name in ("CACHETALLY_API_KEY", "CACHETALLY_API_KEYS_FILE"):
+        with pytest.raises(SettingsError, match="empty; leave it unset"):
+            load_settings(env={name: ""})
+    with pytest.raises(SettingsError, match="empty; leave it unset"):
+        load_settings(env={}, overrides={"api_key": ""})  # --api-key ''
 
     from proxy.server.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--api-key", "k", "--auth-exempt-path", "/health"])
     assert (args.api_key, args.auth_exempt_path) == ("k", ["/health"])
+
+
+def test_secrets_in_urls_and_query_strings_never_reach_the_log(tmp_path: Path) -> None:
+    """An OTLP endpoint's password or token (printed at start), and the keys clients put in
+    query strings (uvicorn's access line, on by default): the log shows neither, only that
+    they were there."""
+    log = tmp_path / "serve.log"
+    endpoint = "http://otlpuser:SECRET-PASS@127.0.0.1:9/v1/traces?token=SECRET-TOKEN"
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--otlp-endpoint", endpoint]
+    with running_server(args, log_path=log) as (url, _):
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/chat/completions?api_key=SECRET-QUERY&x=1", json=chat).status_code == 200
+        assert httpx.get(f"{url}/health?token=SECRET-HEALTH").status_code == 200
+    text = log.read_text(errors="replace")
+    assert "SECRET" not in text
+    assert "OTLP spans to http://***@127.0.0.1:9/v1/traces?***" in text
+    assert '"POST /v1/chat/completions?*** HTTP/1.1" 200' in text and '"GET /health?*** HTTP/1.1" 200' in text

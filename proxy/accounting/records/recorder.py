@@ -13,6 +13,7 @@ from pathlib import Path
 
 from proxy.accounting.records.queue import DropCounts, Sink, SinkWorker
 from proxy.accounting.records.record import UsageRecord
+from proxy.server.logs import redacted
 from proxy.server.settings import Settings, SettingsError
 
 logger = logging.getLogger("cachetally.records")
@@ -59,7 +60,7 @@ def recorder_from_settings(settings: Settings) -> Recorder | None:
             from proxy.accounting.records.otlp import OtlpSink
 
             sinks.append(OtlpSink(settings.otlp_endpoint, settings.otlp_timeout_s))
-            logger.info("usage records: OTLP spans to %s", settings.otlp_endpoint)
+            logger.info("usage records: OTLP spans to %s", redacted(settings.otlp_endpoint))
         except ImportError:
             raise SettingsError(
                 "otlp_endpoint needs the OpenTelemetry SDK: pip install 'cachetally[otlp]'"
