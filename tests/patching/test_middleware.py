@@ -969,7 +969,7 @@ async def test_lifespan_scope_passes_through() -> None:
 async def test_a_responses_stream_cut_early_takes_no_model_name_from_the_clients_metadata() -> None:
     """vLLM's ``response.created`` echoes the request's ``metadata`` ahead of the response's
     own ``model``; a client hanging up before ``response.completed`` must not get its
-    metadata's ``model`` into the labels."""
+    metadata's ``model`` into the labels, and is labelled with the response's own."""
     h = Harness()
 
     def event(kind: str, data: dict[str, Any]) -> bytes:
@@ -1005,7 +1005,7 @@ async def test_a_responses_stream_cut_early_takes_no_model_name_from_the_clients
         await asyncio.wait_for(task, 5)
     models = {s.labels["model"] for f in h.metrics.registry.collect() for s in f.samples
               if s.name == "cachetally_requests_total"}
-    assert models == {"unknown"}  # the default label: the response never said its model
+    assert models == {"served"}  # response.created's own model, never the metadata's
 
 
 @pytest.mark.asyncio
