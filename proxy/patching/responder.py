@@ -26,6 +26,7 @@ from proxy.patching.ghost import GhostHold
 from proxy.patching.pd_leg import Leg
 from proxy.patching.request_body import RequestOptions
 from proxy.patching.shapes import shape_for
+from proxy.patching.shapes.responses import created_model
 from proxy.patching.sse import SSEPatcher
 from proxy.patching.usage import ResponseUsage, UsagePatch
 
@@ -36,23 +37,9 @@ _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _MODEL_SNIFF_CHUNKS = 4
 #: Routes whose first events carry the client's own objects before the model: a Responses
 #: stream's ``response.created`` echoes the request's ``metadata`` (any keys, ``"model"``
-#: too) ahead of the response's ``model``. There the event is parsed (:func:`_created_model`).
+#: too) ahead of the response's ``model``. There the event is parsed
+#: (:func:`~proxy.patching.shapes.responses.created_model`).
 _NO_MODEL_SNIFF = frozenset(("responses",))
-
-
-def _created_model(body: bytes) -> str | None:
-    """The response's own ``model`` in a Responses stream's ``response.created`` event, when the
-    event's data line is whole in ``body``; never a key of the client's ``metadata``."""
-    for line in body.split(b"\n"):
-        if line.startswith(b"data:") and b"response.created" in line:
-            try:
-                payload = orjson.loads(line[5:])
-            except orjson.JSONDecodeError:
-                return None
-            response = payload.get("response") if isinstance(payload, dict) else None
-            model = response.get("model") if isinstance(response, dict) else None
-            return model[:256] if isinstance(model, str) and model else None
-    return None
 
 
 class Mode(Enum):
@@ -197,7 +184,7 @@ class Responder:
             self._sniff_chunks -= 1
             self.notes.sniff_id(body)
             if not self._sniff_model:
-                self.in_response.model = _created_model(body)
+                self.in_response.model = created_model(body)
             elif match := _MODEL_FIELD.search(body):
                 self.in_response.model = match.group(1).decode("utf-8", "replace")
         out = self._sse.feed(body) if body else b""

@@ -95,9 +95,8 @@ class Settings:
             try:
                 origin = Origin.parse(self.upstream)
             except ValueError:
-                raise SettingsError(
-                    f"upstream must be http://HOST:PORT[/PATH] or https://HOST:PORT[/PATH], not {redacted(self.upstream)!r}"
-                ) from None
+                raise SettingsError("upstream must be http://HOST:PORT[/PATH] or https://HOST:PORT[/PATH], "
+                                    f"not {redacted(self.upstream)!r}") from None
             if self.upstream_ca and not origin.tls:
                 raise SettingsError("upstream_ca applies to an https:// upstream only")
         if self.upstream_ca and not Path(self.upstream_ca).is_file():

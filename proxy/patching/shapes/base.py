@@ -112,5 +112,6 @@ def resolve(engine: EngineUsage | None, missing: Missing, reported: Reported) ->
                 "engine",
             )
     if reported.reads is not None and (reported.prompt is None or reported.reads <= reported.prompt):
-        return Figures(reported.prompt, reported.reads, reported.writes, "upstream")  # never more reads than the prompt
+        # never more reads than the prompt: such a figure counts nothing of this prompt
+        return Figures(reported.prompt, reported.reads, reported.writes, "upstream")
     return Figures(reported.prompt, 0 if missing == "zero" else None, reported.writes, None)

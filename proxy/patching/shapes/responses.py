@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from proxy.patching.request_body import optional_bool
 from proxy.patching.shapes.base import Figures, Reported, Shape, count
 
@@ -64,6 +66,21 @@ class ResponsesShape(Shape):
         details["cached_tokens"] = figures.reads
         if figures.writes is not None:
             details["cache_write_tokens"] = figures.writes
+
+
+def created_model(body: bytes) -> str | None:
+    """The response's own ``model`` in a Responses stream's ``response.created`` event, when the
+    event's data line is whole in ``body``; never a key of the client's ``metadata``."""
+    for line in body.split(b"\n"):
+        if line.startswith(b"data:") and b"response.created" in line:
+            try:
+                payload = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                return None
+            response = payload.get("response") if isinstance(payload, dict) else None
+            model = response.get("model") if isinstance(response, dict) else None
+            return model[:256] if isinstance(model, str) and model else None
+    return None
 
 
 SHAPE = ResponsesShape()
