@@ -158,8 +158,8 @@ class SimEngine:
         if req.stream:
             stream = apis.responses_stream if api == "responses" else apis.messages_stream
             return StreamingResponse(stream(req, rid, reported, self._step), media_type="text/event-stream")
-        if cfg.token_delay_s > 0:
-            await asyncio.sleep(cfg.token_delay_s * req.max_tokens)
+        if not await _decode(request, cfg.token_delay_s * req.max_tokens):
+            return _client_left()
         whole = apis.responses_json if api == "responses" else apis.messages_json
         return Response(orjson.dumps(whole(req, rid, reported)), media_type="application/json")
 
@@ -184,8 +184,8 @@ class SimEngine:
             return StreamingResponse(
                 self._stream(req, response_id, created, reported), media_type="text/event-stream"
             )
-        if cfg.token_delay_s > 0:
-            await asyncio.sleep(cfg.token_delay_s * req.max_tokens)
+        if not await _decode(request, cfg.token_delay_s * req.max_tokens):
+            return _client_left()
         body = orjson.dumps(full_response(req, response_id, created, reported))
         return Response(body, media_type="application/json")
 
@@ -234,6 +234,29 @@ class SimEngine:
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self._running else 503)
+
+
+def _client_left() -> Response:
+    """What vLLM's ``with_cancellation`` answers a non-streaming request whose client left."""
+    return Response(b"null", media_type="application/json")
+
+
+async def _decode(request: Request, seconds: float) -> bool:
+    """A non-streaming request's decode time, cut short when its client leaves, as vLLM's
+    ``with_cancellation`` cuts it; whether the client stayed."""
+    if seconds <= 0:
+        return True
+
+    async def left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(left())
+    try:
+        done, _ = await asyncio.wait({listener}, timeout=seconds)
+        return not done
+    finally:
+        listener.cancel()
 
 
 async def _serve(engine: SimEngine, host: str, port: int, log_level: str) -> None:

@@ -43,10 +43,11 @@ class Exchange:
     """One request at the message level; the client hangs up after ``hang_up_after`` body messages."""
 
     def __init__(self, body: dict[str, Any] | bytes, hang_up_after: int | None = None, path: str = "/v1/chat/completions",
-                 half_body: bool = False) -> None:
+                 half_body: bool = False, leave_after_s: float | None = None) -> None:
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         self.path, self.raw, self.half = path, raw, half_body
         self.hang_up_after = hang_up_after
+        self.leave_after_s = leave_after_s  # hang up this long after the body went
         self.messages: list[dict[str, Any]] = []
         self.gone = asyncio.Event()
         self._sent_body = False
@@ -61,6 +62,8 @@ class Exchange:
     async def receive(self) -> dict[str, Any]:
         if not self._sent_body:
             self._sent_body = True
+            if self.leave_after_s is not None:
+                asyncio.get_running_loop().call_later(self.leave_after_s, self.gone.set)
             if self.half:
                 return {"type": "http.request", "body": self.raw[: len(self.raw) // 2], "more_body": True}
             return {"type": "http.request", "body": self.raw, "more_body": False}
@@ -133,6 +136,22 @@ async def test_counted_stream_tokens_equal_the_engines_usage(tmp_path: Path, pat
     usage = with_usage.events()[-1]["usage"]["completion_tokens"]
     assert [(r["completion_tokens"], r["completion_source"]) for r in records] == [(usage, "usage"), (usage, "stream")]
     assert all(r["outcome"] == "completed" for r in records)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+async def test_a_json_request_whose_client_leaves_while_it_decodes_is_disconnected(tmp_path: Path, path: str) -> None:
+    """The engine answers a non-streaming request whose client left (vLLM: a 200 ``null``
+    into the closed socket); the record says the client left, and bills the prompt the
+    engine scheduled, with nothing delivered."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60} if "chat" in path else {
+        "input": "hi", "max_output_tokens": 60}
+    cut = Exchange(body, path=path, leave_after_s=0.03)  # the decode takes 60 x 2 ms
+    records, _ = await serve(tmp_path, cut)
+    [record] = records
+    assert (record["outcome"], record["completion_tokens"], record["completion_source"]) == (
+        "disconnected", 0, "none")
+    assert record["prompt_tokens"] > 0 and record["source"] == "engine"
 
 
 @pytest.mark.asyncio
