@@ -32,6 +32,8 @@ from typing import Any
 import orjson
 from starlette.types import Message, Receive
 
+from proxy.patching.json_exact import dumps, may_hold_wide_ints, standard_dumps
+
 DETAILS_FLAG = "return_cached_tokens_details"
 
 
@@ -171,19 +173,6 @@ def _json_object(body: bytes) -> tuple[dict[str, Any], bool]:
     raise ValueError("Request body must be a JSON object")
 
 
-#: Digits enough for an integer orjson reads as a float: it holds -2**63 to 2**64 - 1, and
-#: a number past either end has 19 digits or more. Found as a run of 19 zeros once every
-#: digit is a zero and every other byte a blank: two passes in C, where a regular
-#: expression would try a match at every byte. Digits in a string count too, which costs a
-#: slower read of that body, never a different one.
-_DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
-_WIDE_INT = b"0" * 19
-
-
-def _standard_dumps(payload: dict[str, Any]) -> bytes:
-    return json.dumps(payload).encode()  # ASCII: surrogates escaped, NaN and Infinity kept
-
-
 def editable(
     payload: dict[str, Any], body: bytes, options: RequestOptions
 ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], bytes]]:
@@ -191,13 +180,13 @@ def editable(
     reads back exactly the client's body with those edits: ``payload`` and orjson where
     orjson read the body exactly; else the standard library's own read and its encoder."""
     if not options.orjson_read:
-        return payload, _standard_dumps
-    if _WIDE_INT not in body.translate(_DIGITS_AS_ZEROS):
-        return payload, orjson.dumps
+        return payload, standard_dumps
+    if not may_hold_wide_ints(body):
+        return payload, dumps
     try:
-        return json.loads(body), _standard_dumps
+        return json.loads(body), standard_dumps
     except RecursionError:  # nested deeper than the standard library goes: orjson's read
-        return payload, orjson.dumps
+        return payload, dumps
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

@@ -15,7 +15,6 @@ import re
 from enum import Enum
 from typing import Any
 
-import orjson
 from starlette.types import Message, Send
 
 from proxy.accounting.records.notes import RequestNotes
@@ -25,6 +24,7 @@ from proxy.patching.context import PatchContext
 from proxy.patching.ghost import GhostHold
 from proxy.patching.pd_leg import Leg
 from proxy.patching.request_body import RequestOptions
+from proxy.patching import json_exact
 from proxy.patching.shapes import shape_for
 from proxy.patching.shapes.responses import created_model
 from proxy.patching.sse import SSEPatcher
@@ -236,15 +236,15 @@ class Responder:
     async def _send_json(self, body: bytes) -> None:
         start = self._take_start()
         try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError:
+            payload, encode = json_exact.loads(body)
+        except ValueError:
             payload = None
         if not isinstance(payload, dict):
             self._count_skip("malformed")
         else:
             self.notes.whole_usage(payload)
             if self._patch(payload) is not None:
-                body = orjson.dumps(payload)
+                body = encode(payload)
         start["headers"].append((b"content-length", b"%d" % len(body)))
         await self._send(start)
         await self._send({"type": "http.response.body", "body": body, "more_body": False})

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-import orjson
+from proxy.patching import json_exact
+from proxy.patching.json_exact import Encoder
 
 _TERMINATOR = re.compile(rb"\r\n|\r|\n")
 # Substrings are looked up with ``bytes.find``, not ``in``: CPython's ``bytes.__contains__``
@@ -49,8 +50,11 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
             data.append(value[1:] if value[:1] == b" " else value)
             last_data = len(lines) - 1
         start = match.end()
-    payload = _object(b"\n".join(data)) if data else None
-    verdict = None if payload is None else patch_payload(payload)
+    read = _object(b"\n".join(data)) if data else None
+    if read is None:
+        return None
+    payload, encode = read
+    verdict = patch_payload(payload)
     if verdict is None:
         return None
     if verdict is False:
@@ -62,7 +66,7 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
             # last data line: the line before the blank line stays the one it was, so a
             # "\r" before a "\n" blank line never fuses into one "\r\n" terminator.
             if index == last_data:
-                out += b"data: " + orjson.dumps(payload) + terminator
+                out += b"data: " + encode(payload) + terminator
         else:
             out += line + terminator
     out += event[start:]
@@ -75,11 +79,14 @@ def _patch_one_line(event: bytes, patch_payload: PayloadPatcher) -> bytes | None
     if not event.startswith(b"data:") or _null_usage_only(event):
         return None  # a comment or another field alone carries no payload
     value = event[5:-2]
-    payload = _object(value[1:] if value[:1] == b" " else value)
-    verdict = None if payload is None else patch_payload(payload)
+    read = _object(value[1:] if value[:1] == b" " else value)
+    if read is None:
+        return None
+    payload, encode = read
+    verdict = patch_payload(payload)
     if verdict is None:
         return None
-    return b"" if verdict is False else b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"" if verdict is False else b"data: " + encode(payload) + b"\n\n"
 
 
 def _null_usage_only(event: bytes) -> bool:
@@ -92,13 +99,14 @@ def _one_line(event: bytes) -> bool:
     return len(event) > 2 and event.find(b"\n") == len(event) - 2 and event[-1:] == b"\n" and event.find(b"\r") < 0
 
 
-def _object(data: bytes) -> dict | None:
-    """The event's data as a JSON object, or ``None`` (not JSON, or not an object)."""
+def _object(data: bytes) -> tuple[dict, Encoder] | None:
+    """The event's data as a JSON object and how to write it back exactly
+    (:mod:`proxy.patching.json_exact`), or ``None`` (not JSON, or not an object)."""
     try:
-        payload = orjson.loads(data)
-    except orjson.JSONDecodeError:
+        payload, encode = json_exact.loads(data)
+    except ValueError:
         return None
-    return payload if isinstance(payload, dict) else None
+    return (payload, encode) if isinstance(payload, dict) else None
 
 
 class SSEPatcher:

@@ -463,6 +463,23 @@ async def test_body_is_forwarded_byte_for_byte_when_nothing_is_rewritten() -> No
 
 
 @pytest.mark.asyncio
+async def test_a_rewritten_body_nested_past_orjsons_depth_reaches_the_engine() -> None:
+    """vLLM's json reads 300 levels (a tool's JSON schema); orjson writes 254. Removing
+    ``stream_interval`` used to fail such a request with a 500."""
+    import json
+
+    deep = "[" * 300 + "]" * 300
+    body = ('{"model":"m","messages":[{"role":"user","content":"hi"}],"stream_interval":8,"x":' + deep + "}").encode()
+    h = Harness()
+    client = Client(body)
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client)
+    assert client.status == 200
+    expected = json.loads(body)
+    del expected["stream_interval"]
+    assert [json.loads(b) for b in h.inner_bodies] == [expected]
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b""])
 async def test_invalid_request_json_gets_an_openai_400(body: bytes) -> None:
     h = Harness()
@@ -651,6 +668,41 @@ async def test_malformed_json_response_passes_through_and_is_counted() -> None:
     await h.call(h.middleware(json_response(b"{oops"), (64, 48)), client)
     assert client.body == b"{oops"
     assert h.sample("cachetally_patch_skipped_total", reason="malformed") == 1
+
+
+#: What Python's json writes and orjson cannot hold or write back: NaN, an integer past 64
+#: bits, a lone surrogate, nesting past orjson's 254 levels. vLLM's own serializer is Python.
+ODD = '"seed":123456789012345678901234567890,"score":NaN,"note":"\\ud800","deep":' + "[" * 300 + "]" * 300
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_response_orjson_cannot_hold_is_patched_and_otherwise_left_as_it_was(stream: bool) -> None:
+    """Oracle: Python's json reads the client's bytes as the upstream's, with only the usage
+    patched; before, such a body went out unpatched (and a ghost usage chunk leaked), a wide
+    integer became a float, and deep nesting failed the request."""
+    import json
+
+    usage = '"usage":{"prompt_tokens":64,"completion_tokens":2,"total_tokens":66,"prompt_tokens_details":null}'
+    if stream:
+        sent = ('{"id":"chatcmpl-1","object":"chat.completion.chunk","model":"m","choices":[],' + usage + ","
+                + ODD + "}").encode()
+        app = sse_response(ROLE, TOKEN, b"data: " + sent + b"\n\n", DONE)
+        request = chat_request(stream=True, stream_options={"include_usage": True})
+    else:
+        sent = ('{"id":"chatcmpl-1","object":"chat.completion","model":"m","choices":[],' + usage + ","
+                + ODD + "}").encode()
+        app = json_response(sent)
+        request = chat_request()
+    h = Harness()
+    client = Client(request)
+    await h.call(h.middleware(app, (64, 48)), client)
+    assert client.status == 200
+    got = client.body.split(b"\n\n")[2].removeprefix(b"data: ") if stream else client.body
+    expected = json.loads(sent)
+    expected["usage"]["prompt_tokens_details"] = {"cached_tokens": 48}
+    assert repr(json.loads(got)) == repr(expected)  # repr: NaN is not equal to itself
+    assert h.sample("cachetally_cached_tokens_total", model="m", source="engine", tier="all") == 48
 
 
 # -- disconnects and failures --------------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""JSON read and written back exactly, with only the edits made to it.
+
+orjson is fast but reads less than Python's ``json``, which is what vLLM and other Python
+servers read and write: ``NaN`` and ``Infinity``, lone surrogates (``"\\ud800"``), integers
+wider than 64 bits (orjson reads those as floats, silently), and nesting deeper than the
+254 levels orjson writes. :func:`loads` uses orjson where it reads a text exactly and the
+standard library otherwise, and returns the encoder that writes the value back the same
+way; :func:`dumps` is orjson, falling back to the standard library past its depth.
+Clients (request bodies) and upstreams (response bodies and SSE events) may send any of it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+Encoder = Callable[[Any], bytes]
+
+#: Digits enough for an integer orjson reads as a float: it holds -2**63 to 2**64 - 1, and
+#: a number past either end has 19 digits or more. Found as a run of 19 zeros once every
+#: digit is a zero and every other byte a blank: two passes in C, where a regular
+#: expression would try a match at every byte. Digits in a string count too, which costs a
+#: slower read of that text, never a different one.
+_DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
+_WIDE_INT = b"0" * 19
+
+
+def standard_dumps(value: Any) -> bytes:
+    """ASCII: surrogates escaped, NaN and Infinity kept, as ``json`` writes them."""
+    return json.dumps(value).encode()
+
+
+def dumps(value: Any) -> bytes:
+    """orjson, or the standard library for a value nested deeper than orjson writes."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # "Recursion limit reached"; a value read from JSON holds nothing else
+        return standard_dumps(value)
+
+
+def may_hold_wide_ints(text: bytes) -> bool:
+    """``text`` may hold an integer orjson would read as a float."""
+    return _WIDE_INT in text.translate(_DIGITS_AS_ZEROS)
+
+
+def loads(text: bytes) -> tuple[Any, Encoder]:
+    """``text`` read, and the encoder that writes it back exactly; ``ValueError`` when neither
+    parser reads it (``RecursionError`` included: nested deeper than ``json`` recurses)."""
+    if not may_hold_wide_ints(text):
+        try:
+            return orjson.loads(text), dumps
+        except orjson.JSONDecodeError:
+            pass
+    try:
+        return json.loads(text), standard_dumps
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(str(exc)) from None
