@@ -28,6 +28,25 @@ Missing = Literal["zero", "omit"]
 DETAILS_KEY = "cached_tokens_details"
 
 
+def count(value: Any) -> int | None:
+    """A token count: a non-negative int (a JSON ``true`` is not one)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def believed(prompt: int | None, reads: int | None, writes: int | None) -> tuple[int | None, int | None]:
+    """An upstream's cache reads and writes, as far as they can be figures of ``prompt``: none
+    without a prompt count (a float, a string, a bool, absent), no reads past the prompt
+    (vLLM reports a client's ``remote_prefill_cached_tokens`` claim so), and no writes past
+    what the reads leave of it."""
+    if prompt is None:
+        return None, None
+    reads = reads if reads is not None and reads <= prompt else None
+    writes = writes if writes is not None and (reads or 0) + writes <= prompt else None
+    return reads, writes
+
+
 @dataclass(slots=True)
 class ResponseUsage:
     """What the response itself said: its model and usage figures, and how often the engine's
@@ -57,13 +76,13 @@ class UsagePatch:
         usage = payload.get("usage")
         if not isinstance(usage, dict):
             return None
-        prompt_tokens = usage.get("prompt_tokens")
+        prompt = count(usage.get("prompt_tokens"))
         reported = reported_cached_tokens(payload)
-        value, source = self._resolve(prompt_tokens, reported)
+        value, source = self._resolve(prompt, reported)
         if self.engine is not None and reported is not None and reported != value:
             in_response.mismatches += 1
-        if isinstance(prompt_tokens, int):
-            in_response.prompt_tokens = prompt_tokens
+        if prompt is not None:
+            in_response.prompt_tokens = prompt
         in_response.cached_tokens, in_response.source = value, source
         changed = False
         if value is not None:
@@ -74,30 +93,31 @@ class UsagePatch:
             if details.get("cached_tokens") != value or type(details.get("cached_tokens")) is not int:
                 details["cached_tokens"] = value
                 changed = True
-            writes = self._writes(prompt_tokens) if source == "engine" else None
+            writes = self._writes(prompt) if source == "engine" else None
             if writes is not None and details.get(WRITES_KEY) != writes:
                 details[WRITES_KEY] = writes
                 changed = True
-        in_response.cache_creation_tokens = reported_cache_writes(usage)  # as patched: the engine's, else its own
+        writes = reported_cache_writes(usage)  # as patched: the engine's, else the upstream's own
+        in_response.cache_creation_tokens = writes if source == "engine" else believed(prompt, value or 0, writes)[1]
         if self.details:
             payload[DETAILS_KEY] = self._details(value, source)
             changed = True
         return True if changed else None
 
-    def _writes(self, prompt_tokens: Any) -> int | None:
+    def _writes(self, prompt_tokens: int | None) -> int | None:
         engine = self.engine
-        if engine is None or (isinstance(prompt_tokens, int) and prompt_tokens != engine.prompt_tokens):
+        if engine is None or (prompt_tokens is not None and prompt_tokens != engine.prompt_tokens):
             return None  # a per-prompt usage chunk: writes are known for the whole request only
         return engine.cache_creation_tokens
 
-    def _resolve(self, prompt_tokens: Any, reported: int | None) -> tuple[int | None, str | None]:
+    def _resolve(self, prompt_tokens: int | None, reported: int | None) -> tuple[int | None, str | None]:
         engine = self.engine
         if engine is not None:
             value = engine.cached_for(prompt_tokens)
             if value is not None:
                 return value, "engine"
-        if reported is not None and not (isinstance(prompt_tokens, int) and reported > prompt_tokens):
-            return reported, "upstream"  # never more reads than the prompt it reports
+        if (reads := believed(prompt_tokens, reported, None)[0]) is not None:
+            return reads, "upstream"
         return (0 if self.missing == "zero" else None), None
 
     def _details(self, value: int | None, source: str | None) -> dict[str, Any]:

@@ -125,7 +125,8 @@ def expected_usage(api: str, usage: Any) -> Any:
     details = details if isinstance(details, dict) else {}
     if type(prompt) is not int or prompt < 0 or prompt == 90:
         want["input_tokens_details"] = {**details, "cached_tokens": 64, "cache_write_tokens": 16}
-    elif not (type(details.get("cached_tokens")) is int and details["cached_tokens"] >= 0):
+    elif not (type(reads := details.get("cached_tokens")) is int and 0 <= reads <= prompt):
+        # another prompt, and no report of it (none, or more reads than it has): `zero`
         want["input_tokens_details"] = {**details, "cached_tokens": 0}
     return want
 

@@ -104,6 +104,29 @@ def test_an_upstream_reporting_more_reads_than_its_prompt_is_not_believed(route:
     assert (written, seen.cached_tokens, seen.source) == (0, 0, None)
 
 
+@pytest.mark.parametrize(("usage", "recorded"), [
+    ({"prompt_tokens": 10.0, "prompt_tokens_details": {"cached_tokens": 5}}, (None, 0, None, None)),
+    ({"prompt_tokens": "10", "prompt_tokens_details": {"cached_tokens": 5}}, (None, 0, None, None)),
+    ({"prompt_tokens": True, "prompt_tokens_details": {"cached_tokens": 1}}, (None, 0, None, None)),
+    ({"prompt_tokens": -5, "prompt_tokens_details": {"cached_tokens": 0}}, (None, 0, None, None)),
+    ({"prompt_tokens_details": {"cached_tokens": 300}}, (None, 0, None, None)),  # no prompt at all
+    # writes past what the reads leave of the prompt are no count of it; the reads stand
+    ({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4, "created_cache_tokens": 1000}},
+     (10, 4, None, "upstream")),
+    ({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4, "created_cache_tokens": 6}},
+     (10, 4, 6, "upstream")),
+])
+def test_an_upstreams_figures_are_believed_only_as_counts_of_its_prompt(
+    usage: dict[str, Any], recorded: tuple[Any, ...]
+) -> None:
+    """What the record and the counters take from an upstream with no engine event: a prompt
+    that is a count, reads within it, writes within what the reads leave."""
+    payload = {"id": "chatcmpl-1", "model": "m", "choices": [], "usage": {"completion_tokens": 2, **usage}}
+    seen = ResponseUsage()
+    UsagePatch(None).apply(payload, seen)
+    assert (seen.prompt_tokens, seen.cached_tokens, seen.cache_creation_tokens, seen.source) == recorded
+
+
 def test_no_engine_event_normalizes_llama_cpp_cache_n_into_the_standard_field() -> None:
     payload = {**body(), "timings": {"cache_n": 17, "prompt_n": 47}}
     seen = ResponseUsage()
@@ -249,3 +272,17 @@ def test_cache_writes_go_in_vllms_field_for_the_whole_request_only() -> None:
     per_prompt = body(prompt_tokens=24)
     UsagePatch(writes).apply(per_prompt, ResponseUsage())
     assert per_prompt["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_a_responses_upstreams_writes_past_its_prompt_are_not_recorded() -> None:
+    from proxy.patching.shapes import shape_for
+
+    shape = shape_for("responses")
+    assert shape is not None
+    for writes, recorded in ((1000, None), (6, 6)):
+        holder = {"object": "response", "usage": {"input_tokens": 10, "input_tokens_details": {
+            "cached_tokens": 4, "cache_write_tokens": writes}}}
+        seen = ResponseUsage()
+        shape.patch(holder, None, "zero", seen)
+        assert (seen.prompt_tokens, seen.cached_tokens, seen.cache_creation_tokens) == (10, 4, recorded)
+        assert holder["usage"]["input_tokens_details"]["cache_write_tokens"] == writes  # the client's answer is the upstream's

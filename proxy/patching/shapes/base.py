@@ -23,14 +23,7 @@ from typing import Any
 import orjson
 
 from proxy.patching.ledger import EngineUsage
-from proxy.patching.usage import Missing, ResponseUsage
-
-
-def count(value: Any) -> int | None:
-    """A token count: a non-negative int (a JSON ``true`` is not one)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+from proxy.patching.usage import Missing, ResponseUsage, believed
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +104,7 @@ def resolve(engine: EngineUsage | None, missing: Missing, reported: Reported) ->
                 reported.writes if writes is None else writes,
                 "engine",
             )
-    if reported.reads is not None and (reported.prompt is None or reported.reads <= reported.prompt):
-        # never more reads than the prompt: such a figure counts nothing of this prompt
-        return Figures(reported.prompt, reported.reads, reported.writes, "upstream")
-    return Figures(reported.prompt, 0 if missing == "zero" else None, reported.writes, None)
+    reads, writes = believed(reported.prompt, reported.reads, reported.writes)
+    if reads is not None:
+        return Figures(reported.prompt, reads, writes, "upstream")
+    return Figures(reported.prompt, 0 if missing == "zero" else None, writes, None)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.patching.shapes.base import Figures, Reported, Shape, count
+from proxy.patching.shapes.base import Figures, Reported, Shape
+from proxy.patching.usage import count
 
 
 class MessagesShape(Shape):

@@ -21,7 +21,8 @@ from typing import Any
 import orjson
 
 from proxy.patching.request_body import optional_bool
-from proxy.patching.shapes.base import Figures, Reported, Shape, count
+from proxy.patching.shapes.base import Figures, Reported, Shape
+from proxy.patching.usage import count
 
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
