@@ -154,6 +154,27 @@ async def test_a_json_request_whose_client_leaves_while_it_decodes_is_disconnect
     assert record["prompt_tokens"] > 0 and record["source"] == "engine"
 
 
+@pytest.mark.parametrize(("steps", "outcome"), [
+    (["whole", "left"], "completed"),  # the app read the ordinary disconnect after its answer
+    (["left", "whole"], "disconnected"),  # vLLM's 200 null after the client left
+    (["error event", "left"], "error"),  # a stream that failed, then lost its client
+    (["left"], "disconnected"),
+    ([], "error"),  # the server side ended it while the client was there
+])
+def test_the_outcome_follows_who_ended_the_request_first(steps: list[str], outcome: str) -> None:
+    from proxy.accounting.records.notes import RequestNotes
+
+    notes = RequestNotes("chat")
+    for step in steps:
+        if step == "whole":
+            notes.body(b"{}", False)
+        elif step == "left":
+            notes.client_left()
+        else:
+            notes.sse_events(b'data: {"error": {"message": "engine failed"}}\n\n')
+    assert notes.outcome(200) == outcome
+
+
 @pytest.mark.asyncio
 async def test_every_end_leaves_exactly_one_record(tmp_path: Path) -> None:
     exchanges = [

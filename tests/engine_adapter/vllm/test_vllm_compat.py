@@ -252,6 +252,26 @@ def test_prefill_tap_hooks_a_matching_method_and_records_the_first_prefill(fake_
     assert "_update_stats_from_output" not in vars(processor)
 
 
+def test_prefill_tap_hands_an_n_copies_request_its_first_copys_prefill_once(fake_vllm) -> None:
+    """``n > 1``: each child prefills and reports; the request is billed once, with what its
+    first copy found (cold), not the later copies' hits on the first one's blocks."""
+    from types import SimpleNamespace as NS
+
+    from engine_adapter.vllm.prefill import Prefill, PrefillTap
+
+    processor, handed = _Processor(), []
+    tap = PrefillTap(_Client(processor), lambda *figures: handed.append(figures))
+    parent = NS(request_id="p-0a1b2c3d")
+    tap.expect("p-0a1b2c3d", "call")
+    for index, cached in enumerate((0, 384, 384)):
+        child = NS(is_prefilling=True, parent_req=parent, request_id=f"{index}_p-0a1b2c3d",
+                   prompt_token_ids=[0] * 400, remote_prefill_cached_tokens=None)
+        stats = NS(num_cached_tokens=cached, num_local_cached_tokens=cached, num_external_cached_tokens=0,
+                   num_cache_creation_tokens=384 - cached)
+        processor._update_stats_from_output(child, NS(prefill_stats=stats), 0.0, None)
+    assert handed == [("call", Prefill(0, 0, 0, 384), 400)]
+
+
 def test_prefill_tap_on_a_disaggregated_decode_reports_the_prefills_hits_and_the_transfer_apart(fake_vllm) -> None:
     """The decode's scheduler counts the KV it pulled as external hits; the client is told the
     prefill's (``remote_prefill_cached_tokens``), and the transfer is never a hit."""
