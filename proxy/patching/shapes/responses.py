@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
+from proxy.patching import json_exact
 from proxy.patching.request_body import optional_bool
 from proxy.patching.shapes.base import Figures, Reported, Shape
 from proxy.patching.usage import count
@@ -75,8 +74,8 @@ def created_model(body: bytes) -> str | None:
     for line in body.split(b"\n"):
         if line.startswith(b"data:") and b"response.created" in line:
             try:
-                payload = orjson.loads(line[5:])
-            except orjson.JSONDecodeError:
+                payload, _ = json_exact.loads(line[5:])
+            except ValueError:
                 return None
             response = payload.get("response") if isinstance(payload, dict) else None
             model = response.get("model") if isinstance(response, dict) else None
