@@ -34,10 +34,11 @@ def standard_dumps(value: Any) -> bytes:
 
 
 def dumps(value: Any) -> bytes:
-    """orjson, or the standard library for a value nested deeper than orjson writes."""
+    """orjson, or the standard library for a value orjson cannot write: nested deeper than
+    it writes, or (read by ``json``) holding an integer past 64 bits or a lone surrogate."""
     try:
         return orjson.dumps(value)
-    except TypeError:  # "Recursion limit reached"; a value read from JSON holds nothing else
+    except TypeError:  # a value read from JSON holds nothing else orjson refuses
         return standard_dumps(value)
 
 

@@ -705,6 +705,37 @@ async def test_a_response_orjson_cannot_hold_is_patched_and_otherwise_left_as_it
     assert h.sample("cachetally_cached_tokens_total", model="m", source="engine", tier="all") == 48
 
 
+#: The same values inside the usage object itself, which the Responses and Messages shapes edit.
+ODD_USAGE = '"x_seed":123456789012345678901234567890,"x_score":NaN,"x_note":"\\ud800"'
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("route", ["responses", "messages"])
+async def test_a_shapes_usage_orjson_cannot_hold_is_patched_and_otherwise_left_as_it_was(route: str) -> None:
+    """Oracle: Python's json, as for chat above; before, the request failed with no answer."""
+    import json
+
+    if route == "responses":
+        sent = ('{"id":"resp_1","object":"response","model":"m","status":"completed","output":[],"usage":'
+                '{"input_tokens":64,"input_tokens_details":{"cached_tokens":0},"output_tokens":2,' + ODD_USAGE + "}}")
+        request = b'{"model":"m","input":"hi"}'
+    else:
+        sent = ('{"id":"msg_1","type":"message","role":"assistant","model":"m","content":[],"usage":'
+                '{"input_tokens":64,"output_tokens":2,' + ODD_USAGE + "}}")
+        request = b'{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}'
+    h = Harness()
+    client = Client(request)
+    await h.call(h.middleware(json_response(sent.encode()), (64, 48)), client, http_scope(f"/v1/{route}"))
+    assert client.status == 200
+    expected = json.loads(sent)
+    if route == "responses":
+        expected["usage"]["input_tokens_details"]["cached_tokens"] = 48
+    else:
+        expected["usage"] |= {"input_tokens": 16, "cache_read_input_tokens": 48}
+    assert repr(json.loads(client.body)) == repr(expected)  # repr: NaN is not equal to itself
+    assert h.sample("cachetally_cached_tokens_total", model="m", source="engine", tier="all") == 48
+
+
 # -- disconnects and failures --------------------------------------------------------------------
 
 STREAM_BODY = chat_request(stream=True, stream_options={"include_usage": True})

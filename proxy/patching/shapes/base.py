@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
+from proxy.patching import json_exact
 from proxy.patching.ledger import EngineUsage
 from proxy.patching.usage import Missing, ResponseUsage, believed
 
@@ -87,9 +86,9 @@ class Shape:
             in_response.prompt_tokens = figures.prompt
         in_response.cached_tokens, in_response.cache_creation_tokens = figures.reads, figures.writes
         in_response.source = figures.source
-        before = orjson.dumps(usage)
+        before = json_exact.dumps(usage)  # orjson, unless the usage holds what it cannot write
         self.write(usage, figures)
-        return (True if orjson.dumps(usage) != before else None), (holder if final else None)
+        return (True if json_exact.dumps(usage) != before else None), (holder if final else None)
 
 
 def resolve(engine: EngineUsage | None, missing: Missing, reported: Reported) -> Figures:
