@@ -40,8 +40,10 @@ def error_body(status: int, message: str) -> bytes:
 
 
 def error_sse_event(status: int, message: str) -> bytes:
-    """The same error as one SSE event, for a stream that already started."""
-    return b"data: " + error_body(status, message) + b"\n\n"
+    """The same error as one SSE event, for a stream that already started. Named ``error``:
+    the ``anthropic`` SDK skips an unnamed event (a cut stream would read as whole), and the
+    ``openai`` SDK raises on the ``error`` object whatever the name."""
+    return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
 
 
 async def send_error(

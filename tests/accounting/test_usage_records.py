@@ -27,6 +27,7 @@ from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.jsonl import JsonlSink
 from proxy.accounting.records.queue import Delivery, DropCounts, SinkWorker
 from proxy.accounting.records.record import UsageRecord
+from proxy.asgi.errors import error_sse_event
 from proxy.patching.context import PatchConfig
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
@@ -387,6 +388,21 @@ def test_a_messages_stream_that_fails_is_an_error_with_the_tokens_it_sent() -> N
         event("error", {"error": {"type": "api_error", "message": "boom"}}),
     ]
     record = _record_of(stream, include_usage=False, ghost=False, path="/v1/messages")
+    assert (record.completion_tokens, record.completion_source, record.outcome) == (2, "stream", "error")
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_a_named_stream_ended_by_the_upstream_relays_error_is_an_error(path: str) -> None:
+    """Upstream mode: the relay ends a stream whose upstream died with its own error event;
+    before, it was unnamed, and these routes, which read ``event: error``, recorded the cut
+    stream as ``completed``."""
+    def event(name: str, payload: dict[str, Any]) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **payload}) + b"\n\n"
+
+    token = "content_block_delta" if path == "/v1/messages" else "response.output_text.delta"
+    stream = [event(token, {"index": 0, "delta": "hi"}), event(token, {"index": 0, "delta": "hi"}),
+              error_sse_event(502, "Upstream server unreachable or connection lost")]
+    record = _record_of(stream, include_usage=False, ghost=False, path=path)
     assert (record.completion_tokens, record.completion_source, record.outcome) == (2, "stream", "error")
 
 

@@ -264,3 +264,36 @@ async def test_a_cut_stream_counts_only_its_token_events(api: str) -> None:
     delivered = sum(b"delta" in event.split(b"\n", 1)[0] and b"text" in event for event in cut)
     assert notes.completion(stream=True) == (delivered, "stream")
     assert 0 < delivered < 7
+
+
+async def dies_mid_messages_stream(scope: Any, receive: Any, send: Any) -> None:
+    """An upstream that starts Anthropic's stream and dies in it (uvicorn drops the connection)."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for e in ANTHROPIC_EVENTS[:3]:
+        body = b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e))
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+    raise RuntimeError("the upstream dies mid-stream")
+
+
+def test_a_messages_stream_whose_upstream_dies_raises_in_the_anthropic_sdk_and_is_an_error(usage_dir: Path) -> None:
+    """The SDK reads only named events: the relay's error event must be ``event: error``, or
+    a cut stream reads as a whole one (no exception, ``stop_reason`` None)."""
+    rid = uuid.uuid4().hex
+    with serving_in_thread(dies_mid_messages_stream, "dies") as upstream:
+        args = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--model", MODEL,
+                "--log-level", "critical", "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
+        with running_server(args) as (front, _), sdk(front, "messages") as client:
+            assert isinstance(client, anthropic.Anthropic)
+            with pytest.raises(anthropic.APIStatusError, match="Upstream server unreachable"), client.messages.stream(
+                model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"x-request-id": rid},
+            ) as stream:
+                stream.get_final_message()
+    [record] = records_for(usage_dir, {rid})[rid]
+    assert (record["outcome"], record["completion_tokens"]) == ("error", 1)

@@ -104,6 +104,7 @@ def events(raw: bytes) -> list[Any]:
     """The data of every SSE event; ``[DONE]`` stays a string."""
     out: list[Any] = []
     for event in raw.split(b"\n\n"):
+        event = event.removeprefix(b"event: error\n")  # the relay's own error event is named
         if event.startswith(b"data: "):
             data = event[len(b"data: ") :]
             out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
@@ -560,8 +561,8 @@ async def test_mid_stream_failure_sends_one_sse_error_event_and_closes(error: Up
     bodies = [m["body"] for m in sent[1:]]
     assert bodies[:2] == [b'data: {"a":1}\n\n', b'data: {"b":']
     # The half-sent event is closed first, so the error event parses on its own.
-    assert bodies[2].startswith(b"\n\ndata: ")
-    assert orjson.loads(bodies[2][len(b"\n\ndata: ") :])["error"]["code"] == status
+    assert bodies[2].startswith(b"\n\nevent: error\ndata: ")
+    assert orjson.loads(bodies[2][len(b"\n\nevent: error\ndata: ") :])["error"]["code"] == status
     assert sent[-1]["more_body"] is False and len(sent) == 4
     assert stream.closed
 
