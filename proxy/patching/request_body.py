@@ -129,11 +129,16 @@ def stream_options_of(payload: dict[str, Any]) -> tuple[bool, bool, bool]:
     return stream, include, include and continuous
 
 
-def parse_request(body: bytes) -> tuple[dict[str, Any], RequestOptions]:
-    """Raises ``ValueError`` with a client-facing message for a body that is no JSON object."""
+def parse_request(body: bytes, stream_options: bool = True) -> tuple[dict[str, Any], RequestOptions]:
+    """Raises ``ValueError`` with a client-facing message for a body that is no JSON object.
+    ``stream_options``: the route's model reads that field (chat, completions); vLLM's
+    Responses and Messages models have none, and read ``stream`` alone."""
     payload, orjson_read = _json_object(body)
     try:
-        stream, include_usage, continuous_usage = stream_options_of(payload)
+        if stream_options:
+            stream, include_usage, continuous_usage = stream_options_of(payload)
+        else:
+            stream, include_usage, continuous_usage = optional_bool(payload.get("stream")), False, False
         valid = True
     except ValueError:
         stream = include_usage = continuous_usage = valid = False

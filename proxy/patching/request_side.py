@@ -56,7 +56,7 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         r.notes.client_left()
         return
     try:
-        payload, r.options = parse_request(body)
+        payload, r.options = parse_request(body, stream_options=r.shape is None)
     except ValueError as exc:
         await send_error(r.send, 400, str(exc))
         return

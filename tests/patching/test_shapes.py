@@ -92,6 +92,22 @@ def test_embedded_figures_records_and_counters(billed: str, usage_dir: Path, pat
         assert (record["prompt_tokens"], record["cached_tokens"], record["cache_creation_tokens"]) == figures
 
 
+@pytest.mark.parametrize("route", ["responses", "messages"])
+def test_a_stream_is_recorded_as_one_whatever_its_stream_options(billed: str, usage_dir: Path, route: str) -> None:
+    """vLLM's Responses and Messages models have no ``stream_options`` (the chat model
+    refuses this one): the request is a stream there, and its record says so."""
+    rid = uuid.uuid4().hex
+    body: dict[str, Any] = {"model": MODEL, "stream": True, "stream_options": []}
+    if route == "responses":
+        body |= {"input": "hello", "max_output_tokens": 2}
+    else:
+        body |= {"max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+    answer = httpx.post(f"{billed}/v1/{route}", json=body, headers={"x-request-id": rid})
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    [record] = records_for(usage_dir, {rid})[rid]
+    assert (record["stream"], record["outcome"], record["completion_tokens"]) == (True, "completed", 2)
+
+
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/inference/v1/generate", "/v1/chat/completions/batch"])
 def test_unmetered_engine_routes_are_refused_while_billing(billed: str, path: str) -> None:
     before = metric_value(httpx.get(f"{billed}/metrics").text, "cachetally_refused_unmetered_total", route=path)
