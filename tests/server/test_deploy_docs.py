@@ -104,6 +104,7 @@ def test_kubernetes_objects_are_complete_and_consistent() -> None:
     router = deployments["vllm-router"]["spec"]["template"]["spec"]
     router_args = [str(a) for a in router["containers"][0]["args"]]
     assert flag(router_args, "--policy") == ["cache_aware"]
+    assert "--disable-retries" in router_args, "a retry on another replica is a second billed request"
     assert flag(router_args, "--selector") == [f"app={vllm['selector']['matchLabels']['app']}"]
     assert flag(router_args, "--service-discovery-port") == [str(ports["vllm"]["http"])]
     assert flag(router_args, "--prometheus-port") == [str(ports["vllm-router"]["metrics"])]
@@ -128,6 +129,7 @@ def test_compose_services_ports_and_scrape_targets_agree() -> None:
     urls = flag(router["command"], "--worker-urls")
     assert sorted(urls) == sorted(f"http://{n}:{p}" for n, p in replica_ports.items())
     assert flag(router["command"], "--policy") == ["cache_aware"]
+    assert "--disable-retries" in router["command"], "a retry on another replica is a second billed request"
     assert set(router["depends_on"]) == set(replicas)
     router_port = flag(router["command"], "--port")[0]
     assert any(str(p).endswith(f":{router_port}") for p in router["ports"])
