@@ -158,7 +158,9 @@ class Responder:
                 self._hold = GhostHold()
             self._sse = SSEPatcher(
                 self._patch_event,
-                max_event_bytes=self.ctx.config.max_event_bytes,
+                max_event_bytes=self.ctx.config.max_response_bytes
+                if self.shape is not None and self.shape.whole_response_events
+                else self.ctx.config.max_event_bytes,
                 on_oversize=lambda: self._count_skip("event_too_large"),
             )
             await self._send(message)

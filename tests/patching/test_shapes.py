@@ -7,7 +7,9 @@ blocks warm, writes = the blocks the cold request cached; Anthropic's three inpu
 add up to the prompt; one record per request under its route. Upstream in front of an
 engine that reports the right figures: every stream and body goes through byte for byte,
 and the records and counters carry its reads and writes; in front of Anthropic's own
-stream shape, a final ``message_delta`` without cache figures stays as it came.
+stream shape, a final ``message_delta`` without cache figures stays as it came; a Responses
+stream whose final event is megabytes large is still read, and one that ends
+``response.failed`` is an error.
 Refused while billing is on: engine routes that are not metered, background responses."""
 
 from __future__ import annotations
@@ -313,3 +315,76 @@ def test_a_messages_stream_whose_upstream_dies_raises_in_the_anthropic_sdk_and_i
                 stream.get_final_message()
     [record] = records_for(usage_dir, {rid})[rid]
     assert (record["outcome"], record["completion_tokens"]) == ("error", 1)
+
+
+def responses_upstream(metadata: str, last: str) -> Any:
+    """An upstream Responses stream that echoes the request's ``metadata`` in its events, as
+    vLLM does, and sends its last event (``last``) in 256 KiB parts, as TCP may hand it over."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        while (await receive()).get("more_body"):
+            pass
+        head = {"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL, "status": "in_progress",
+                "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "metadata": {"k": metadata}, "usage": None}
+        usage = {"input_tokens": 500, "input_tokens_details": {"cached_tokens": 448},
+                 "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 501}
+        text = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "a", "annotations": []}]}
+        final = {**head, "status": last.removeprefix("response."), "usage": usage, "output": [text]}
+
+        def event(kind: str, fields: dict[str, Any]) -> bytes:
+            return b"event: %s\ndata: %s\n\n" % (kind.encode(), orjson.dumps({"type": kind, **fields}))
+
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for part in (event("response.created", {"response": head, "sequence_number": 0}),
+                     event("response.output_text.delta", {"item_id": "msg_1", "output_index": 0, "content_index": 0,
+                                                          "delta": "a", "logprobs": [], "sequence_number": 1})):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        end = event(last, {"response": final, "sequence_number": 2})
+        for at in range(0, len(end), 256 << 10):
+            await send({"type": "http.response.body", "body": end[at:at + (256 << 10)], "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+@pytest.mark.parametrize("size", [10, 3_000_000], ids=["small", "3MB"])
+def test_a_responses_stream_whose_final_event_echoes_megabytes_is_still_billed(usage_dir: Path, size: int) -> None:
+    """A client cannot hide its prompt by making the final event large: vLLM echoes the
+    request's ``metadata`` (and ``instructions``, ``tools``) in it, and a long output with
+    logprobs grows it too. It is held as a JSON body would be, then patched and read."""
+    rid = uuid.uuid4().hex
+    with serving_in_thread(responses_upstream("x" * size, "response.completed"), "big") as upstream:
+        args = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--model", MODEL,
+                "--log-level", "warning", "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
+        with running_server(args) as (front, _), sdk(front, "responses") as client:
+            assert isinstance(client, openai.OpenAI)
+            events = list(client.responses.create(model=MODEL, input="hi", stream=True,
+                                                  extra_headers={"x-request-id": rid}))
+            final = events[-1].response
+            assert final.usage is not None and final.usage.input_tokens_details.cached_tokens == 448
+            metrics = httpx.get(f"{front}/metrics").text
+    [record] = records_for(usage_dir, {rid})[rid]
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]) \
+        == ("completed", 500, 448, 1)
+    assert metric_value(metrics, "cachetally_prompt_tokens_total") == 500
+
+
+def test_a_responses_stream_that_ends_failed_is_an_error(usage_dir: Path) -> None:
+    """``response.failed`` is the Responses API's own end of a failed response: the server
+    side failed, so the record says ``error``, with the figures its usage gives."""
+    rid = uuid.uuid4().hex
+    with serving_in_thread(responses_upstream("x", "response.failed"), "failed") as upstream:
+        args = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--model", MODEL,
+                "--log-level", "warning", "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
+        with running_server(args) as (front, _):
+            httpx.post(f"{front}/v1/responses", json={"model": MODEL, "input": "hi", "stream": True},
+                       headers={"x-request-id": rid}).raise_for_status()
+    [record] = records_for(usage_dir, {rid})[rid]
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == ("error", 500, 448)

@@ -12,7 +12,8 @@
   with other events, so there only their token events count, by ``event:`` line:
   ``content_block_delta`` and ``response.*delta``;
 - an error event in a stream (``data: {"error"...}``, as vLLM and cachetally's upstream
-  relay end a stream that failed; ``event: error`` in the named streams): not a token,
+  relay end a stream that failed; ``event: error`` in the named streams, and
+  ``event: response.failed``, the Responses API's end of a failed response): not a token,
   and the request's outcome is ``error`` however the stream then ends;
 - the completion tokens and id of a usage object that covers the whole request (a JSON
   body, or a stream's usage-only chunk), which the responder parses anyway;
@@ -30,7 +31,7 @@ from typing import Any
 _ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _FIRST_EVENT = (b"data: {", b"data:{")
 _ERROR_EVENTS = (b'data: {"error"', b'data:{"error"')
-_NAMED_ERROR = re.compile(rb"event: ?error[\r\n]")
+_NAMED_ERROR = re.compile(rb"event: ?(?:error|response\.failed)[\r\n]")
 _LINE_ENDS = (b"\n", b"\r")
 #: Token events of the streams whose events are named (``event:`` lines), by route.
 _TOKEN_EVENTS = {

@@ -46,6 +46,10 @@ class Shape:
     """One API's usage layout. Subclasses define :meth:`locate`, :meth:`read`, :meth:`write`."""
 
     name = ""
+    #: An event of this API can carry the whole response (and the request parts it echoes),
+    #: so a partial event is held up to ``max_response_bytes``, as a JSON body is, rather than
+    #: ``max_event_bytes``: past that bound it would go out unread, its usage unbilled.
+    whole_response_events = False
 
     def refusal(self, payload: dict[str, Any]) -> str | None:
         """Why a request with this body cannot be metered (it is refused when billing is on)."""

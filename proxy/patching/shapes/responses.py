@@ -28,6 +28,7 @@ TERMINAL = frozenset({"response.completed", "response.incomplete", "response.fai
 
 class ResponsesShape(Shape):
     name = "responses"
+    whole_response_events = True  # the terminal events hold the response object
 
     def refusal(self, payload: dict[str, Any]) -> str | None:
         try:
