@@ -1121,3 +1121,60 @@ async def test_a_beam_search_counts_the_clients_prompt_not_every_beam_step(flag:
     assert client.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
     assert h.sample("cachetally_prompt_tokens_total", model="m") == 64
     assert h.sample("cachetally_cached_tokens_total", model="m", source="engine", tier="all") == 48
+
+
+def text_completion(prompt_tokens: int = 10, **usage: Any) -> bytes:
+    return orjson.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m",
+                         "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 1,
+                                   "total_tokens": prompt_tokens + 1, **usage}})
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]], ["a", "b", "c"]],
+                         ids=["two-strings", "two-token-lists", "three-strings"])
+async def test_a_beam_search_over_several_prompts_is_refused_and_counted_while_billing(prompt: Any) -> None:
+    """vLLM runs one beam search per prompt, their steps interleaved: no event says which is a
+    client's prompt. While billing is on the request is refused with a 400 before the engine
+    runs, and ``cachetally_refused_unmetered_total`` says so (two prompts are already several)."""
+    h = Harness(PatchConfig(refuse_unmetered=True))
+    client = Client(orjson.dumps({"model": "m", "prompt": prompt, "n": 2, "use_beam_search": True}))
+    await h.call(h.middleware(json_response(text_completion()), (10, 0)), client, http_scope("/v1/completions"))
+    assert client.status == 400
+    assert "not metered" in client.json()["error"]["message"]
+    assert h.sample("cachetally_refused_unmetered_total", route="/v1/completions") == 1
+    assert h.requests() == {}  # nothing billed
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("prompt", ["a", ["a"], [1, 2, 3]], ids=["string", "one-string", "token-ids"])
+async def test_a_beam_search_over_one_prompt_is_served_and_billed_while_billing(prompt: Any) -> None:
+    """A list of token ids is one prompt, as is a one-string list: served and billed once."""
+    h = Harness(PatchConfig(refuse_unmetered=True))
+    client = Client(orjson.dumps({"model": "m", "prompt": prompt, "n": 2, "use_beam_search": True}))
+    await h.call(h.middleware(json_response(text_completion()), (10, 0), (11, 10), (11, 10)), client,
+                 http_scope("/v1/completions"))
+    assert client.status == 200
+    assert h.sample("cachetally_refused_unmetered_total", route="/v1/completions") is None
+    assert h.sample("cachetally_prompt_tokens_total", model="m") == 10
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("drop", [True, False], ids=["upstream", "upstream-behind-a-pd-router"])
+async def test_a_clients_remote_prefill_claim_is_not_billed_as_cache_reads_in_upstream_mode(drop: bool) -> None:
+    """Upstream mode without ``pd_legs``: vLLM reports a body's ``kv_transfer_params``
+    ``remote_prefill_cached_tokens`` as its own cache reads, so the client would choose its
+    cached count (and its discount). The claim is removed before the upstream sees it."""
+    h = Harness(PatchConfig(drop_kv_transfer_params=drop, strip_details_flag=False))
+
+    async def vllm_upstream(scope: Scope, receive: Receive, send: Send) -> None:
+        claim = orjson.loads(h.inner_bodies[-1]).get("kv_transfer_params", {}).get("remote_prefill_cached_tokens")
+        cached = 0 if claim is None else claim
+        await json_response(chat_completion(prompt_tokens_details={"cached_tokens": cached}))(scope, receive, send)
+
+    client = Client(chat_request(kv_transfer_params={"do_remote_prefill": True, "remote_prefill_cached_tokens": 60}))
+    await h.call(h.middleware(vllm_upstream), client)
+    billed = 0 if drop else 60
+    assert client.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": billed}
+    assert h.sample("cachetally_cached_tokens_total", model="m", source="upstream", tier="all") == billed
+    assert h.requests() == {"hit" if billed else "miss": 1}
