@@ -44,7 +44,9 @@ class Exchange:
     """One request at the message level; the client hangs up after ``hang_up_after`` body messages."""
 
     def __init__(self, body: dict[str, Any] | bytes, hang_up_after: int | None = None, path: str = "/v1/chat/completions",
-                 half_body: bool = False, leave_after_s: float | None = None) -> None:
+                 half_body: bool = False, leave_after_s: float | None = None,
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        self.headers = list(headers)
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         self.path, self.raw, self.half = path, raw, half_body
         self.hang_up_after = hang_up_after
@@ -58,7 +60,7 @@ class Exchange:
                 "method": "POST", "scheme": "http", "path": self.path, "raw_path": self.path.encode(),
                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
                 "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"req-1"),
-                            (b"content-length", str(len(self.raw)).encode())]}
+                            (b"content-length", str(len(self.raw)).encode()), *self.headers]}
 
     async def receive(self) -> dict[str, Any]:
         if not self._sent_body:
@@ -200,6 +202,21 @@ async def test_every_end_leaves_exactly_one_record(tmp_path: Path) -> None:
         assert total == metric_value(metrics, f"cachetally_{family}_tokens_total",
                                      **({"tier": "all"} if family == "cached" else {}))
 
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.asyncio
+async def test_the_record_carries_the_clients_traceparent_only_when_the_whole_header_is_one(tmp_path: Path) -> None:
+    """A record joins the client's trace by its W3C ``traceparent``; a header that only
+    contains one (two joined by a comma, a prefix, a version-00 value with a fifth field) is
+    not one, and its text never reaches the billing record."""
+    sent = [TRACEPARENT, TRACEPARENT + "," + TRACEPARENT, "x" + TRACEPARENT, TRACEPARENT + "-00",
+            TRACEPARENT + ";tenant=someone-else"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    records, _ = await serve(tmp_path, *(Exchange(body, headers=((b"traceparent", v.encode()),)) for v in sent))
+    assert [r["traceparent"] for r in records] == [TRACEPARENT, None, None, None, None]
+    assert all(r["outcome"] == "completed" for r in records)  # refused as a trace, billed as a request
 
 # -- the JSONL sink and the queue in front of it ---------------------------------------------
 
