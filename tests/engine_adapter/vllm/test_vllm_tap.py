@@ -246,3 +246,39 @@ def test_two_requests_sharing_an_engine_request_id_are_each_billed_their_own_fig
     assert (seen_a, seen_b) == (1, 1)
     assert _figures(usage_a) == (2000, 1920, 1920, 0)
     assert _figures(usage_b) == (b_prompt, 0, 0, b_prompt // 128 * 128)
+
+
+def test_requests_cut_before_their_prefill_never_crowd_out_one_still_waiting(monkeypatch, caplog) -> None:
+    """Clients that leave while their request is queued (vLLM aborts it: no prefill comes) leave
+    nothing waiting for one. However many do, a request queued before them is still billed at
+    its prefill, so a client that then leaves while it decodes is billed the prompt, and no
+    warning claims that requests pile up. (The cap is made small here; it is 100,000.)"""
+    from engine_adapter.vllm import prefill
+
+    monkeypatch.setattr(prefill, "_MAX_ENTRIES", 8)
+
+    async def main() -> tuple | None:
+        client, ledger = _AsyncLLM(), UsageLedger()
+        EngineTap(client, ledger)
+        waiting = _Request(_stats(2000, 1920, 0))
+        waiting.prefill.clear()
+        waiting.finish.clear()
+        served = asyncio.create_task(_serve(client, ledger, "kept", waiting))
+        for i in range(3 * 8):
+            queued = _Request(_stats(100, 0, 0))
+            queued.prefill.clear()
+            cut = asyncio.create_task(_serve(client, ledger, f"cut{i}", queued, engine_id=f"chatcmpl-cut{i}"))
+            await asyncio.sleep(0)  # added, not prefilled
+            await asyncio.sleep(0)
+            cut.cancel()  # the client left: vLLM's handler is cancelled
+            await asyncio.gather(cut, return_exceptions=True)
+        waiting.prefill.set()
+        await asyncio.sleep(0.01)
+        at_prefill = _figures(ledger.usage("kept"))
+        served.cancel()  # that client leaves too, while it decodes
+        await asyncio.gather(served, return_exceptions=True)
+        return at_prefill
+
+    with caplog.at_level(logging.WARNING, logger="cachetally.engine.vllm"):
+        assert asyncio.run(asyncio.wait_for(main(), 30)) == (2000, 1920, 1920, 0)
+    assert [r.getMessage() for r in caplog.records if "wait for their prefill" in r.getMessage()] == []
