@@ -423,6 +423,36 @@ def test_a_named_stream_ended_by_the_upstream_relays_error_is_an_error(path: str
     assert (record.completion_tokens, record.completion_source, record.outcome) == (2, "stream", "error")
 
 
+@pytest.mark.parametrize("completion", [-1, True, None, "3"], ids=["negative", "true", "null", "string"])
+@pytest.mark.parametrize(("include_usage", "ghost"), [(True, False), (False, True)], ids=["clients", "ghost"])
+def test_a_usage_chunk_without_a_count_is_not_billed_as_a_token(completion: Any, include_usage: bool,
+                                                                ghost: bool) -> None:
+    """A peer's usage-only chunk whose ``completion_tokens`` is no count: the record falls
+    back to the stream's token events, and that chunk is not one of them."""
+    stream = _chat_stream(3, 1, include_usage=True, crlf=False)
+    stream = stream.replace(b'"completion_tokens":3', b'"completion_tokens":' + orjson.dumps(completion))
+    record = _record_of(_cut(stream, None), include_usage, ghost)
+    assert (record.completion_tokens, record.completion_source) == (3, "stream")
+
+
+def test_the_record_keeps_the_responses_id_not_a_later_one_in_the_stream() -> None:
+    """The response id is the stream's first ``id``; a tool call's own ``id`` comes later,
+    in a body message the model name may still be looked for in (the first was cut before
+    it)."""
+    def event(payload: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m",
+                                         **payload}) + b"\n\n"
+
+    call = {"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": ""}}
+    stream = (event({"choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [call]}}]})
+              + event({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
+                  "arguments": "{}"}}]}}]})
+              + event({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}) + b"data: [DONE]\n\n")
+    cut = stream.index(b'"model"')  # the first body message ends before the model name
+    record = _record_of([stream[:cut], stream[cut:]], include_usage=False, ghost=False)
+    assert record.response_id == "chatcmpl-1"
+
+
 def test_a_json_body_too_large_to_hold_is_recorded_as_unknown_completion_not_zero() -> None:
     """Past ``max_response_bytes`` a JSON body passes unread (and unpatched): its record
     must not say it delivered no tokens."""
