@@ -236,6 +236,27 @@ def test_files_rotate_by_size_and_hold_every_record_once(tmp_path: Path) -> None
     assert [r["request_id"] for r in read_records(tmp_path)] == [f"r{n}" for n in range(200)]
 
 
+def test_each_figure_of_a_record_is_written_under_its_own_name(tmp_path: Path) -> None:
+    """The JSONL line is the bill: every figure under its own key, the cache tiers not
+    mixed up, durations to the microsecond (a 1.5 ms TTFT is not 0)."""
+    rec = UsageRecord(request_id="r1", tenant="acme", route="chat", stream=True, start_unix=1.7e9,
+                      end_unix=1.7e9 + 0.001234, model="m", request_model="asked", response_id="chatcmpl-1",
+                      status=200, outcome="completed", prompt_tokens=100, cached_tokens=48, local_cached_tokens=32,
+                      external_cached_tokens=16, cache_creation_tokens=52, source="engine", completion_tokens=7,
+                      completion_source="usage", ttft_s=0.0015,
+                      traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    sink = JsonlSink(tmp_path)
+    sink.write([rec])
+    sink.close()
+    [line] = read_records(tmp_path)
+    for name in ("record_id", "request_id", "tenant", "model", "request_model", "response_id", "route", "stream",
+                 "status", "outcome", "prompt_tokens", "cached_tokens", "local_cached_tokens",
+                 "external_cached_tokens", "cache_creation_tokens", "source", "completion_tokens",
+                 "completion_source", "ttft_s", "traceparent"):
+        assert line[name] == getattr(rec, name), name
+    assert line["duration_s"] == 0.001234
+    assert (line["start_time"], line["end_time"]) == ("2023-11-14T22:13:20Z", "2023-11-14T22:13:20.001234Z")
+
 def test_a_failed_write_is_cut_back_and_retried_never_duplicated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_write = os.write
     failures = iter([True, False, False])
