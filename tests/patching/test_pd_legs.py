@@ -177,3 +177,26 @@ def test_a_pd_legs_value_that_is_no_boolean_is_refused() -> None:
 
     with pytest.raises(SettingsError, match="pd_legs"):
         load_settings(env={"CACHETALLY_PD_LEGS": "prefill"})
+
+
+@pytest.mark.parametrize("copies", [1, 2], ids=["n=1", "n=2"])
+def test_a_decode_legs_transfer_and_own_hits_reach_their_counters(copies: int) -> None:
+    """A disaggregated decode's ``cached_tokens`` are the prefill instance's hits; what it
+    pulled over the connector is a transfer and what it found itself is its own local hits,
+    each on its own ``cachetally_pd_*`` counter, for a one-copy request as for ``n > 1``."""
+    from prometheus_client import CollectorRegistry
+
+    from engine_adapter.events import Scheduled
+    from proxy.patching.ledger import UsageLedger
+    from proxy.patching.pd_leg import DECODE, LegMetrics
+
+    registry, ledger = CollectorRegistry(), UsageLedger()
+    ledger.open("k")
+    for _ in range(copies):
+        ledger.publish(Scheduled("k", 100, 60, transferred_tokens=80, decode_local_tokens=20))
+    LegMetrics(registry).count(DECODE, "completed", ledger.close("k"))
+    value = registry.get_sample_value
+    assert value("cachetally_pd_transferred_tokens_total") == 80 * copies
+    assert value("cachetally_pd_cached_tokens_total", {"leg": "decode", "tier": "local"}) == 20 * copies
+    assert value("cachetally_pd_prompt_tokens_total", {"leg": "decode"}) == 100 * copies
+    assert value("cachetally_pd_legs_total", {"leg": "decode", "outcome": "completed"}) == 1
