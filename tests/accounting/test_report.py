@@ -53,6 +53,8 @@ def test_totals_cost_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     report = json.loads(out)
     assert "skipped 1 line" in err
     assert (report["files"], report["records"], report["skipped_lines"]) == (2, 5, 1)
+    # acme/m2 was wholly cached (an upstream may say so): not more than its prompt, not clamped.
+    assert report["clamped"] == 0 and "more cached tokens" not in err
     rows = {(r["tenant"], r["model"]): r for r in report["rows"]}
     acme_m1 = rows["acme", "m1"]
     assert (acme_m1["requests"], acme_m1["disconnected"], acme_m1["prompt_tokens"], acme_m1["cached_tokens"],
