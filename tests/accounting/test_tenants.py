@@ -62,9 +62,12 @@ def test_a_keys_file_others_can_read_is_warned_about(tmp_path: Path, caplog: pyt
     path = keys_file(tmp_path, '"sk-1" = "a"\n')
     KeyTable.load(path)
     assert not caplog.records
-    path.chmod(0o644)
-    KeyTable.load(path)
-    assert [r.getMessage() for r in caplog.records] == [f"API keys file {path} can be read by other users: chmod 600 it"]
+    warning = f"API keys file {path} can be read by other users: chmod 600 it"
+    for mode in (0o644, 0o640, 0o604):  # the group's members are other users too
+        caplog.clear()
+        path.chmod(mode)
+        KeyTable.load(path)
+        assert [r.getMessage() for r in caplog.records] == [warning], oct(mode)
 
 
 @pytest.mark.asyncio
@@ -87,6 +90,42 @@ async def test_api_keys_name_the_tenant_and_never_appear_in_logs(tmp_path: Path,
     for key in ("sk-alpha-1", "sk-beta-22", "sk-single"):
         assert key not in caplog.text
 
+
+@pytest.mark.asyncio
+async def test_the_bearer_scheme_is_read_in_any_case(tmp_path: Path) -> None:
+    """An auth scheme is case-insensitive (RFC 9110, 11.1): ``bearer`` names the same key,
+    and bills the same tenant, as ``Bearer``."""
+    path = keys_file(tmp_path, '"sk-alpha-1" = "alpha"\n')
+    async with in_process(api_keys_file=str(path)) as client:
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            headers = {"authorization": f"{scheme} sk-alpha-1"}
+            assert (await client.post("/v1/completions", json=BODY, headers=headers)).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert tenants_in(metrics) == {"alpha": 3}
+
+
+@pytest.mark.asyncio
+async def test_a_trusted_headers_value_is_read_without_its_surrounding_whitespace() -> None:
+    """uvicorn's httptools parser keeps a header value's trailing whitespace, which is no part
+    of the value (RFC 9110, 5.5): ``a `` from the gateway is tenant ``a``, not ``other``."""
+    async with in_process(tenant_header="X-Team", tenants=["a"]) as client:
+        for value in ("a ", "a\t", " a"):
+            assert (await client.post("/v1/completions", json=BODY, headers=[("x-team", value)])).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert tenants_in(metrics) == {"a": 3}
+
+
+@pytest.mark.parametrize("length", [1, 64, 65])
+def test_a_tenant_name_is_1_to_64_characters(length: int) -> None:
+    """What --tenants and the keys file say a name is; a longer one is refused at startup."""
+    name = "t" * length
+    if length <= 64:
+        assert Tenancy(KeyTable({"sk-1": name}), None, [name]).named == {name}
+        return
+    with pytest.raises(ValueError, match="1-64 characters"):
+        Tenancy(None, "x-team", [name])
+    with pytest.raises(ValueError, match="1-64 characters"):
+        KeyTable({"sk-1": name})
 
 @pytest.mark.asyncio
 async def test_trusted_header_is_bounded_by_the_configured_tenants() -> None:
