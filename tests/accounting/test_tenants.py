@@ -128,6 +128,22 @@ def test_a_tenant_name_is_1_to_64_characters(length: int) -> None:
         KeyTable({"sk-1": name})
 
 @pytest.mark.asyncio
+async def test_only_a_cors_preflight_passes_a_guarded_path_without_a_key() -> None:
+    """As vLLM's own ``--api-key``: a CORS preflight (``OPTIONS``) carries no credentials and
+    reaches the app (here it answers 405 itself); every other method needs the key, ``HEAD``
+    included."""
+    preflight = {"origin": "https://app.example", "access-control-request-method": "POST"}
+    async with in_process(api_key="sk-1") as client:
+        for path in ("/v1/models", "/v1/chat/completions"):
+            answer = await client.request("OPTIONS", path, headers=preflight)
+            assert answer.status_code == 405, path  # the app's answer, not the guard's 401
+        for method in ("HEAD", "GET"):
+            answer = await client.request(method, "/v1/models")
+            assert (answer.status_code, answer.headers["www-authenticate"]) == (401, "Bearer"), method
+        keyed = await client.request("HEAD", "/v1/models", headers={"authorization": "Bearer sk-1"})
+        assert keyed.status_code == 200
+
+@pytest.mark.asyncio
 async def test_trusted_header_is_bounded_by_the_configured_tenants() -> None:
     async with in_process(tenant_header="X-Team", tenants=["a", "b", "c"]) as client:
         for value in ("a", "a", "b", "c", "zzz", "A", "a,b", "", "../../etc"):
