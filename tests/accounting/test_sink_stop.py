@@ -86,3 +86,32 @@ def test_a_sink_stuck_past_the_stop_timeout_has_its_records_counted_not_lost() -
     gate.set()  # the write goes through after all: it was counted unconfirmed, not again
     worker._thread.join(10)
     assert len(sink.records) == 3 and drops.snapshot() == {("kept", "unconfirmed"): 3, ("kept", "stopped"): 1}
+
+
+def test_records_kept_for_a_retry_when_the_stop_gives_up_are_counted_stopped() -> None:
+    """The interleaving: the sink delivered part of a batch and kept the rest for a retry, then
+    the thread is held (here in the written-records hook) past the stop's timeout, before a
+    next batch takes the rest. Nothing will write them: they are counted, not lost."""
+    class Partial(_Kept):
+        def write(self, batch: list[UsageRecord]) -> Delivery:
+            self.records.extend(batch[:1])
+            return Delivery(written=1, retry=batch[1:])
+
+    held, gate = threading.Event(), threading.Event()
+
+    def hold(n: int) -> None:
+        held.set()
+        gate.wait(30)
+
+    sink, drops = Partial(), DropCounts()
+    worker = SinkWorker(sink, drops, max_queued=100, interval_s=0.01)
+    worker.on_written = hold
+    for n in range(3):
+        worker.submit(usage(n))
+    worker.start()
+    assert held.wait(10)  # its first step wrote one and kept two for a retry, and is held
+    assert worker.stop(timeout_s=0.2) is False
+    assert drops.snapshot() == {("kept", "stopped"): 2}
+    gate.set()
+    worker._thread.join(10)
+    assert len(sink.records) == 1 and drops.snapshot() == {("kept", "stopped"): 2}

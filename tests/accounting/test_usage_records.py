@@ -301,6 +301,36 @@ def test_a_full_queue_drops_and_counts_and_logs_once_a_minute(caplog: pytest.Log
     assert lines == ["usage records dropped: 1 (stuck: queue_full)", "usage records dropped: 6 (stuck: queue_full)"]
 
 
+def test_records_kept_for_a_retry_count_against_the_queues_bound() -> None:
+    """A sink that could not deliver (a full disk) keeps its batch for the next interval: those
+    records are still waiting, so they fill the bound, and what comes past it is dropped and
+    counted rather than held beyond ``max_queued``."""
+    class FullDisk:
+        name, failure = "full", "write_failed"
+
+        def __init__(self) -> None:
+            self.full, self.records = True, []
+
+        def write(self, batch: list[UsageRecord]) -> Delivery:
+            if self.full:
+                return Delivery(retry=list(batch), detail="ENOSPC")
+            self.records.extend(batch)
+            return Delivery(written=len(batch))
+
+        def close(self) -> None: ...
+
+    sink, drops = FullDisk(), DropCounts()
+    worker = SinkWorker(sink, drops, max_queued=3, interval_s=3600)
+    for n in range(3):
+        worker.submit(record(n))
+    worker.flush()  # the thread's step: nothing delivered, all three kept for a retry
+    for n in range(3, 5):
+        worker.submit(record(n))
+    assert drops.snapshot() == {("full", "queue_full"): 2}
+    sink.full = False
+    worker.flush()
+    assert [r.request_id for r in sink.records] == ["r0", "r1", "r2"]
+
 def test_an_unwritable_directory_drops_at_stop_and_never_hangs(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("a file where the directory should be")
