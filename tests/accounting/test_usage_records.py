@@ -502,6 +502,10 @@ def test_the_record_keeps_the_responses_id_not_a_later_one_in_the_stream() -> No
     cut = stream.index(b'"model"')  # the first body message ends before the model name
     record = _record_of([stream[:cut], stream[cut:]], include_usage=False, ghost=False)
     assert record.response_id == "chatcmpl-1"
+    # However the first event's bytes are cut, its id included (a relay passes on the reads it got).
+    ids = {cut: _record_of([stream[:cut], stream[cut:]], include_usage=False, ghost=False).response_id
+           for cut in range(1, stream.index(b"\n\n"))}
+    assert {cut: found for cut, found in ids.items() if found != "chatcmpl-1"} == {}
 
 
 def test_a_json_body_too_large_to_hold_is_recorded_as_unknown_completion_not_zero() -> None:

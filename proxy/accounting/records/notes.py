@@ -29,6 +29,8 @@ from typing import Any
 
 
 _ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
+#: Enough bytes to hold the start of an ``"id"`` field cut at a message boundary.
+_ID_FIELD_MAX = 512
 _FIRST_EVENT = (b"data: {", b"data:{")
 _ERROR_EVENTS = (b'data: {"error"', b'data:{"error"')
 _NAMED_ERROR = re.compile(rb"event: ?(?:error|response\.failed)[\r\n]")
@@ -44,7 +46,7 @@ class RequestNotes:
     __slots__ = (
         "started", "t0", "ttft_s", "response_id", "disconnected", "response_done", "errored", "unread",
         "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
-        "_usage_events", "_token_events", "_plain",
+        "_usage_events", "_token_events", "_plain", "_id_tail",
     )
 
     def __init__(self, route: str) -> None:
@@ -65,6 +67,8 @@ class RequestNotes:
         self._token_events = _TOKEN_EVENTS.get(route)
         #: Past the chat role events, in an LF stream at a line start: what engines send.
         self._plain = False
+        #: The end of the last body message sniffed for an id: an ``"id"`` cut between two.
+        self._id_tail = b""
 
     def body(self, body: bytes, more: bool) -> None:
         if not more:
@@ -108,8 +112,16 @@ class RequestNotes:
         self._plain = self._line_start and self._cr is False and not self._roles_pending
 
     def sniff_id(self, body: bytes) -> None:
-        if self.response_id is None and (match := _ID_FIELD.search(body)):
+        """The first ``"id"`` of the response's first body messages, however they were cut
+        (the response's own precedes any of its parts', such as a tool call's)."""
+        if self.response_id is not None:
+            return
+        head = self._id_tail + body
+        if match := _ID_FIELD.search(head):
             self.response_id = match.group(1).decode("utf-8", "replace")
+            self._id_tail = b""
+        else:  # no whole field yet: keep what may be the start of one
+            self._id_tail = head[-_ID_FIELD_MAX:]
 
     def client_left(self) -> None:
         if not self.response_done:
