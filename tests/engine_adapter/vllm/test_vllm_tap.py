@@ -282,3 +282,68 @@ def test_requests_cut_before_their_prefill_never_crowd_out_one_still_waiting(mon
     with caplog.at_level(logging.WARNING, logger="cachetally.engine.vllm"):
         assert asyncio.run(asyncio.wait_for(main(), 30)) == (2000, 1920, 1920, 0)
     assert [r.getMessage() for r in caplog.records if "wait for their prefill" in r.getMessage()] == []
+
+
+class _FanOut(_AsyncLLM):
+    """``n`` copies of one prompt, as vLLM's ``ParentRequest`` runs them: child requests
+    ``{i}_{parent}``, prefilled in order; without streaming, the one output carries the figures
+    of the copy that finished last."""
+
+    def __init__(self, copies: list[NS]) -> None:
+        super().__init__()
+        self.copies = copies
+
+    async def generate(self, prompt: _Request, sampling_params: Any, request_id: str, **kwargs: Any):
+        queue = await self.add_request(request_id, prompt, sampling_params)
+        parent = NS(request_id=queue.request_id)
+        await prompt.prefill.wait()
+        for i, stats in enumerate(self.copies):
+            state = NS(is_prefilling=True, parent_req=parent, request_id=f"{i}_{queue.request_id}",
+                       external_req_id=request_id, prompt_token_ids=list(range(stats.num_prompt_tokens)),
+                       remote_prefill_cached_tokens=None)
+            self.output_processor._update_stats_from_output(state, NS(prefill_stats=stats), 0.0, None)
+        await prompt.finish.wait()
+        last = self.copies[-1]
+        yield NS(request_id=request_id, prompt_token_ids=list(range(last.num_prompt_tokens)),
+                 num_cached_tokens=last.num_cached_tokens, num_cache_creation_tokens=last.num_cache_creation_tokens,
+                 finished=True)
+
+
+def test_n_copies_of_a_prompt_are_billed_once_with_what_the_first_copy_found() -> None:
+    """The policy for ``n > 1``: the prompt once, with its first copy's figures (cold: 0 read,
+    its blocks written), at the prefill, not the second copy's hit on the first's blocks that
+    vLLM's non-streaming output reports."""
+    async def main() -> tuple[tuple | None, tuple | None, int]:
+        client = _FanOut([_stats(2000, 0, 1920), _stats(2000, 1920, 0), _stats(2000, 1920, 0)])
+        ledger = UsageLedger()
+        EngineTap(client, ledger)
+        request = _Request(_stats(2000, 0, 1920))
+        request.finish.clear()
+        served = asyncio.create_task(_serve(client, ledger, "k", request))
+        await asyncio.sleep(0.01)
+        at_prefill = _figures(ledger.usage("k"))
+        request.finish.set()
+        _, usage = await served
+        return at_prefill, _figures(usage), usage.events if usage else 0
+
+    at_prefill, billed, events = asyncio.run(asyncio.wait_for(main(), 30))
+    assert at_prefill == billed == (2000, 0, 0, 1920)
+    assert events == 1
+
+
+@pytest.mark.parametrize(("local", "external", "tiers"), [
+    (1024, 896, (1024, 896)),  # they add up to the cached total: reported
+    (1024, 0, (None, None)),   # they do not: neither is reported, the total stands
+    (1024, 1024, (None, None)),
+])
+def test_cache_tiers_are_reported_only_when_they_add_up_to_the_cached_total(local, external, tiers) -> None:
+    async def main() -> EngineUsage | None:
+        client, ledger = _AsyncLLM(), UsageLedger()
+        EngineTap(client, ledger)
+        stats = NS(num_prompt_tokens=2000, num_cached_tokens=1920, num_local_cached_tokens=local,
+                   num_external_cached_tokens=external, num_cache_creation_tokens=0)
+        return (await _serve(client, ledger, "k", _Request(stats)))[1]
+
+    usage = asyncio.run(asyncio.wait_for(main(), 30))
+    assert usage is not None
+    assert (usage.cached_tokens, usage.local_cached_tokens, usage.external_cached_tokens) == (1920, *tiers)
