@@ -203,6 +203,14 @@ async def test_every_end_leaves_exactly_one_record(tmp_path: Path) -> None:
                                      **({"tier": "all"} if family == "cached" else {}))
 
 
+@pytest.mark.asyncio
+async def test_a_streamed_request_the_engine_refuses_is_recorded_as_streamed(tmp_path: Path) -> None:
+    """``stream`` is what the client asked for, also when the answer is a JSON error."""
+    refused = Exchange({"prompt": "x", "max_tokens": -1, "stream": True}, path="/v1/completions")
+    records, _ = await serve(tmp_path, refused)
+    [record] = records
+    assert (record["status"], record["outcome"], record["stream"]) == (400, "error", True)
+
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
@@ -442,6 +450,16 @@ def test_a_stream_that_fails_bills_only_its_tokens_and_is_an_error(
     assert (record.completion_tokens, record.completion_source, record.outcome) == (tokens * choices, "stream", "error")
     assert record.status == 200  # what was sent
 
+
+@pytest.mark.parametrize("cut", [None, 7, 23, 1 << 20], ids=["per-event", "every-7-bytes", "every-23-bytes", "whole"])
+def test_a_stream_whose_lines_end_in_cr_alone_has_its_tokens_counted(cut: int | None) -> None:
+    """SSE allows a bare CR as the line end; a stream cut before its usage chunk is billed its
+    token events however its lines end."""
+    stream = _chat_stream(5, 2, include_usage=False, crlf=False).replace(b"\n", b"\r")
+    pieces = re.findall(rb".*?\r\r", stream, re.S) if cut is None else [
+        stream[i : i + cut] for i in range(0, len(stream), cut)]
+    record = _record_of(pieces, include_usage=False, ghost=False)
+    assert (record.completion_tokens, record.completion_source) == (10, "stream")
 
 def test_a_messages_stream_that_fails_is_an_error_with_the_tokens_it_sent() -> None:
     def event(name: str, payload: dict[str, Any]) -> bytes:

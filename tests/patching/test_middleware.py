@@ -1017,6 +1017,17 @@ async def test_each_request_is_counted_once_with_its_cache_label(
 
 
 @pytest.mark.asyncio
+async def test_a_served_answer_without_any_usage_is_still_a_counted_request() -> None:
+    """No engine figures and no usage object (a peer that reports none): the request was
+    served, so it is counted, as ``unknown``, not dropped from the request totals."""
+    h = Harness()
+    answer = orjson.loads(chat_completion())
+    del answer["usage"]
+    await h.call(h.middleware(json_response(orjson.dumps(answer))), Client(chat_request()))
+    assert h.requests() == {"unknown": 1}
+    assert h.metrics.stats.unknown_requests == 1
+
+@pytest.mark.asyncio
 async def test_completions_route_is_labelled() -> None:
     h = Harness()
     text = orjson.dumps(
