@@ -111,6 +111,16 @@ class Settings:
                 "workers > 1 applies to the upstream and sim engines; with vLLM, pass vLLM's own "
                 "--api-server-count N after \"--\""
             )
+        self.log_level = str(self.log_level).lower()  # INFO as info, as logging and uvicorn take it
+        if self.log_level not in LOG_LEVELS:
+            raise SettingsError(f"log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
+        for name in ("max_request_bytes", "max_response_bytes", "max_event_bytes"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be >= 1")
+        if not self.ledger_ttl_s > 0:
+            raise SettingsError("ledger_ttl_s must be > 0")
+        if not self.sim_token_delay_s >= 0:
+            raise SettingsError("sim_token_delay_s must be >= 0")
         if self.missing not in ("zero", "omit"):
             raise SettingsError(f"missing must be 'zero' or 'omit', not {self.missing!r}")
         self._validate_accounting()
@@ -149,6 +159,8 @@ class Settings:
 
 
 _HINTS = get_type_hints(Settings)
+#: The levels ``--log-level`` offers; any other is refused here, not by ``logging`` at start.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
 _LIST_SEPARATORS = re.compile(r"[\s,]+")
 
@@ -175,6 +187,25 @@ def _coerce(name: str, value: Any) -> Any:
             if name in _KEYS:  # CACHETALLY_API_KEY=$UNSET_VARIABLE must not open the server
                 raise ValueError("empty; leave it unset to serve without a key")
             return None
+    return _typed(hint, value)
+
+
+def _typed(hint: Any, value: Any) -> Any:
+    """``value`` (from TOML or a flag, already typed) if it is of the setting's type: a TOML
+    ``workers = 1.5`` or ``host = 5`` is refused here, not met as a traceback later."""
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    ok = (
+        (hint is int and isinstance(value, int) and not isinstance(value, bool))
+        or (hint is bool and isinstance(value, bool))
+        or (hint is str and isinstance(value, str))
+        or (hint == str | None and (value is None or isinstance(value, str)))
+        or (hint == list[str] and isinstance(value, list) and all(isinstance(v, str) for v in value))
+    )
+    if not ok:
+        wanted = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+                  str | None: "a string", list[str]: "a list of strings"}.get(hint, str(hint))
+        raise ValueError(f"expected {wanted} (got {type(value).__name__})")
     return value
 
 

@@ -182,3 +182,41 @@ def test_engine_args_from_the_environment_are_read_as_a_shell_reads_them(tmp_pat
     assert settings.engine_args == ["--kv-transfer-config", config, "--served-model-name", "my model"]
     with pytest.raises(SettingsError, match="engine_args"):
         load_settings(toml(tmp_path, ""), env={"CACHETALLY_ENGINE_ARGS": "--chat-template 'unclosed"})
+
+
+@pytest.mark.parametrize(
+    ("source", "key", "value", "message"),
+    [
+        ("env", "log_level", "verbose", "log_level must be one of"),
+        ("toml", "log_level", '"loud"', "log_level must be one of"),
+        ("toml", "workers", "1.5", "bad value for workers: expected an integer"),
+        ("toml", "port", "true", "bad value for port: expected an integer"),
+        ("toml", "host", "5", "bad value for host: expected a string"),
+        ("toml", "usage_dir", "5", "bad value for usage_dir: expected a string"),
+        ("toml", "tenants", "[1, 2]", "bad value for tenants: expected a list of strings"),
+        ("toml", "pd_legs", "1", "bad value for pd_legs: expected true or false"),
+        ("toml", "max_request_bytes", "-1", "max_request_bytes must be >= 1"),
+        ("env", "max_event_bytes", "0", "max_event_bytes must be >= 1"),
+        ("toml", "ledger_ttl_s", "-5", "ledger_ttl_s must be > 0"),
+        ("env", "sim_token_delay_s", "-1", "sim_token_delay_s must be >= 0"),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_range_is_refused_with_its_name(
+    tmp_path: Path, source: str, key: str, value: str, message: str
+) -> None:
+    """Each of these started the server anyway (max_request_bytes = -1: every request a 413
+    "exceeds -1 bytes") or ended in a traceback from logging, uvicorn or pathlib."""
+    if source == "env":
+        config, env = toml(tmp_path, ""), {f"CACHETALLY_{key.upper()}": value}
+    else:
+        config, env = toml(tmp_path, f"[cachetally]\n{key} = {value}\n"), {}
+    with pytest.raises(SettingsError, match=message):
+        load_settings(config, env=env)
+
+
+def test_log_level_and_numbers_of_the_right_type_are_taken(tmp_path: Path) -> None:
+    config = toml(tmp_path, '[cachetally]\nlog_level = "DEBUG"\nledger_ttl_s = 30\nusage_flush_interval_s = 2\n')
+    settings = load_settings(config, env={})
+    assert settings.log_level == "debug"
+    assert settings.ledger_ttl_s == 30.0 and isinstance(settings.ledger_ttl_s, float)
+    assert settings.usage_flush_interval_s == 2.0
