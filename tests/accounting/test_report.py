@@ -167,3 +167,61 @@ def test_a_file_named_twice_is_read_once_even_without_record_ids(
     assert main(["report", str(tmp_path / "usage"), str(path), str(tmp_path / "link.jsonl"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["files"], report["records"], report["total"]["prompt_tokens"]) == (1, 5, 3800)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("prompt_tokens", -1000),  # would lower the bill, and show a negative cached total
+        ("cached_tokens", -5),
+        ("completion_tokens", -100),
+        ("cache_creation_tokens", -1),
+        ("prompt_tokens", 1000.0),  # would bill nothing for a prompt it names
+        ("completion_tokens", "100"),
+        ("prompt_tokens", True),  # would bill one token
+        ("prompt_tokens", 10**30),  # past 64 bits: JSON readers (orjson) give a float
+    ],
+)
+def test_a_record_whose_figure_is_not_a_count_is_added_to_no_total_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, value: object
+) -> None:
+    good = {**rec("acme", "m", 1000, 0, 100), "record_id": "good"}
+    bad = {**rec("acme", "m", 1000, 0, 100), "record_id": "bad", field: value}
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(orjson.dumps(good) + b"\n" + json.dumps(bad).encode() + b"\n")
+    prices = tmp_path / "prices.toml"
+    prices.write_text("[default]\ninput = 1.0\ncached_input = 0.1\noutput = 2.0\n")
+    assert main(["report", str(path), "--prices", str(prices), "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    total = report["total"]
+    assert (report["records"], report["invalid_records"]) == (1, 1)
+    assert (total["prompt_tokens"], total["cached_tokens"], total["completion_tokens"]) == (1000, 0, 100)
+    assert total["cost"] == pytest.approx((1000 * 1.0 + 100 * 2.0) / 1e6)
+    assert "1 record(s) with a token figure that is not a count" in err
+
+
+def test_with_a_period_a_record_without_a_readable_start_time_is_counted_as_undated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No offset reads as UTC (as --since does); none, or an unreadable one, is said, not
+    silently left out (before: a traceback for the first, silence for the others)."""
+    records = [{**rec("acme", "m", 10, 0, 1), "start_time": "2026-11-15T00:00:00"},
+               rec("acme", "m", 20, 0, 1),
+               {**rec("acme", "m", 40, 0, 1), "start_time": "yesterday"}]
+    path = write(tmp_path / "a.jsonl", records)
+    assert main(["report", str(path), "--since", "2026-11-01", "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert (report["records"], report["undated"], report["total"]["prompt_tokens"]) == (1, 2, 10)
+    assert "2 record(s) with no readable start_time" in err
+    assert main(["report", str(path), "--json"]) == 0  # without a period every record counts
+    assert json.loads(capsys.readouterr().out)["records"] == 3
+
+
+def test_an_unreadable_period_is_refused_in_words(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "a.jsonl", [rec("acme", "m", 10, 0, 1)])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(path), "--since", "yesterday"])
+    assert exit_info.value.code == 2
+    assert "not an ISO 8601 time: 'yesterday'" in capsys.readouterr().err

@@ -14,6 +14,14 @@ the engine wrote to its prefix cache) are part of the uncached input, priced at
 ``cache_write_input`` when a price table sets it (Anthropic prices writes above fresh
 input), else at ``input``.
 
+A record whose token figure is neither null nor a count (a negative number, a float, a
+string, a boolean, an integer too wide for JSON readers) is not added to any total: a
+negative figure would lower the bill, a float or string would bill nothing for what it
+names. It is counted in ``invalid_records`` and named on stderr. With ``--since`` or
+``--until``, a record whose ``start_time`` is missing or unreadable cannot be placed in
+the period: it is counted in ``undated`` and named on stderr, never added; one without a
+UTC offset is read as UTC, as ``--since`` reads its own.
+
 Prices (``--prices FILE``, TOML) are per million tokens, with a ``[default]`` table and
 optional per-model tables that override it. A total over rows of which one has no price
 (a model with no table, and no ``[default]``) has no cost: it would be a partial sum read
@@ -33,7 +41,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable, Iterable
-from datetime import datetime
+from datetime import UTC, datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +49,8 @@ from typing import Any
 import orjson
 
 PRICE_KEYS = ("input", "cached_input", "output")
+#: A record's token figures: each null (unknown) or a count, an int >= 0 (a bool is not one).
+FIGURES = ("prompt_tokens", "cached_tokens", "cache_creation_tokens", "completion_tokens")
 OPTIONAL_PRICE_KEYS = ("cache_write_input",)
 
 
@@ -173,9 +183,16 @@ class Report:
     duplicates: int = 0
     #: Records with more cached tokens than their prompt, counted as the whole prompt cached.
     clamped: int = 0
+    #: Records with a token figure that is neither null nor a count: added to no total.
+    invalid_records: int = 0
+    #: With a period (--since/--until): records with no readable start_time, added to no total.
+    undated: int = 0
     _record_ids: set[str] = field(default_factory=set, repr=False)
 
     def add(self, record: dict[str, Any]) -> None:
+        if not _counts(record):
+            self.invalid_records += 1
+            return
         record_id = record.get("record_id")
         if isinstance(record_id, str):
             if record_id in self._record_ids:
@@ -223,6 +240,8 @@ class Report:
             "skipped_lines": self.skipped_lines,
             "duplicates": self.duplicates,
             "clamped": self.clamped,
+            "invalid_records": self.invalid_records,
+            "undated": self.undated,
             "unpriced_models": self.unpriced(),
         }
 
@@ -250,14 +269,28 @@ def read(
                     record = None
                 if not isinstance(record, dict):
                     report.skipped_lines += 1
-                elif not window or _within(record, since, until):
+                elif not window:
+                    report.add(record)
+                elif (started := _started(record)) is None:
+                    report.undated += 1
+                elif (since is None or started >= since) and (until is None or started < until):
                     report.add(record)
     return report
 
 
-def _within(record: dict[str, Any], since: datetime | None, until: datetime | None) -> bool:
+def _counts(record: dict[str, Any]) -> bool:
+    """Whether each token figure of ``record`` is null or a count."""
+    for name in FIGURES:
+        value = record.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            return False
+    return True
+
+
+def _started(record: dict[str, Any]) -> datetime | None:
+    """The record's ``start_time`` (UTC when it carries no offset), or ``None``."""
     try:
         started = datetime.fromisoformat(record["start_time"])
     except (KeyError, TypeError, ValueError):
-        return False
-    return (since is None or started >= since) and (until is None or started < until)
+        return None
+    return started.replace(tzinfo=UTC) if started.tzinfo is None else started

@@ -55,7 +55,10 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _utc(text: str) -> datetime:
-    when = datetime.fromisoformat(text)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r} (e.g. 2026-11-01)") from None
     return when.replace(tzinfo=UTC) if when.tzinfo is None else when
 
 
@@ -92,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
     if report.duplicates:
         print(f"cachetally report: counted once {report.duplicates} record(s) read twice (same record_id)",
               file=sys.stderr)
+    if report.invalid_records:
+        print(f"cachetally report: {report.invalid_records} record(s) with a token figure that is not a count "
+              "(negative, fractional, text): not counted in any total", file=sys.stderr)
+    if report.undated:
+        print(f"cachetally report: {report.undated} record(s) with no readable start_time: "
+              "outside every --since/--until period, not counted", file=sys.stderr)
     if report.clamped:
         print(f"cachetally report: {report.clamped} record(s) report more cached tokens than their prompt; "
               "counted as the whole prompt cached", file=sys.stderr)
