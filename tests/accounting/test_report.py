@@ -219,6 +219,14 @@ def test_with_a_period_a_record_without_a_readable_start_time_is_counted_as_unda
     assert json.loads(capsys.readouterr().out)["records"] == 3
 
 
+def test_a_plot_that_cannot_be_written_is_said_in_words(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a FileNotFoundError traceback from matplotlib, after the table."""
+    path = write(tmp_path / "a.jsonl", [rec("acme", "m", 10, 0, 1)])
+    assert main(["report", str(path), "--plot", str(tmp_path / "no-such-dir" / "u.png")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the plot" in err and "No such file or directory" in err and "Traceback" not in err
+
+
 def test_an_unreadable_period_is_refused_in_words(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path / "a.jsonl", [rec("acme", "m", 10, 0, 1)])
     with pytest.raises(SystemExit) as exit_info:

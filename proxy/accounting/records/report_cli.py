@@ -112,7 +112,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(table(report))
     if args.plot:
-        plot(report, args.plot)
+        try:
+            plot(report, args.plot)
+        except ImportError as exc:
+            print(f"cachetally report: --plot needs matplotlib (the 'bench' extra): {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"cachetally report: cannot write the plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     return 0
 
 
