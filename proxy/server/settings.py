@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shlex
+import ssl
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -101,6 +102,12 @@ class Settings:
                 raise SettingsError("upstream_ca applies to an https:// upstream only")
         if self.upstream_ca and not Path(self.upstream_ca).is_file():
             raise SettingsError(f"upstream_ca: no such file: {self.upstream_ca}")
+        if self.upstream_ca:
+            try:  # as the pool and the model list load it, so that a bad file is said here
+                ssl.create_default_context(cafile=self.upstream_ca)
+            except (ssl.SSLError, OSError) as exc:
+                raise SettingsError(f"upstream_ca: cannot load CA certificates from {self.upstream_ca}: "
+                                    f"{getattr(exc, 'reason', None) or exc}") from None
         for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be a positive number of seconds")

@@ -93,6 +93,10 @@ def test_upstream_ca_is_checked_at_startup(ca_file: str, tmp_path: Path) -> None
         load_settings(overrides={"upstream": "http://127.0.0.1:9", "upstream_ca": ca_file}, env={})
     with pytest.raises(SettingsError, match="no such file"):
         load_settings(overrides={"upstream": "https://127.0.0.1:9", "upstream_ca": str(tmp_path / "x")}, env={})
+    # A file that holds no certificate: before, an ssl.SSLError traceback once the app was built.
+    (not_pem := tmp_path / "not.pem").write_text("not a certificate\n")
+    with pytest.raises(SettingsError, match="cannot load CA certificates from .*not.pem"):
+        load_settings(overrides={"upstream": "https://127.0.0.1:9", "upstream_ca": str(not_pem)}, env={})
 
 
 @pytest.mark.asyncio
