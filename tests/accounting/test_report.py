@@ -227,6 +227,16 @@ def test_a_plot_that_cannot_be_written_is_said_in_words(tmp_path: Path, capsys: 
     assert "cannot write the plot" in err and "No such file or directory" in err and "Traceback" not in err
 
 
+def test_a_directory_with_no_usage_file_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Files one folder down (one per host) were read as an empty bill, without a word."""
+    (tmp_path / "host-a").mkdir()
+    write(tmp_path / "host-a" / "usage.jsonl", [rec("acme", "m", 10, 0, 1)])
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["records"] == 0
+    assert f"{tmp_path} holds no *.jsonl file" in err
+
+
 def test_an_unreadable_period_is_refused_in_words(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path / "a.jsonl", [rec("acme", "m", 10, 0, 1)])
     with pytest.raises(SystemExit) as exit_info:

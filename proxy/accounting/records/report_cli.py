@@ -68,7 +68,10 @@ def _expand(paths: list[Path]) -> list[Path]:
     out: list[Path] = []
     seen: set[tuple[int, int]] = set()
     for path in paths:
-        for file in sorted(path.glob("*.jsonl")) if path.is_dir() else [path]:
+        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+        if not files:  # a typo, or files one level down (one folder per host): not a zero bill
+            print(f"cachetally report: {path} holds no *.jsonl file (subdirectories are not read)", file=sys.stderr)
+        for file in files:
             identity = (stat := file.stat()).st_dev, stat.st_ino
             if identity not in seen:
                 seen.add(identity)
