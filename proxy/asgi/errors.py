@@ -46,6 +46,14 @@ def error_sse_event(status: int, message: str) -> bytes:
     return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
 
 
+def anthropic_error_sse_event(message: str) -> bytes:
+    """The same error in a Messages stream, as Anthropic and vLLM write it: a named ``error``
+    event (the ``anthropic`` SDK raises on it; an unnamed event it skips in silence)."""
+    return b"event: error\ndata: " + orjson.dumps(
+        {"type": "error", "error": {"type": "api_error", "message": message}}
+    ) + b"\n\n"
+
+
 async def send_error(
     send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:

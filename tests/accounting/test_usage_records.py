@@ -526,6 +526,18 @@ def test_the_record_keeps_the_responses_id_not_a_later_one_in_the_stream() -> No
     assert {cut: found for cut, found in ids.items() if found != "chatcmpl-1"} == {}
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_a_named_stream_ended_by_an_unnamed_error_event_is_an_error(path: str) -> None:
+    """vLLM's and an upstream relay's ``data: {"error"...}``: in a Messages or Responses stream
+    it was counted as a completed request."""
+    stream = [b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","type":"message",'
+              b'"role":"assistant","model":"m","content":[],"usage":{"input_tokens":9,"output_tokens":0}}}\n\n',
+              b'data: {"error":{"message":"Upstream server unreachable or connection lost",'
+              b'"type":"BadGatewayError","param":null,"code":502}}\n\n']
+    record = _record_of(stream, include_usage=False, ghost=False, path=path)
+    assert record.outcome == "error"
+
+
 def test_a_json_body_too_large_to_hold_is_recorded_as_unknown_completion_not_zero() -> None:
     """Past ``max_response_bytes`` a JSON body passes unread (and unpatched): its record
     must not say it delivered no tokens."""

@@ -568,6 +568,20 @@ async def test_mid_stream_failure_sends_one_sse_error_event_and_closes(error: Up
 
 
 @pytest.mark.asyncio
+async def test_a_messages_stream_that_fails_mid_way_ends_with_anthropics_named_error_event() -> None:
+    """The anthropic SDK skips an unnamed event: an OpenAI-shaped ``data: {"error"...}`` in a
+    Messages stream left its client with a stream that just stopped, as vLLM never ends one."""
+    start = b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1"}}\n\n'
+    stream = ScriptedResponse([start, b"event: content_block_delta\ndata: {\"ty"], RESET)
+    sent = await drive(engine_with(sse_response(stream)), scope=http_scope("/v1/messages"))
+    bodies = [m["body"] for m in sent[1:]]
+    assert bodies[2].startswith(b"\n\nevent: error\ndata: ")
+    error = orjson.loads(bodies[2][len(b"\n\nevent: error\ndata: ") :])
+    assert error == {"type": "error", "error": {"type": "api_error", "message": RESET.message}}
+    assert sent[-1]["more_body"] is False and len(sent) == 4
+
+
+@pytest.mark.asyncio
 async def test_mid_body_failure_of_a_non_sse_response_cuts_it_off() -> None:
     stream = ScriptedResponse([b'{"partial":'], RESET, headers=[(b"content-type", b"application/json")])
     with pytest.raises(UpstreamBodyError):

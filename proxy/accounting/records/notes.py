@@ -89,7 +89,9 @@ class RequestNotes:
             return
         if self._token_events is not None:
             self._events += len(self._token_events.findall(events))
-            if _NAMED_ERROR.search(events):
+            # A named stream's error event, or an unnamed one (vLLM's and an upstream's
+            # ``data: {"error"...}``, which the openai SDK raises on in a Responses stream too).
+            if _NAMED_ERROR.search(events) or _ERROR_EVENTS[0] in events or _ERROR_EVENTS[1] in events:
                 self.errored = True
             return
         count = events.count(b"\ndata: {") + events.count(b"\ndata:{")
