@@ -9,6 +9,7 @@ an export would take the export timeout), not performance targets."""
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
 
@@ -17,6 +18,7 @@ import anthropic
 import openai
 import pytest
 
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.otlp_receiver import otlp_receiver
@@ -105,21 +107,29 @@ def test_one_span_per_request_with_the_responses_usage() -> None:
         assert (span.trace_id, span.parent_span_id) == parent
 
 
-def unwritable_dir(tmp_path: Path) -> list[str]:
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a file where the usage directory's parent should be")  # fails even as root
-    return ["--usage-dir", str(blocker / "usage")]
+def unwritable_dir(tmp_path: Path) -> tuple[list[str], Callable[[], None]]:
+    """A usage directory that took a file at start (else the start fails), then is
+    replaced by a file: every write fails, even as root."""
+    usage = tmp_path / "usage"
+
+    def replace_with_a_file() -> None:
+        shutil.rmtree(usage)
+        usage.write_text("a file where the usage directory should be")
+
+    return ["--usage-dir", str(usage)], replace_with_a_file
 
 
-def unreachable_collector(tmp_path: Path) -> list[str]:
-    return ["--otlp-endpoint", f"http://127.0.0.1:{free_port()}/v1/traces", "--otlp-timeout", "1"]
+def unreachable_collector(tmp_path: Path) -> tuple[list[str], Callable[[], None]]:
+    return ["--otlp-endpoint", f"http://127.0.0.1:{free_port()}/v1/traces", "--otlp-timeout", "1"], lambda: None
 
 
 @pytest.mark.parametrize("failing", [unwritable_dir, unreachable_collector])
 def test_a_failing_sink_costs_requests_nothing(tmp_path: Path, failing) -> None:
-    args = [*SERVE, *failing(tmp_path), "--usage-queue-size", "4"]
+    sink_args, fail = failing(tmp_path)
+    args = [*SERVE, *sink_args, "--usage-queue-size", "4"]
     log = tmp_path / "serve.log"
     with running_server(args, log_path=log) as (url, proc):
+        fail()
         with httpx.Client(base_url=url, timeout=10) as client:
             began = time.monotonic()
             for i in range(40):

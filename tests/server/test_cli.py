@@ -9,6 +9,7 @@ import pytest
 
 from proxy.server.cli import build_parser, main
 from proxy.server.serve_flags import serve_settings
+from tests.servers import free_port
 
 
 def serve(*argv: str):
@@ -189,3 +190,15 @@ def test_a_refused_url_never_prints_its_password_or_token(setting: str, url: str
     assert out.returncode != 0
     assert setting in out.stderr and "***" in out.stderr
     assert "s3cr" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("usage_dir", ["/etc/hostname/usage", "/proc/cachetally-usage"], ids=["under-a-file", "read-only"])
+def test_a_usage_dir_that_cannot_take_a_file_fails_the_start(usage_dir: str) -> None:
+    """Serving while every record is dropped is billing lost for as long as nobody reads the
+    log: a usage directory that cannot be made or written in stops the start, in one line."""
+    argv = [sys.executable, "-m", "proxy.server.cli", "serve", "--engine", "sim", "--usage-dir", usage_dir,
+            "--port", str(free_port())]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"usage_dir: cannot write in {usage_dir}" in out.stderr
+    assert "Traceback" not in out.stderr

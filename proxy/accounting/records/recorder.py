@@ -2,13 +2,14 @@
 
 Built from settings by :func:`recorder_from_settings`; ``None`` when no sink is
 configured, and then the responder builds no record at all. A sink that cannot even be
-set up (the ``otlp`` extra missing) fails startup with a clear message; a sink that fails
-later only drops records (:mod:`proxy.accounting.records.queue`).
+set up (the ``otlp`` extra missing, a usage directory that cannot take a file) fails startup
+with a clear message; a sink that fails later only drops records (:mod:`proxy.accounting.records.queue`).
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 from proxy.accounting.records.queue import DropCounts, Sink, SinkWorker
@@ -46,14 +47,14 @@ def recorder_from_settings(settings: Settings) -> Recorder | None:
         from proxy.accounting.records.jsonl import JsonlSink
 
         directory = Path(settings.usage_dir)
-        try:
+        try:  # a directory that cannot take a file fails the start, not every record after it
             directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # not fatal: requests are served, records counted as dropped
-            logger.error("usage directory %s cannot be created (%s): records will be dropped until it can",
-                         directory, exc.strerror)
-        else:
-            logger.info("usage records: JSONL files in %s, flushed every %g s", directory,
-                        settings.usage_flush_interval_s)
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError as exc:
+            raise SettingsError(f"usage_dir: cannot write in {directory} ({exc.strerror or exc})") from None
+        logger.info("usage records: JSONL files in %s, flushed every %g s", directory,
+                    settings.usage_flush_interval_s)
         sinks.append(JsonlSink(directory, settings.usage_max_file_bytes))
     if settings.otlp_endpoint:
         try:
