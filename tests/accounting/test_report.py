@@ -169,6 +169,23 @@ def test_a_file_named_twice_is_read_once_even_without_record_ids(
     assert (report["files"], report["records"], report["total"]["prompt_tokens"]) == (1, 5, 3800)
 
 
+def test_a_record_id_read_twice_with_different_figures_is_counted_once_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same record gathered twice is one request; the same id with other figures (a file
+    edited, two writers minting one id) is too, but the bill must say it is not a plain copy."""
+    first = {**rec("acme", "m", 10, 0, 1), "record_id": "r1"}
+    other = {**first, "prompt_tokens": 50_000}
+    write(tmp_path / "a.jsonl", [first, {**rec("acme", "m", 5, 0, 1), "record_id": "r2"}])
+    write(tmp_path / "b.jsonl", [first, other])
+    assert main(["report", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert (report["records"], report["total"]["prompt_tokens"]) == (2, 15)
+    assert (report["duplicates"], report["conflicting_duplicates"]) == (2, 1)
+    assert "1 of them differ from the first read of their record_id" in err
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

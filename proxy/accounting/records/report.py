@@ -3,8 +3,10 @@
 Reads the JSONL files the recorder writes. A line that is not a JSON object (a torn last
 line after a failed write) is skipped and counted, never guessed at. A record whose
 ``record_id`` was already read (the same file given twice, copies gathered from several
-places) is counted once; the client's ``request_id`` is never a key, since clients reuse
-it. Records written before ``record_id`` existed (schema 1) have none and each counts. A record with no
+places) is counted once, the first read; one whose content differs from that first read
+(a file edited, or two writers minting one id) is also counted in ``conflicting`` and
+said on stderr, since which copy is right cannot be told here. The client's
+``request_id`` is never a key, since clients reuse it. Records written before ``record_id`` existed (schema 1) have none and each counts. A record with no
 ``prompt_tokens`` (refused or abandoned before the engine saw it) adds a request and its
 completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
 billed as uncached input; one past its prompt (written by an upstream before cachetally
@@ -187,7 +189,9 @@ class Report:
     invalid_records: int = 0
     #: With a period (--since/--until): records with no readable start_time, added to no total.
     undated: int = 0
-    _record_ids: set[str] = field(default_factory=set, repr=False)
+    #: Of those, records whose content differs from the first read under their ``record_id``.
+    conflicting: int = 0
+    _record_ids: dict[str, int] = field(default_factory=dict, repr=False)  # record_id: content hash
 
     def add(self, record: dict[str, Any]) -> None:
         if not _counts(record):
@@ -195,10 +199,13 @@ class Report:
             return
         record_id = record.get("record_id")
         if isinstance(record_id, str):
-            if record_id in self._record_ids:
+            content = hash(orjson.dumps(record, option=orjson.OPT_SORT_KEYS))
+            first = self._record_ids.get(record_id)
+            if first is not None:
                 self.duplicates += 1
+                self.conflicting += first != content
                 return
-            self._record_ids.add(record_id)
+            self._record_ids[record_id] = content
         key = (str(record.get("tenant", "default")), str(record.get("model", "unknown")))
         totals = self.rows.get(key)
         if totals is None:
@@ -239,6 +246,7 @@ class Report:
             "records": self.records,
             "skipped_lines": self.skipped_lines,
             "duplicates": self.duplicates,
+            "conflicting_duplicates": self.conflicting,
             "clamped": self.clamped,
             "invalid_records": self.invalid_records,
             "undated": self.undated,

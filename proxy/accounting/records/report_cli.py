@@ -98,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     if report.duplicates:
         print(f"cachetally report: counted once {report.duplicates} record(s) read twice (same record_id)",
               file=sys.stderr)
+    if report.conflicting:
+        print(f"cachetally report: {report.conflicting} of them differ from the first read of their record_id; "
+              "the first read is counted: check where those files came from", file=sys.stderr)
     if report.invalid_records:
         print(f"cachetally report: {report.invalid_records} record(s) with a token figure that is not a count "
               "(negative, fractional, text): not counted in any total", file=sys.stderr)
