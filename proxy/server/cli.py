@@ -80,7 +80,14 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"cachetally: {exc}", file=sys.stderr)
             return 2
         if settings.workers == 1:
-            uvicorn.run(app, **serving)
+            config = uvicorn.Config(app, **serving)
+            # Bound before the app starts (as uvicorn binds for its workers), so that the
+            # app's ready line is never printed for a port it cannot have.
+            sockets = [config.bind_socket()]
+            server = uvicorn.Server(config)
+            server.run(sockets=sockets)
+            if not server.started:
+                return 3  # uvicorn's own code for a start that failed
         else:  # each worker loads these settings back (proxy.server.workers.app_from_env)
             os.environ.update(settings_environment(settings))
             uvicorn.run("proxy.server.workers:app_from_env", factory=True, workers=settings.workers, **serving)

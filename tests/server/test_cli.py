@@ -202,3 +202,19 @@ def test_a_usage_dir_that_cannot_take_a_file_fails_the_start(usage_dir: str) -> 
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"usage_dir: cannot write in {usage_dir}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_port_in_use_fails_the_start_before_the_ready_line() -> None:
+    """A supervisor or script that waits for ``cachetally ready on`` must never see it for a
+    server that then fails to bind."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "proxy.server.cli", "serve", "--engine", "sim", "--port", str(port)]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "address already in use" in out.stderr.lower()
+    assert "ready on" not in out.stdout + out.stderr
