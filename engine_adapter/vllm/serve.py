@@ -46,6 +46,8 @@ def serve_argv(model: str, user_args: Sequence[str], middleware: str, host: str,
 
 def vllm_serve(argv: Sequence[str]) -> None:
     """``vllm serve ARGV``, in this process; returns when the server has stopped."""
+    logger.info("starting vLLM with %s: the engine loads the model and warms up first (a minute or more "
+                "on a CPU); 'cachetally ready on' follows when it serves", argv[0])
     compat.check_version_once(logger)
     compat.log_missing_once(logger)
     setup = compat.resolve("cli_env_setup")

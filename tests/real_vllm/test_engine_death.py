@@ -98,6 +98,9 @@ def test_debug_logs_hold_no_prompt_completion_authorization_or_key(server: Serve
     assert " DEBUG " in text
     # vLLM resets the root logger while it builds its app: cachetally's lines survive it.
     assert text.count("cachetally ready on http://") == 1
+    # The wait for the engine is announced before it starts, with what to wait for.
+    assert text.find("starting vLLM with ") < text.find("cachetally ready on http://")
+    assert text.count("starting vLLM with ") == 1
     assert re.search(r"engine vllm \(model SmolLM2-135M-Instruct, dtype \w+, (cpu|cuda)\), started in", text)
     lines = stats_lines(server.log)
     assert len(lines) == before + 4  # one per chat or completions request; not the 401
