@@ -69,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
         "port": settings.port,
         "log_level": settings.log_level,
         "lifespan": "on",
-        "timeout_graceful_shutdown": 10,
+        "timeout_graceful_shutdown": settings.shutdown_timeout_s,
     }
     # The multiprocess directory is ready (stale files wiped) before any metric exists.
     with multiprocess_dir_for(settings.workers):

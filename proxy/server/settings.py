@@ -80,6 +80,8 @@ class Settings:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     write_timeout_s: float = 60.0
+    # sim and upstream modes: how long a SIGTERM waits for requests in flight (vLLM: its --shutdown-timeout)
+    shutdown_timeout_s: float = 10.0
     upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
     # simulator
     sim_block_size: int = 16
@@ -108,7 +110,7 @@ class Settings:
             except (ssl.SSLError, OSError) as exc:
                 raise SettingsError(f"upstream_ca: cannot load CA certificates from {self.upstream_ca}: "
                                     f"{getattr(exc, 'reason', None) or exc}") from None
-        for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s", "shutdown_timeout_s"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be a positive number of seconds")
         if self.workers < 1:

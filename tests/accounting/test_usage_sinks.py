@@ -9,6 +9,7 @@ an export would take the export timeout), not performance targets."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 import uuid
@@ -179,3 +180,34 @@ def test_a_graceful_stop_loses_nothing_and_a_crash_at_most_one_flush_interval(tm
             proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     assert len(_records(usage)) == 20
+
+
+def test_a_stop_waits_for_requests_in_flight_as_long_as_shutdown_timeout_s_and_records_them(tmp_path: Path) -> None:
+    """An operator sets how long a SIGTERM drains (shorter than a Kubernetes grace period,
+    longer than most streams): a stream still running then is ended and recorded as such."""
+    import signal
+    import threading
+
+    usage = tmp_path / "usage"
+    env = {"CACHETALLY_SIM_TOKEN_DELAY_S": "0.1", "CACHETALLY_SHUTDOWN_TIMEOUT_S": "0.5"}
+    got: list[bytes] = []
+    with running_server([*SERVE, "--usage-dir", str(usage)], env=env) as (url, proc):
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "drain me", "max_tokens": 40, "stream": True}  # about 4 s of tokens
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", f"{url}/v1/completions", json=body,
+                                                                    timeout=30) as response:
+                for chunk in response.iter_bytes():
+                    got.append(chunk)
+                    started.set()
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert started.wait(10)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        client.join(timeout=30)
+    [record] = _records(usage)
+    assert record["outcome"] == "error" and 0 < record["completion_tokens"] < 40
+    assert b"[DONE]" not in b"".join(got)
