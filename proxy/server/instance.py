@@ -82,7 +82,10 @@ class Accounting:
             pd_legs=s.pd_legs,
             drop_kv_transfer_params=upstream and not s.pd_legs,
             models=self.models,
-            refuse_unmetered=self.tenancy.keys is not None or self.recorder is not None,
+            # Billing is on when anything bills: records, or tenants' counters (from keys or
+            # from a gateway's trusted header, which may be billed from /metrics alone).
+            refuse_unmetered=(self.tenancy.keys is not None or self.tenancy.header is not None
+                              or self.recorder is not None),
         )
         guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)
         return UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config,

@@ -37,7 +37,7 @@ Routes: chat (/v1/chat/completions), completions (/v1/completions), OpenAI Respo
 (/v1/responses), Anthropic Messages (/v1/messages) and SageMaker's /invocations are
 metered, and their usage is made exact in JSON and SSE, each in its own shape (cache
 reads, and writes where the API has a field for them). While billing is on (--api-key,
---api-keys, --usage-dir or --otlp-endpoint), the engine's other generating routes
+--api-keys, --tenant-header, --usage-dir or --otlp-endpoint), the engine's other generating routes
 (embeddings, pooling, batch, ...) are refused with 403 rather than run unmetered.
 /stats is cachetally's own; /health and /metrics (Prometheus, cachetally_* included) are
 cachetally's with the sim and upstream engines and vLLM's with vLLM; every other route

@@ -288,3 +288,15 @@ def test_inside_vllm_a_tenant_header_beside_vllms_own_key_refuses_to_start(vllm_
     assert run.returncode != 0
     assert "CACHETALLY_TENANT_HEADER cannot be combined with vLLM's --api-key" in run.stderr
     assert "sk-vllm" not in run.stderr
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/v1/chat/completions/batch", "/v1/embeddings"])
+async def test_tenants_from_a_trusted_header_turn_billing_on(path: str) -> None:
+    """Per-tenant counters are billing: with tenants named by a gateway's header and no usage
+    records, a route that runs the engine unmetered is still refused (403), not passed on."""
+    async with in_process(tenant_header="x-tenant", tenants=["acme"]) as client:
+        resp = await client.post(path, json=BODY, headers={"x-tenant": "acme"})
+        assert resp.status_code == 403, resp.text
+        metrics = (await client.get("/metrics")).text
+    assert metric_value(metrics, "cachetally_refused_unmetered_total", route=path) == 1
