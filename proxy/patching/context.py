@@ -49,6 +49,10 @@ class PatchConfig:
     #: the ``refused`` routes (:mod:`proxy.patching.routes`) and bodies a shape cannot meter.
     refuse_unmetered: bool = False
     refused: frozenset[str] = REFUSED
+    #: With ``refuse_unmetered``, also refuse a path that is a metered or refused route under
+    #: a prefix (upstream mode): an upstream behind its own root path (vLLM's ``--root-path``)
+    #: routes ``P/v1/chat/completions`` as ``/v1/chat/completions``, and ``P`` is not known here.
+    refuse_prefixed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,8 @@ class UsagePatchMiddleware:
         self._noted = READ_HEADERS | REPLACED_HEADERS | config.tenancy.reads | {self.echo_header}
         # Read on every request: looked up once here.
         self._refused = config.refused if config.refuse_unmetered else frozenset()
+        self._prefixed = config.refuse_unmetered and config.refuse_prefixed
+        self._known = frozenset(config.routes) | config.refused
         self._routes = config.routes
         self._tenant_of = config.tenancy.resolve
 
@@ -89,9 +91,12 @@ class UsagePatchMiddleware:
         if path in self._refused:
             await self._refuse(scope, send)
             return
+        route = self._routes.get(path)
+        if route is None and self._prefixed and (under := self._under_a_prefix(path)) is not None:
+            await self._refuse(scope, send, under)
+            return
         headers = RequestHeaders(scope["headers"], self._noted, REPLACED_HEADERS)
         client_id = self.request_ids.from_headers(headers)
-        route = self._routes.get(path)
         if route is None or scope["method"] != "POST":
             echo = client_id or self.request_ids.generate()
             await self.app(scope, receive, _EchoId(send, self.echo_header, echo).send)
@@ -108,8 +113,18 @@ class UsagePatchMiddleware:
             current_request_key.reset(token)
             meter(responder, engine_usage)
 
-    async def _refuse(self, scope: Scope, send: Send) -> None:
-        path = route_path(scope)  # one of the refused routes
+    def _under_a_prefix(self, path: str) -> str | None:
+        """The metered or refused route ``path`` ends with after a prefix (Starlette routes
+        ``{root_path}/v1/...`` as ``/v1/...``), or ``None``."""
+        cut = path.find("/", 1)
+        while cut != -1:
+            if path[cut:] in self._known:
+                return path[cut:]
+            cut = path.find("/", cut + 1)
+        return None
+
+    async def _refuse(self, scope: Scope, send: Send, route: str | None = None) -> None:
+        path = route or route_path(scope)  # one of the refused routes, or the route under a prefix: a bounded label
         self.metrics.refused_unmetered.labels(path).inc()
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": "not metered"})

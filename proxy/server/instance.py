@@ -86,6 +86,7 @@ class Accounting:
             # from a gateway's trusted header, which may be billed from /metrics alone).
             refuse_unmetered=(self.tenancy.keys is not None or self.tenancy.header is not None
                               or self.recorder is not None),
+            refuse_prefixed=upstream,
         )
         guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)
         return UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config,

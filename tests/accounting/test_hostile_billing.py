@@ -292,3 +292,33 @@ def test_no_record_field_grows_with_what_a_peer_sends() -> None:
                          request_model=huge, response_id=huge)
     assert (len(record.request_model or ""), len(record.response_id or "")) == (256, 256)
     assert len(dumps(record)) < 2048
+
+
+# -- routes: an upstream's root path runs nothing unmetered ---------------------------------------
+
+
+def test_a_metered_route_under_the_upstreams_root_path_is_refused_not_run_unmetered(tmp_path: Path) -> None:
+    """vLLM's ``--root-path /api`` routes ``/api/v1/completions`` as ``/v1/completions`` (the bare
+    path too), and cachetally in front cannot know the prefix: such a path was forwarded as no
+    route of its table, so the engine ran with no record, no counter and no key asked. It is
+    refused, and counted under the route it names, whatever the key."""
+    inner = echo_upstream([SERVED])
+
+    async def under_api(scope: Any, receive: Any, send: Any) -> None:  # as FastAPI(root_path="/api")
+        await inner({**scope, "root_path": "/api"} if scope["type"] == "http" else scope, receive, send)
+
+    usage = tmp_path / "usage"
+    with serving_in_thread(under_api) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage),
+                            usage_flush_interval_s=0.05, api_key=SHARED).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            assert complete(url, SHARED) == 200  # the bare path: metered
+            for key in (SHARED, None):
+                for path in ("/api/v1/completions", "/a/b/v1/completions", "/api/invocations"):
+                    assert complete(url, key, path=path) == 403, (key, path)
+            metrics = httpx.get(f"{url}/metrics").text
+    records = [orjson.loads(line) for f in sorted(usage.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    assert [r["route"] for r in records] == ["completions"]
+    refused = {s.labels["route"]: s.value for family in text_string_to_metric_families(metrics)
+               for s in family.samples if s.name == "cachetally_refused_unmetered_total"}
+    assert refused == {"/v1/completions": 4, "/invocations": 2}
