@@ -70,6 +70,9 @@ class CachetallyMiddleware:
         self._client: Any = None
         #: :meth:`_route`, behind vLLM's own API-key check once the lifespan found one.
         self._front: ASGIApp = self._route
+        #: Set at startup: the model has no generate task, so vLLM's ``/invocations`` runs only
+        #: pooling handlers (embeddings, classify, score, ...), which the tap never sees.
+        self._invocations_pool = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -87,6 +90,8 @@ class CachetallyMiddleware:
         path = route_path(scope) if kind == "http" else None
         if path == "/stats":
             await read_only(scope, send, self._stats)
+        elif path == INVOCATIONS and self._invocations_pool and self._patched.config.refuse_unmetered:
+            await self._patched.refuse(scope, send, INVOCATIONS)  # its pooling routes are refused too
         elif path in DEFAULT_ROUTES and getattr(self._client, "errored", False):
             await send_error(send, 503, "the vllm engine is not healthy")
         else:
@@ -105,6 +110,7 @@ class CachetallyMiddleware:
                 if message["type"] == "lifespan.startup":
                     await stack.enter_async_context(self.accounting.running())
                     self._tap_engine(app, stack)
+                    self._invocations_pool = _pooling_only(app)
                     self._front = behind_vllm_auth(app, self._route)
                 return message
 
@@ -139,6 +145,18 @@ class CachetallyMiddleware:
 
     async def _stats(self, send: Send) -> None:
         await send_stats(send, self.accounting.metrics.stats_dict())  # every process's, as /metrics
+
+
+#: SageMaker's route: vLLM validates its body against chat and completions first, then the pooling requests.
+INVOCATIONS = "/invocations"
+
+
+def _pooling_only(app: Any) -> bool:
+    """Whether vLLM runs a pooling model (``--runner pooling``): without the generate task it
+    serves no chat or completions, and ``/invocations`` dispatches every body to a pooling
+    handler. ``False`` where the runner cannot be read: nothing is refused on a guess."""
+    config = getattr(getattr(getattr(app, "state", None), "engine_client", None), "model_config", None)
+    return getattr(config, "runner_type", None) == "pooling"
 
 
 def behind_vllm_auth(app: Any, inner: ASGIApp) -> ASGIApp:

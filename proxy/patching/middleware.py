@@ -123,6 +123,11 @@ class UsagePatchMiddleware:
             cut = path.find("/", cut + 1)
         return None
 
+    async def refuse(self, scope: Scope, send: Send, route: str) -> None:
+        """Refuse ``route``'s request as unmetered (403, counted), when its server knows it
+        cannot be metered (:mod:`proxy.vllm_middleware`: ``/invocations`` on a pooling model)."""
+        await self._refuse(scope, send, route)
+
     async def _refuse(self, scope: Scope, send: Send, route: str | None = None) -> None:
         path = route or route_path(scope)  # one of the refused routes, or the route under a prefix: a bounded label
         self.metrics.refused_unmetered.labels(path).inc()

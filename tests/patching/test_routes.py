@@ -50,3 +50,48 @@ def test_every_route_a_vllm_release_declares_is_classified(which: str) -> None:
     paths = declared_paths(vllm_033_wheel() if which == "wheel" else installed_site_packages())
     assert {"/v1/messages", "/v1/responses", "/v1/chat/completions"} <= paths
     assert unclassified(paths) == []
+
+
+_POOLING_VLLM = """
+import argparse, sys
+import httpx
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from proxy.vllm_middleware import CachetallyMiddleware
+from tests.servers import serving_in_thread
+
+class Client:  # vLLM's engine client, as far as the tap needs one
+    errored = False
+    model_config = argparse.Namespace(served_model_name="m", model="m", dtype="float32", runner_type=sys.argv[1])
+    async def generate(self, *args, **kwargs):
+        yield None
+
+async def invocations(request):  # vLLM's /invocations: a pooling model's embeddings handler
+    return JSONResponse({"object": "list", "data": [{"index": 0, "embedding": [0.0]}],
+                         "usage": {"prompt_tokens": 81, "total_tokens": 81}})
+
+app = Starlette(routes=[Route("/invocations", invocations, methods=["POST"])])
+app.state.args = argparse.Namespace(api_key=None, host="127.0.0.1", port=0, api_server_count=1)
+app.state.engine_client = Client()  # vLLM's --runner: pooling (an embedding model) or generate
+app.add_middleware(CachetallyMiddleware)
+with serving_in_thread(app) as url:
+    print(httpx.post(f"{url}/invocations", json={"model": "m", "input": "hello"}, timeout=120).status_code)
+"""
+
+
+@pytest.mark.parametrize(("model", "status"), [("pooling", 403), ("generate", 200)])
+def test_invocations_on_a_pooling_model_is_refused_while_billing(tmp_path: Path, model: str, status: int) -> None:
+    """On a model without the generate task, vLLM's ``/invocations`` dispatches any body to the
+    pooling handlers (embeddings, classify, score, pooling), whose own routes are refused: it ran
+    them as a metered route whose cache figures the tap never sees (no ``generate()``), billed
+    with ``cached_tokens`` unknown and left out of the tenant's token totals. Inside vLLM, it is
+    refused while billing is on."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHETALLY_", "VLLM_API_KEY"))}
+    env["CACHETALLY_USAGE_DIR"] = str(tmp_path / "usage")
+    run = subprocess.run([sys.executable, "-c", _POOLING_VLLM, model], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)  # imports vLLM: slow on a busy machine
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == str(status)
