@@ -76,6 +76,9 @@ class SimRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    #: A disaggregated prefill leg (``kv_transfer_params.do_remote_decode``): its response
+    #: carries ``kv_transfer_params`` for the decode leg, as vLLM's with a KV connector does.
+    remote_decode: bool = False
 
 
 def _int_field(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
@@ -169,6 +172,8 @@ def parse_request(raw: bytes, kind: Kind, model: str, default_max_tokens: int) -
         stream=stream,
         include_usage=include_usage,
         continuous_usage=include_usage and continuous_usage,
+        remote_decode=isinstance(params := body.get("kv_transfer_params"), dict)
+        and params.get("do_remote_decode") is True,
     )
 
 
@@ -205,7 +210,7 @@ def full_response(
             choice = {"index": index, "text": text}
         choice.update(logprobs=None, finish_reason="length", stop_reason=None)
         choices.append(choice)
-    return {
+    body = {
         "id": response_id,
         "object": "chat.completion" if req.kind == "chat" else "text_completion",
         "created": created,
@@ -215,6 +220,10 @@ def full_response(
             sum(map(len, req.prompts)), len(choices) * req.max_tokens, cached
         ),
     }
+    if req.remote_decode:  # where the decode pulls the KV from (NixlConnector's fields, made up)
+        body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                      "remote_block_ids": [1], "remote_engine_id": "sim"}
+    return body
 
 
 def stream_choice(kind: Kind, index: int, text: str, last: bool) -> dict[str, Any]:

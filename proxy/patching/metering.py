@@ -38,6 +38,8 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
     elif in_response.source == "upstream":
         prompt, cached, source = in_response.prompt_tokens, in_response.cached_tokens, "upstream"
         writes = in_response.cache_creation_tokens
+    elif r.handed is not None:  # a decode leg that never ran: its prefill's engine figures
+        (prompt, cached), source = r.handed, "engine"
     else:
         prompt, cached, source = in_response.prompt_tokens, None, None
     options = r.options
@@ -50,7 +52,7 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
         source=source, completion_tokens=completion, completion_source=completion_source, ttft_s=notes.ttft_s,
         traceparent=_traceparent(r.request_headers),
     )
-    if engine is None and in_response.prompt_tokens is None and not r.completed:
+    if engine is None and prompt is None and not r.completed:
         # Rejected (4xx), failed or abandoned before the engine saw it: not a counted
         # request, but the tokens it streamed still count, as its usage record does.
         metrics.count_completion(record)

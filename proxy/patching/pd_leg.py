@@ -20,6 +20,16 @@ The rule (docs/ACCOUNTING.md, "Disaggregated prefill and decode"):
   and ``cachetally_pd_*_tokens_total{leg="prefill"}``: never in a tenant's totals, no
   usage record.
 
+A decode leg refused or ended before its engine ran (a ``max_tokens`` past the context,
+which vLLM refuses only once it has the tokens; a client gone between the legs) has no
+figures of its own, yet its prefill was computed and cached: left at that, a client could
+have prompts prefilled and cached for nothing. So the prefill instance **hands its figures
+over**: it writes the prompt and cache reads its engine published into the
+``kv_transfer_params`` of its response (key :data:`FIGURES`), which the router copies into
+the decode leg's body, and the decode leg bills those when its own engine published
+none. They bill nothing more than the prefill computed, and only a decode without figures
+of its own reads them.
+
 Across the fleet, prefill legs minus decode legs is the number of client requests whose
 decode leg never reached a decode instance (the router failed before sending it): the one
 case with no record, since no instance served a response.
@@ -41,6 +51,33 @@ from proxy.patching.ledger import EngineUsage
 Leg = Literal["prefill", "decode"]
 PREFILL: Leg = "prefill"
 DECODE: Leg = "decode"
+
+
+#: Where a prefill leg's response hands its figures to the decode leg, in ``kv_transfer_params``.
+FIGURES = "cachetally_prefill"
+
+
+def hand_over(payload: dict[str, Any], engine: EngineUsage | None) -> bool:
+    """Write the prefill's figures into its response's ``kv_transfer_params`` (which the
+    router copies into the decode leg's body); ``False`` where there is nothing to write."""
+    params = payload.get("kv_transfer_params")
+    if engine is None or not engine.events or not isinstance(params, dict):
+        return False
+    params[FIGURES] = {"prompt_tokens": engine.prompt_tokens, "cached_tokens": engine.cached_tokens}
+    return True
+
+
+def handed(payload: dict[str, Any]) -> tuple[int, int] | None:
+    """The prefill's (prompt, cached) tokens a decode leg's body carries, if they are counts
+    (cached within the prompt); ``None`` otherwise."""
+    params = payload.get("kv_transfer_params")
+    figures = params.get(FIGURES) if isinstance(params, dict) else None
+    if not isinstance(figures, dict):
+        return None
+    prompt, cached = figures.get("prompt_tokens"), figures.get("cached_tokens")
+    if type(prompt) is not int or type(cached) is not int or not 0 <= cached <= prompt:
+        return None
+    return prompt, cached
 
 
 def leg_of(payload: dict[str, Any]) -> Leg | None:

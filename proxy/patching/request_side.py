@@ -20,7 +20,7 @@ from starlette.types import Message, Receive, Scope
 
 from proxy.asgi.errors import send_error
 from proxy.asgi.paths import route_path
-from proxy.patching.pd_leg import leg_of
+from proxy.patching.pd_leg import DECODE, handed, leg_of
 from proxy.patching.request_body import (
     DETAILS_FLAG,
     BodyTooLarge,
@@ -62,6 +62,7 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         return
     if config.pd_legs:
         r.leg = leg_of(payload)
+        r.handed = handed(payload) if r.leg == DECODE else None
     # use_beam_search is a chat and completions field: the Responses and Messages models drop it.
     beam_search = r.shape is None and r.options.beam_search
     if beam_search:

@@ -22,7 +22,7 @@ from proxy.asgi.error_guard import REWRITTEN, send_rewritten
 from proxy.asgi.headers import Headers, RequestHeaders
 from proxy.patching.context import PatchContext
 from proxy.patching.ghost import GhostHold
-from proxy.patching.pd_leg import Leg
+from proxy.patching.pd_leg import PREFILL, Leg, hand_over
 from proxy.patching.request_body import RequestOptions
 from proxy.patching import json_exact
 from proxy.patching.shapes import shape_for
@@ -65,6 +65,7 @@ class Responder:
         self._send = send
         self.options: RequestOptions | None = None
         self.leg: Leg | None = None  # a disaggregated prefill/decode leg (proxy.patching.pd_leg)
+        self.handed: tuple[int, int] | None = None  # a decode leg's: its prefill's (prompt, cached)
         self.in_response = ResponseUsage()
         self.mode = Mode.PASS
         self.stream = False
@@ -245,7 +246,8 @@ class Responder:
             self._count_skip("malformed")
         else:
             self.notes.whole_usage(payload)
-            if self._patch(payload) is not None:
+            changed = self._patch(payload) is not None
+            if changed | (self.leg == PREFILL and hand_over(payload, self.ctx.ledger.usage(self.key))):
                 body = encode(payload)
         start["headers"].append((b"content-length", b"%d" % len(body)))
         await self._send(start)

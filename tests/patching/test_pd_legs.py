@@ -59,8 +59,9 @@ def routed(http: httpx.Client, fleet: tuple[str, str], route: str, body: dict[st
     headers = {"x-request-id": request_id}
     leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     leg |= {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
-    http.post(f"{prefill}{PATHS[route]}", json=leg, headers=headers).raise_for_status()
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2]}
+    prefilled = http.post(f"{prefill}{PATHS[route]}", json=leg, headers=headers)
+    prefilled.raise_for_status()
+    params = prefilled.json()["kv_transfer_params"]  # as the router copies it into the decode leg
     return http.post(f"{decode}{PATHS[route]}", json=body | {"kv_transfer_params": params}, headers=headers)
 
 
@@ -107,10 +108,14 @@ def test_six_client_requests_through_both_legs_are_six_counts_and_six_records(tm
 
 
 def test_a_decode_leg_that_fails_after_its_prefill_leaves_one_record_with_its_outcome(tmp_path: Path) -> None:
+    """One record each; a decode refused before its engine ran bills what its prefill computed
+    (a client cannot have prompts prefilled and cached for nothing)."""
     with pd_fleet(tmp_path) as fleet, httpx.Client(timeout=30) as http:
         # max_tokens 0: the router's prefill leg (max_tokens 1) succeeds, the decode refuses it.
         refused = routed(http, fleet, "chat", body_for("chat", "one prompt here", max_tokens=0), "refused")
         assert refused.status_code == 400
+        prefilled = (fleet_value(fleet, "cachetally_pd_prompt_tokens_total", leg="prefill"),
+                     fleet_value(fleet, "cachetally_pd_cached_tokens_total", leg="prefill", tier="all"))
         # The client hangs up during the decode leg's stream.
         prefill, decode = fleet
         headers = {"x-request-id": "left"}
@@ -127,8 +132,11 @@ def test_a_decode_leg_that_fails_after_its_prefill_leaves_one_record_with_its_ou
     by_id = {r["request_id"]: r for r in records(tmp_path)}
     assert sorted(by_id) == ["left", "refused"]
     assert (by_id["refused"]["outcome"], by_id["refused"]["status"]) == ("error", 400)
+    # Its prefill was computed and cached: billed with the prefill instance's own figures.
+    assert (by_id["refused"]["prompt_tokens"], by_id["refused"]["cached_tokens"]) == prefilled
+    assert prefilled[0] > 0
     assert by_id["left"]["outcome"] == "disconnected" and by_id["left"]["completion_tokens"] > 0
-    assert requests == 1  # the stream the engine served; the refused one never reached it
+    assert requests == 2  # the stream the engine served, and the refused request's prefill
     assert decode_legs == {"error": 1, "disconnected": 1}
 
 
@@ -141,6 +149,23 @@ def test_without_pd_legs_a_body_claiming_to_be_a_prefill_leg_is_billed(tmp_path:
     assert requests == 1
     [record] = records(tmp_path)
     assert (record["request_id"], record["completion_tokens"]) == ("sly", 8)
+
+
+def test_figures_a_decode_leg_claims_never_replace_its_engines(tmp_path: Path) -> None:
+    """A decode leg whose engine ran bills the engine's figures, whatever prefill figures its
+    body carries; claims that are no counts are not read even when it did not run."""
+    from proxy.patching.pd_leg import handed
+
+    with pd_fleet(tmp_path) as (_, decode), httpx.Client(timeout=30) as http:
+        params = {"do_remote_prefill": True, "cachetally_prefill": {"prompt_tokens": 1, "cached_tokens": 1}}
+        body = body_for("chat", "a claim of one token " * 8) | {"kv_transfer_params": params}
+        http.post(f"{decode}/v1/chat/completions", json=body, headers={"x-request-id": "claims"}).raise_for_status()
+    [record] = records(tmp_path)
+    assert record["prompt_tokens"] > 40 and record["cached_tokens"] == 0
+    for claim in ({"prompt_tokens": 5, "cached_tokens": 6}, {"prompt_tokens": -1, "cached_tokens": 0},
+                  {"prompt_tokens": True, "cached_tokens": 0}, {"prompt_tokens": 5.0, "cached_tokens": 0},
+                  {"prompt_tokens": 5}, [5, 0], None):
+        assert handed({"kv_transfer_params": {"do_remote_prefill": True, "cachetally_prefill": claim}}) is None
 
 
 @pytest.mark.parametrize(

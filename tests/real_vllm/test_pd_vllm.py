@@ -123,6 +123,7 @@ def fleet_counters(pd: PD) -> dict[str, float]:
     both = (prefill, decode)
     return {
         "prefill_vllm_cached": metric_value(prefill, VLLM_CACHED),
+        "prefill_vllm_prompt": metric_value(prefill, "vllm:prompt_tokens_total"),
         "decode_vllm_cached": metric_value(decode, VLLM_CACHED),
         "requests": sum(metric_value(t, "cachetally_requests_total", tenant="default") for t in both),
         "cached": sum(metric_value(t, "cachetally_cached_tokens_total", tier="all", tenant="default") for t in both),
@@ -193,13 +194,17 @@ def test_each_client_request_reports_the_prefills_hits_and_is_counted_and_record
 
 def test_a_decode_leg_that_fails_after_its_prefill_leaves_one_record_with_its_outcome(pd: PD) -> None:
     """``max_tokens`` past the context: the router's prefill leg (``max_tokens`` 1) is served,
-    and the decode instance refuses the client's own request."""
+    and the decode instance refuses the client's own request. The prefill was computed and
+    cached, so the record bills it, with the prefill instance's figures (vLLM's own counters
+    there say the same), and the request is counted once."""
     since, before = time.time(), fleet_counters(pd)
     with openai.OpenAI(base_url=f"{pd.router}/v1", api_key="unused", max_retries=0,
                        timeout=pd.pace.timeout(2)) as client, pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(model=MODEL, prompt=fresh_prompt(100), max_tokens=1_000_000)
     assert refused.value.status_code == 400
     step = moved(before, fleet_counters(pd))
-    assert (step["prefill_legs"], step["decode_legs"], step["requests"]) == (1, 1, 0), step
+    assert (step["prefill_legs"], step["decode_legs"], step["requests"]) == (1, 1, 1), step
     (record,) = pd.settled_records(since, 1)
     assert (record["outcome"], record["status"], record["completion_tokens"]) == ("error", 400, 0)
+    assert (record["prompt_tokens"], record["cached_tokens"]) == (step["prefill_vllm_prompt"], step["prefill_vllm_cached"])
+    assert record["prompt_tokens"] > 100
