@@ -27,16 +27,8 @@ UTC offset is read as UTC, as ``--since`` reads its own.
 Prices (``--prices FILE``, TOML) are per million tokens, with a ``[default]`` table and
 optional per-model tables that override it. A total over rows of which one has no price
 (a model with no table, and no ``[default]``) has no cost: it would be a partial sum read
-as the whole bill. :meth:`Report.unpriced` names those models. ::
-
-    [default]
-    input = 0.50          # uncached input
-    cached_input = 0.05
-    cache_write_input = 0.625   # optional; uncached tokens written to the cache
-    output = 1.50
-
-    [models."my-model"]
-    input = 0.20
+as the whole bill. :meth:`Report.unpriced` names those models. The fields, with an
+example: ``config/prices.example.toml``.
 """
 
 from __future__ import annotations
