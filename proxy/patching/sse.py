@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Literal
 
 from proxy.patching import json_exact
-from proxy.patching.json_exact import Encoder
 
 _TERMINATOR = re.compile(rb"\r\n|\r|\n")
 # Substrings are looked up with ``bytes.find``, not ``in``: CPython's ``bytes.__contains__``
@@ -50,14 +50,10 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
             data.append(value[1:] if value[:1] == b" " else value)
             last_data = len(lines) - 1
         start = match.end()
-    read = _object(b"\n".join(data)) if data else None
-    if read is None:
+    patched = _patched(b"\n".join(data), patch_payload) if data else None
+    if patched is None:
         return None
-    payload, encode = read
-    verdict = patch_payload(payload)
-    if verdict is None:
-        return None
-    if verdict is False:
+    if patched is False:
         return b""
     out = bytearray()
     for index, (line, terminator) in enumerate(lines):
@@ -66,7 +62,7 @@ def patch_event(event: bytes, patch_payload: PayloadPatcher) -> bytes | None:
             # last data line: the line before the blank line stays the one it was, so a
             # "\r" before a "\n" blank line never fuses into one "\r\n" terminator.
             if index == last_data:
-                out += b"data: " + encode(payload) + terminator
+                out += b"data: " + patched + terminator
         else:
             out += line + terminator
     out += event[start:]
@@ -79,14 +75,10 @@ def _patch_one_line(event: bytes, patch_payload: PayloadPatcher) -> bytes | None
     if not event.startswith(b"data:") or _null_usage_only(event):
         return None  # a comment or another field alone carries no payload
     value = event[5:-2]
-    read = _object(value[1:] if value[:1] == b" " else value)
-    if read is None:
+    patched = _patched(value[1:] if value[:1] == b" " else value, patch_payload)
+    if patched is None:
         return None
-    payload, encode = read
-    verdict = patch_payload(payload)
-    if verdict is None:
-        return None
-    return b"" if verdict is False else b"data: " + encode(payload) + b"\n\n"
+    return b"" if patched is False else b"data: " + patched + b"\n\n"
 
 
 def _null_usage_only(event: bytes) -> bool:
@@ -99,14 +91,17 @@ def _one_line(event: bytes) -> bool:
     return len(event) > 2 and event.find(b"\n") == len(event) - 2 and event[-1:] == b"\n" and event.find(b"\r") < 0
 
 
-def _object(data: bytes) -> tuple[dict, Encoder] | None:
-    """The event's data as a JSON object and how to write it back exactly
-    (:mod:`proxy.patching.json_exact`), or ``None`` (not JSON, or not an object)."""
+def _patched(data: bytes, patch_payload: PayloadPatcher) -> bytes | Literal[False] | None:
+    """The event's data, a JSON object, patched and written back exactly
+    (:mod:`proxy.patching.json_exact`); ``False`` to drop the event; ``None`` to leave it
+    as it was (not JSON, not an object, or unchanged)."""
     try:
         payload, encode = json_exact.loads(data)
     except ValueError:
         return None
-    return (payload, encode) if isinstance(payload, dict) else None
+    if not isinstance(payload, dict) or (verdict := patch_payload(payload)) is None:
+        return None
+    return False if verdict is False else encode(payload)
 
 
 class SSEPatcher:

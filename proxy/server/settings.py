@@ -80,9 +80,9 @@ class Settings:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     write_timeout_s: float = 60.0
+    upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
     # sim and upstream modes: how long a SIGTERM waits for requests in flight (vLLM: its --shutdown-timeout)
     shutdown_timeout_s: float = 10.0
-    upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
     # simulator
     sim_block_size: int = 16
     sim_token_delay_s: float = 0.0

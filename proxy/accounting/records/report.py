@@ -174,16 +174,17 @@ class Report:
     files: int = 0
     records: int = 0
     skipped_lines: int = 0
+    #: Each record read, by ``record_id``: the hash of its content.
+    _record_ids: dict[str, int] = field(default_factory=dict, repr=False)
+    #: Records read again under a ``record_id``; of those, the ones whose content differs.
     duplicates: int = 0
+    conflicting: int = 0
     #: Records with more cached tokens than their prompt, counted as the whole prompt cached.
     clamped: int = 0
     #: Records with a token figure that is neither null nor a count: added to no total.
     invalid_records: int = 0
     #: With a period (--since/--until): records with no readable start_time, added to no total.
     undated: int = 0
-    #: Of those, records whose content differs from the first read under their ``record_id``.
-    conflicting: int = 0
-    _record_ids: dict[str, int] = field(default_factory=dict, repr=False)  # record_id: content hash
 
     def add(self, record: dict[str, Any]) -> None:
         if not _counts(record):

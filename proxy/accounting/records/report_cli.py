@@ -93,23 +93,20 @@ def run(args: argparse.Namespace) -> int:
         report = read(paths, bar.update, since=args.since, until=args.until)
     if prices is not None:
         report.price(prices)
-    if report.skipped_lines:
-        print(f"cachetally report: skipped {report.skipped_lines} line(s) that are not records", file=sys.stderr)
-    if report.duplicates:
-        print(f"cachetally report: counted once {report.duplicates} record(s) read twice (same record_id)",
-              file=sys.stderr)
-    if report.conflicting:
-        print(f"cachetally report: {report.conflicting} of them differ from the first read of their record_id; "
-              "the first read is counted: check where those files came from", file=sys.stderr)
-    if report.invalid_records:
-        print(f"cachetally report: {report.invalid_records} record(s) with a token figure that is not a count "
-              "(negative, fractional, text): not counted in any total", file=sys.stderr)
-    if report.undated:
-        print(f"cachetally report: {report.undated} record(s) with no readable start_time: "
-              "outside every --since/--until period, not counted", file=sys.stderr)
-    if report.clamped:
-        print(f"cachetally report: {report.clamped} record(s) report more cached tokens than their prompt; "
-              "counted as the whole prompt cached", file=sys.stderr)
+    for count, said in (
+        (report.skipped_lines, "skipped {} line(s) that are not records"),
+        (report.duplicates, "counted once {} record(s) read twice (same record_id)"),
+        (report.conflicting, "{} of them differ from the first read of their record_id; "
+                             "the first read is counted: check where those files came from"),
+        (report.invalid_records, "{} record(s) with a token figure that is not a count "
+                                 "(negative, fractional, text): not counted in any total"),
+        (report.undated, "{} record(s) with no readable start_time: outside every --since/--until period, "
+                         "not counted"),
+        (report.clamped, "{} record(s) report more cached tokens than their prompt; "
+                         "counted as the whole prompt cached"),
+    ):
+        if count:
+            print("cachetally report: " + said.format(count), file=sys.stderr)
     if prices is not None and (unpriced := report.unpriced()):
         print(f"cachetally report: no price for model(s) {', '.join(unpriced)}: "
               "the totals over them have no cost", file=sys.stderr)
