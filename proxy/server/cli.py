@@ -85,7 +85,12 @@ def _serve(args: argparse.Namespace) -> int:
             # app's ready line is never printed for a port it cannot have.
             sockets = [config.bind_socket()]
             server = uvicorn.Server(config)
-            server.run(sockets=sockets)
+            try:
+                server.run(sockets=sockets)
+            except KeyboardInterrupt:  # uvicorn re-raises a captured SIGINT once stopped; uvicorn.run swallows it
+                pass
+            finally:
+                sockets[0].close()
             if not server.started:
                 return 3  # uvicorn's own code for a start that failed
         else:  # each worker loads these settings back (proxy.server.workers.app_from_env)

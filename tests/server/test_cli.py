@@ -218,3 +218,30 @@ def test_a_port_in_use_fails_the_start_before_the_ready_line() -> None:
     assert out.returncode == 3, out.stderr[-2000:]
     assert "address already in use" in out.stderr.lower()
     assert "ready on" not in out.stdout + out.stderr
+
+
+def test_ctrl_c_stops_the_server_quietly_with_exit_code_0() -> None:
+    """Ctrl-C (SIGINT) drains and exits 0 without a traceback, as ``uvicorn.run`` did: uvicorn
+    re-raises the signal it captured once the server has stopped, and ``uvicorn.run`` swallows
+    the ``KeyboardInterrupt`` that follows; a caller of ``Server.run`` must do the same."""
+    import signal
+    import time
+
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy.server.cli", "serve", "--engine", "sim", "--port", str(port)]
+    # A shell's background job inherits SIGINT ignored: give the server Python's own handler.
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if not line or "Application startup complete" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-2000:]
+    assert "Traceback" not in output
