@@ -260,3 +260,19 @@ def test_an_unreadable_period_is_refused_in_words(tmp_path: Path, capsys: pytest
         main(["report", str(path), "--since", "yesterday"])
     assert exit_info.value.code == 2
     assert "not an ISO 8601 time: 'yesterday'" in capsys.readouterr().err
+
+
+def test_copies_of_an_invalid_or_undated_record_are_said_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Files gathered twice (the case ``record_id`` is for) must not double what the report
+    says is wrong: one invalid and one undated record, each read from two copies of a file,
+    are one of each, and their copies are duplicates."""
+    records = [{**rec("acme", "m", 10, 0, 1), "record_id": "ok", "start_time": "2026-11-15T00:00:00Z"},
+               {**rec("acme", "m", -10, 0, 1), "record_id": "bad", "start_time": "2026-11-15T00:00:00Z"},
+               {**rec("acme", "m", 40, 0, 1), "record_id": "nodate"}]
+    first, second = write(tmp_path / "a.jsonl", records), write(tmp_path / "b.jsonl", records)
+    assert main(["report", str(first), str(second), "--since", "2026-11-01", "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert (report["records"], report["invalid_records"], report["undated"], report["duplicates"]) == (1, 1, 1, 3)
+    assert "1 record(s) with a token figure that is not a count" in err
+    assert "1 record(s) with no readable start_time" in err

@@ -1,12 +1,13 @@
 """Totals of usage records per tenant x model, and what they cost (``cachetally report``).
 
 Reads the JSONL files the recorder writes. A line that is not a JSON object (a torn last
-line after a failed write) is skipped and counted, never guessed at. A record whose
-``record_id`` was already read (the same file given twice, copies gathered from several
-places) is counted once, the first read; one whose content differs from that first read
-(a file edited, or two writers minting one id) is also counted in ``conflicting`` and
-said on stderr, since which copy is right cannot be told here. The client's
-``request_id`` is never a key, since clients reuse it. Records written before ``record_id`` existed (schema 1) have none and each counts. A record with no
+line after a failed write) is skipped and counted, never guessed at. Copies are found
+first: the first read of a ``record_id`` decides, whatever it holds, and a later one (the
+same file given twice, copies gathered from several places) is a duplicate, never counted
+or said again; one whose content differs (a file edited, two writers minting one id) is
+also ``conflicting``, said on stderr, since which copy is right cannot be told here. The
+client's ``request_id`` is never a key: clients reuse it. Records written before
+``record_id`` existed (schema 1) have none and each counts. A record with no
 ``prompt_tokens`` (refused or abandoned before the engine saw it) adds a request and its
 completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
 billed as uncached input; one past its prompt (written by an upstream before cachetally
@@ -186,10 +187,8 @@ class Report:
     #: With a period (--since/--until): records with no readable start_time, added to no total.
     undated: int = 0
 
-    def add(self, record: dict[str, Any]) -> None:
-        if not _counts(record):
-            self.invalid_records += 1
-            return
+    def add(self, record: dict[str, Any], period: tuple[datetime | None, datetime | None] | None = None) -> None:
+        """Total ``record``, unless a copy, not valid, or outside ``period`` (since, until)."""
         record_id = record.get("record_id")
         if isinstance(record_id, str):
             content = hash(orjson.dumps(record, option=orjson.OPT_SORT_KEYS))
@@ -199,6 +198,16 @@ class Report:
                 self.conflicting += first != content
                 return
             self._record_ids[record_id] = content
+        if not _counts(record):
+            self.invalid_records += 1
+            return
+        if period is not None:
+            (since, until), started = period, _started(record)
+            if started is None:
+                self.undated += 1
+                return
+            if (since is not None and started < since) or (until is not None and started >= until):
+                return
         key = (str(record.get("tenant", "default")), str(record.get("model", "unknown")))
         totals = self.rows.get(key)
         if totals is None:
@@ -235,13 +244,9 @@ class Report:
             "rows": [{"tenant": t, "model": m, **v.as_json()} for (t, m), v in sorted(self.rows.items())],
             "tenants": {t: v.as_json() for t, v in self.by_tenant().items()},
             "total": self.total().as_json(),
-            "files": self.files,
-            "records": self.records,
-            "skipped_lines": self.skipped_lines,
-            "duplicates": self.duplicates,
-            "conflicting_duplicates": self.conflicting,
-            "clamped": self.clamped,
-            "invalid_records": self.invalid_records,
+            "files": self.files, "records": self.records, "skipped_lines": self.skipped_lines,
+            "duplicates": self.duplicates, "conflicting_duplicates": self.conflicting,
+            "clamped": self.clamped, "invalid_records": self.invalid_records,
             "undated": self.undated,
             "unpriced_models": self.unpriced(),
         }
@@ -256,7 +261,7 @@ def read(
     """Total the records in ``paths`` that started in ``[since, until)`` (aware datetimes);
     ``progress`` is called with the bytes read."""
     report = Report()
-    window = since is not None or until is not None
+    period = (since, until) if since is not None or until is not None else None
     for path in paths:
         report.files += 1
         with path.open("rb") as fh:
@@ -270,12 +275,8 @@ def read(
                     record = None
                 if not isinstance(record, dict):
                     report.skipped_lines += 1
-                elif not window:
-                    report.add(record)
-                elif (started := _started(record)) is None:
-                    report.undated += 1
-                elif (since is None or started >= since) and (until is None or started < until):
-                    report.add(record)
+                else:
+                    report.add(record, period)
     return report
 
 
