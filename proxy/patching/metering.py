@@ -38,8 +38,8 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
     elif in_response.source == "upstream":
         prompt, cached, source = in_response.prompt_tokens, in_response.cached_tokens, "upstream"
         writes = in_response.cache_creation_tokens
-    elif r.handed is not None:  # a decode leg that never ran: its prefill's engine figures
-        (prompt, cached), source = r.handed, "engine"
+    elif r.handed is not None:  # a decode leg that never ran: its prefill's figures
+        prompt, cached, source = r.handed
     else:
         prompt, cached, source = in_response.prompt_tokens, None, None
     options = r.options

@@ -24,11 +24,11 @@ A decode leg refused or ended before its engine ran (a ``max_tokens`` past the c
 which vLLM refuses only once it has the tokens; a client gone between the legs) has no
 figures of its own, yet its prefill was computed and cached: left at that, a client could
 have prompts prefilled and cached for nothing. So the prefill instance **hands its figures
-over**: it writes the prompt and cache reads its engine published into the
-``kv_transfer_params`` of its response (key :data:`FIGURES`), which the router copies into
-the decode leg's body, and the decode leg bills those when its own engine published
-none. They bill nothing more than the prefill computed, and only a decode without figures
-of its own reads them.
+over**: it writes the prompt and cache reads its engine published (in upstream mode, its
+upstream's believed usage) into the ``kv_transfer_params`` of its response (key
+:data:`FIGURES`), which the router copies into the decode leg's body, and the decode leg
+bills those when its own engine published none. They bill nothing more than the prefill
+computed, and only a decode without figures of its own reads them.
 
 Across the fleet, prefill legs minus decode legs is the number of client requests whose
 decode leg never reached a decode instance (the router failed before sending it): the one
@@ -47,6 +47,7 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.patching.ledger import EngineUsage
+from proxy.patching.usage import ResponseUsage
 
 Leg = Literal["prefill", "decode"]
 PREFILL: Leg = "prefill"
@@ -57,27 +58,34 @@ DECODE: Leg = "decode"
 FIGURES = "cachetally_prefill"
 
 
-def hand_over(payload: dict[str, Any], engine: EngineUsage | None) -> bool:
-    """Write the prefill's figures into its response's ``kv_transfer_params`` (which the
-    router copies into the decode leg's body); ``False`` where there is nothing to write."""
+def hand_over(payload: dict[str, Any], engine: EngineUsage | None, reported: ResponseUsage) -> bool:
+    """Write the prefill's figures (its engine's, else an upstream's believed usage) into its
+    response's ``kv_transfer_params``, which the router copies into the decode leg's body;
+    ``False`` where there is nothing to write."""
     params = payload.get("kv_transfer_params")
-    if engine is None or not engine.events or not isinstance(params, dict):
+    if not isinstance(params, dict):
         return False
-    params[FIGURES] = {"prompt_tokens": engine.prompt_tokens, "cached_tokens": engine.cached_tokens}
+    if engine is not None and engine.events:
+        prompt, cached, source = engine.prompt_tokens, engine.cached_tokens, "engine"
+    elif reported.source == "upstream" and reported.prompt_tokens is not None and reported.cached_tokens is not None:
+        prompt, cached, source = reported.prompt_tokens, reported.cached_tokens, "upstream"
+    else:
+        return False
+    params[FIGURES] = {"prompt_tokens": prompt, "cached_tokens": cached, "source": source}
     return True
 
 
-def handed(payload: dict[str, Any]) -> tuple[int, int] | None:
-    """The prefill's (prompt, cached) tokens a decode leg's body carries, if they are counts
-    (cached within the prompt); ``None`` otherwise."""
+def handed(payload: dict[str, Any]) -> tuple[int, int, str] | None:
+    """The prefill's (prompt, cached, source) a decode leg's body carries, if they are counts
+    (cached within the prompt) from an engine or an upstream; ``None`` otherwise."""
     params = payload.get("kv_transfer_params")
     figures = params.get(FIGURES) if isinstance(params, dict) else None
     if not isinstance(figures, dict):
         return None
-    prompt, cached = figures.get("prompt_tokens"), figures.get("cached_tokens")
+    prompt, cached, source = figures.get("prompt_tokens"), figures.get("cached_tokens"), figures.get("source")
     if type(prompt) is not int or type(cached) is not int or not 0 <= cached <= prompt:
         return None
-    return prompt, cached
+    return (prompt, cached, source) if source in ("engine", "upstream") else None
 
 
 def leg_of(payload: dict[str, Any]) -> Leg | None:

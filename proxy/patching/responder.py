@@ -65,7 +65,7 @@ class Responder:
         self._send = send
         self.options: RequestOptions | None = None
         self.leg: Leg | None = None  # a disaggregated prefill/decode leg (proxy.patching.pd_leg)
-        self.handed: tuple[int, int] | None = None  # a decode leg's: its prefill's (prompt, cached)
+        self.handed: tuple[int, int, str] | None = None  # a decode leg's: its prefill's (prompt, cached, source)
         self.in_response = ResponseUsage()
         self.mode = Mode.PASS
         self.stream = False
@@ -246,8 +246,8 @@ class Responder:
             self._count_skip("malformed")
         else:
             self.notes.whole_usage(payload)
-            changed = self._patch(payload) is not None
-            if changed | (self.leg == PREFILL and hand_over(payload, self.ctx.ledger.usage(self.key))):
+            if (self._patch(payload) is not None) | (  # both, in order: a prefill leg hands over what was read
+                    self.leg == PREFILL and hand_over(payload, self.ctx.ledger.usage(self.key), self.in_response)):
                 body = encode(payload)
         start["headers"].append((b"content-length", b"%d" % len(body)))
         await self._send(start)

@@ -23,6 +23,7 @@ import httpx
 import orjson
 import pytest
 
+from engine_adapter.sim.tokenizer import render_chat, tokenize
 from tests.servers import metric_value, running_servers
 
 pytestmark = pytest.mark.loopback
@@ -151,20 +152,41 @@ def test_without_pd_legs_a_body_claiming_to_be_a_prefill_leg_is_billed(tmp_path:
     assert (record["request_id"], record["completion_tokens"]) == ("sly", 8)
 
 
+def test_upstream_mode_hands_the_prefills_believed_usage_to_a_refused_decode(tmp_path: Path) -> None:
+    """In front of P/D instances that report their usage (upstream mode, ``--pd-legs``), the
+    prefill instance hands over its upstream's believed figures: a refused decode bills them."""
+    sim = ["-m", "engine_adapter.sim", "--log-level", "warning", "--report-cached-tokens"]
+    with running_servers([(sim, None, None)]) as ((engine, _),):
+        specs = [(["-m", "proxy.server.cli", "serve", "--upstream", engine, "--log-level", "warning",
+                   "--usage-dir", str(tmp_path / name), "--usage-flush-interval", "0.2"],
+                  {"CACHETALLY_PD_LEGS": "true"}, None) for name in ("prefill", "decode")]
+        with running_servers(specs) as ((prefill, _), (decode, _)), httpx.Client(timeout=30) as http:
+            body = body_for("chat", f"{uuid.uuid4().hex} refused after its prefill", max_tokens=0)
+            refused = routed(http, (prefill, decode), "chat", body, "refused")
+            assert refused.status_code == 400
+    prompt = len(tokenize(render_chat(body["messages"])))  # what the engine prefilled
+    [record] = records(tmp_path)
+    assert (record["outcome"], record["source"], record["prompt_tokens"], record["cached_tokens"]) \
+        == ("error", "upstream", prompt, 0)
+    assert prompt > 0
+
+
 def test_figures_a_decode_leg_claims_never_replace_its_engines(tmp_path: Path) -> None:
     """A decode leg whose engine ran bills the engine's figures, whatever prefill figures its
     body carries; claims that are no counts are not read even when it did not run."""
     from proxy.patching.pd_leg import handed
 
     with pd_fleet(tmp_path) as (_, decode), httpx.Client(timeout=30) as http:
-        params = {"do_remote_prefill": True, "cachetally_prefill": {"prompt_tokens": 1, "cached_tokens": 1}}
+        params = {"do_remote_prefill": True,
+                  "cachetally_prefill": {"prompt_tokens": 1, "cached_tokens": 1, "source": "engine"}}
         body = body_for("chat", "a claim of one token " * 8) | {"kv_transfer_params": params}
         http.post(f"{decode}/v1/chat/completions", json=body, headers={"x-request-id": "claims"}).raise_for_status()
     [record] = records(tmp_path)
     assert record["prompt_tokens"] > 40 and record["cached_tokens"] == 0
     for claim in ({"prompt_tokens": 5, "cached_tokens": 6}, {"prompt_tokens": -1, "cached_tokens": 0},
                   {"prompt_tokens": True, "cached_tokens": 0}, {"prompt_tokens": 5.0, "cached_tokens": 0},
-                  {"prompt_tokens": 5}, [5, 0], None):
+                  {"prompt_tokens": 5, "cached_tokens": 0, "source": "client"},
+                  {"prompt_tokens": 5, "cached_tokens": 0}, [5, 0], None):
         assert handed({"kv_transfer_params": {"do_remote_prefill": True, "cachetally_prefill": claim}}) is None
 
 
