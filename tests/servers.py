@@ -81,7 +81,7 @@ def running_server(
 
 
 @contextlib.contextmanager
-def serving_in_thread(app: Any, name: str = "uvicorn") -> Iterator[str]:
+def serving_in_thread(app: Any, name: str = "uvicorn", start_timeout_s: float = 10.0) -> Iterator[str]:
     """``app`` in a real uvicorn on 127.0.0.1, in a thread of this process named
     ``<name>-<port>`` (tests pick its log records by it); yield its base URL; always stop
     it (lifespan on, so the app starts and drains as under ``cachetally serve``)."""
@@ -91,7 +91,7 @@ def serving_in_thread(app: Any, name: str = "uvicorn") -> Iterator[str]:
     thread = threading.Thread(target=server.run, name=f"{name}-{port}", daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + start_timeout_s
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
             time.sleep(0.01)

@@ -75,7 +75,7 @@ app = Starlette(routes=[Route("/invocations", invocations, methods=["POST"])])
 app.state.args = argparse.Namespace(api_key=None, host="127.0.0.1", port=0, api_server_count=1)
 app.state.engine_client = Client()  # vLLM's --runner: pooling (an embedding model) or generate
 app.add_middleware(CachetallyMiddleware)
-with serving_in_thread(app) as url:
+with serving_in_thread(app, start_timeout_s=240) as url:  # the lifespan taps vLLM: its imports take a while
     print(httpx.post(f"{url}/invocations", json={"model": "m", "input": "hello"}, timeout=120).status_code)
 """
 
