@@ -133,13 +133,18 @@ def test_without_billing_unmetered_routes_pass_through() -> None:
         assert httpx.post(f"{url}/v1/embeddings", json={"input": "hello"}).status_code == 404  # the sim's own
 
 
+def billed_front(upstream: str, usage_dir: Path, *extra: str) -> list[str]:
+    """``cachetally serve`` in front of ``upstream``, with usage records (billing on)."""
+    return ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--log-level", "warning",
+            "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2", *extra]
+
+
 @pytest.fixture(scope="module")
 def upstream_pair(usage_dir: Path) -> Iterator[tuple[str, str]]:
     """(the sim alone, reporting its figures; cachetally --upstream in front of it, billing on)."""
     sim = ["-m", "engine_adapter.sim", "--log-level", "warning", "--report-cached-tokens"]
     with running_server(sim) as (engine, _):
-        proxy = ["-m", "proxy.server.cli", "serve", "--upstream", engine, "--log-level", "warning",
-                 "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
+        proxy = billed_front(engine, usage_dir)
         with running_server(proxy) as (front, _):
             yield engine, front
 
@@ -241,8 +246,7 @@ def test_an_upstream_message_delta_without_cache_figures_keeps_those_of_message_
     upstream_app = Starlette(routes=[Route("/v1/messages", anthropic_stream, methods=["POST"])])
     rid = uuid.uuid4().hex
     with serving_in_thread(upstream_app, "anthropic") as upstream:
-        args = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--missing", missing,
-                "--log-level", "warning", "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
+        args = billed_front(upstream, usage_dir, "--missing", missing)
         with running_server(args) as (front, _), sdk(front, "messages") as client:
             assert isinstance(client, anthropic.Anthropic)
             with client.messages.stream(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}],
@@ -284,13 +288,17 @@ async def test_a_cut_stream_counts_only_its_token_events(api: str) -> None:
     assert 0 < delivered < 7
 
 
+async def lifespan(receive: Any, send: Any) -> None:
+    """The lifespan of a bare ASGI upstream under a uvicorn with lifespan on: nothing to do."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
 async def dies_mid_messages_stream(scope: Any, receive: Any, send: Any) -> None:
     """An upstream that starts Anthropic's stream and dies in it (uvicorn drops the connection)."""
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
+        return await lifespan(receive, send)
     await receive()
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     for e in ANTHROPIC_EVENTS[:3]:
@@ -304,8 +312,7 @@ def test_a_messages_stream_whose_upstream_dies_raises_in_the_anthropic_sdk_and_i
     a cut stream reads as a whole one (no exception, ``stop_reason`` None)."""
     rid = uuid.uuid4().hex
     with serving_in_thread(dies_mid_messages_stream, "dies") as upstream:
-        args = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--model", MODEL,
-                "--log-level", "critical", "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
+        args = billed_front(upstream, usage_dir, "--model", MODEL, "--log-level", "critical")
         with running_server(args) as (front, _), sdk(front, "messages") as client:
             assert isinstance(client, anthropic.Anthropic)
             with pytest.raises(anthropic.APIStatusError, match="Upstream server unreachable"), client.messages.stream(
@@ -323,10 +330,7 @@ def responses_upstream(metadata: str, last: str) -> Any:
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+            return await lifespan(receive, send)
         while (await receive()).get("more_body"):
             pass
         head = {"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL, "status": "in_progress",
@@ -361,8 +365,7 @@ def test_a_responses_stream_whose_final_event_echoes_megabytes_is_still_billed(u
     logprobs grows it too. It is held as a JSON body would be, then patched and read."""
     rid = uuid.uuid4().hex
     with serving_in_thread(responses_upstream("x" * size, "response.completed"), "big") as upstream:
-        args = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--model", MODEL,
-                "--log-level", "warning", "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
+        args = billed_front(upstream, usage_dir, "--model", MODEL)
         with running_server(args) as (front, _), sdk(front, "responses") as client:
             assert isinstance(client, openai.OpenAI)
             events = list(client.responses.create(model=MODEL, input="hi", stream=True,
@@ -381,8 +384,7 @@ def test_a_responses_stream_that_ends_failed_is_an_error(usage_dir: Path) -> Non
     side failed, so the record says ``error``, with the figures its usage gives."""
     rid = uuid.uuid4().hex
     with serving_in_thread(responses_upstream("x", "response.failed"), "failed") as upstream:
-        args = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--model", MODEL,
-                "--log-level", "warning", "--usage-dir", str(usage_dir), "--usage-flush-interval", "0.2"]
+        args = billed_front(upstream, usage_dir, "--model", MODEL)
         with running_server(args) as (front, _):
             httpx.post(f"{front}/v1/responses", json={"model": MODEL, "input": "hi", "stream": True},
                        headers={"x-request-id": rid}).raise_for_status()
