@@ -33,7 +33,9 @@ _ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _ID_FIELD_MAX = 512
 _FIRST_EVENT = (b"data: {", b"data:{")
 _ERROR_EVENTS = (b'data: {"error"', b'data:{"error"')
-_NAMED_ERROR = re.compile(rb"event: ?(?:error|response\.failed)[\r\n]")
+#: In the named streams: an error event, named (``response.failed`` too) or not (vLLM's and
+#: an upstream relay's ``data: {"error"...}``, which the openai SDK raises on there too).
+_NAMED_STREAM_ERROR = re.compile(rb'event: ?(?:error|response\.failed)[\r\n]|data: ?\{"error"')
 _LINE_ENDS = (b"\n", b"\r")
 #: Token events of the streams whose events are named (``event:`` lines), by route.
 _TOKEN_EVENTS = {
@@ -89,9 +91,7 @@ class RequestNotes:
             return
         if self._token_events is not None:
             self._events += len(self._token_events.findall(events))
-            # A named stream's error event, or an unnamed one (vLLM's and an upstream's
-            # ``data: {"error"...}``, which the openai SDK raises on in a Responses stream too).
-            if _NAMED_ERROR.search(events) or _ERROR_EVENTS[0] in events or _ERROR_EVENTS[1] in events:
+            if _NAMED_STREAM_ERROR.search(events):  # one scan of the events
                 self.errored = True
             return
         count = events.count(b"\ndata: {") + events.count(b"\ndata:{")
