@@ -70,9 +70,6 @@ class CachetallyMiddleware:
         self._client: Any = None
         #: :meth:`_route`, behind vLLM's own API-key check once the lifespan found one.
         self._front: ASGIApp = self._route
-        #: Set at startup: the model has no generate task, so vLLM's ``/invocations`` runs only
-        #: pooling handlers (embeddings, classify, score, ...), which the tap never sees.
-        self._invocations_pool = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -90,8 +87,6 @@ class CachetallyMiddleware:
         path = route_path(scope) if kind == "http" else None
         if path == "/stats":
             await read_only(scope, send, self._stats)
-        elif path == INVOCATIONS and self._invocations_pool and self._patched.config.refuse_unmetered:
-            await self._patched.refuse(scope, send, INVOCATIONS)  # its pooling routes are refused too
         elif path in DEFAULT_ROUTES and getattr(self._client, "errored", False):
             await send_error(send, 503, "the vllm engine is not healthy")
         else:
@@ -110,7 +105,8 @@ class CachetallyMiddleware:
                 if message["type"] == "lifespan.startup":
                     await stack.enter_async_context(self.accounting.running())
                     self._tap_engine(app, stack)
-                    self._invocations_pool = _pooling_only(app)
+                    if _pooling_only(app):  # /invocations runs only pooling handlers, which the tap never sees
+                        self._patched.refuse_route(INVOCATIONS)
                     self._front = behind_vllm_auth(app, self._route)
                 return message
 

@@ -123,10 +123,12 @@ class UsagePatchMiddleware:
             cut = path.find("/", cut + 1)
         return None
 
-    async def refuse(self, scope: Scope, send: Send, route: str) -> None:
-        """Refuse ``route``'s request as unmetered (403, counted), when its server knows it
-        cannot be metered (:mod:`proxy.vllm_middleware`: ``/invocations`` on a pooling model)."""
-        await self._refuse(scope, send, route)
+    def refuse_route(self, route: str) -> None:
+        """Refuse ``route`` from now on while billing is on, as the refused routes are: for a
+        server that learns at startup it cannot meter it (:mod:`proxy.vllm_middleware`:
+        ``/invocations`` on a pooling model)."""
+        if self.config.refuse_unmetered:
+            self._refused = self._refused | {route}
 
     async def _refuse(self, scope: Scope, send: Send, route: str | None = None) -> None:
         path = route or route_path(scope)  # one of the refused routes, or the route under a prefix: a bounded label
