@@ -5,14 +5,15 @@ Which routes need a key follows vLLM's own ``--api-key``: paths under ``/v1``, `
 (CORS preflights carry no credentials). Beyond vLLM, every metered route needs one too
 (``metered``: SageMaker's ``/invocations``, which vLLM leaves open): it runs the engine and
 is billed, and a key names the tenant billed, so no request is billed to a tenant that no
-credential gave it. ``/health``, ``/metrics`` and ``/stats`` stay open,
-so a Kubernetes probe or a Prometheus scrape needs no key; paths in ``auth_exempt_paths``
-(exact match) are opened as well. A guarded request must carry exactly one
-``Authorization: Bearer <key>`` header naming a key of the table (:class:`KeyTable`: the
-single ``--api-key`` and the ``--api-keys`` file), looked up by SHA-256 digest, so neither
-the time taken nor anything else tells how much of a guess was right or how long a key
-is. A refusal is a 401 in OpenAI error JSON (a WebSocket is closed with 1008). Neither the
-key nor the header is ever logged.
+credential gave it. ``/health``, ``/metrics`` and ``/stats`` stay open, so a Kubernetes
+probe or a Prometheus scrape needs no key; paths in ``auth_exempt_paths`` (exact match) are
+opened as well. In front of an upstream (``prefixed``), whose root path is not known here,
+a guarded prefix or metered route after leading segments needs a key too. A guarded request
+must carry exactly one ``Authorization: Bearer <key>`` header naming a key of the table
+(:class:`KeyTable`: the single ``--api-key`` and the ``--api-keys`` file), looked up by
+SHA-256 digest, so neither the time taken nor anything else tells how much of a guess was
+right or how long a key is. A refusal is a 401 in OpenAI error JSON (a WebSocket is closed
+with 1008). Neither the key nor the header is ever logged.
 
 The client's ``Authorization`` header still reaches the engine unchanged: in upstream
 mode the upstream may check the same key itself.
@@ -34,19 +35,34 @@ GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 
 class ApiKeyGuard:
-    def __init__(self, keys: KeyTable, exempt_paths: Iterable[str] = (), metered: Iterable[str] = ()) -> None:
+    def __init__(self, keys: KeyTable, exempt_paths: Iterable[str] = (), metered: Iterable[str] = (), *,
+                 prefixed: bool = False) -> None:
         if not keys:
             raise ValueError("an API key guard needs at least one key")
         self._keys = keys
         self._exempt = frozenset(exempt_paths)
         self._metered = frozenset(metered)
+        self._prefixed = prefixed
 
     def guards(self, scope: Scope) -> bool:
         """Whether ``scope`` needs a key (module docstring)."""
         if scope.get("method") == "OPTIONS":
             return False
         path = route_path(scope)
-        return (path.startswith(GUARDED_PREFIXES) or path in self._metered) and path not in self._exempt
+        if path in self._exempt:
+            return False
+        guarded = path.startswith(GUARDED_PREFIXES) or path in self._metered
+        return guarded or (self._prefixed and self._under_a_prefix(path))
+
+    def _under_a_prefix(self, path: str) -> bool:
+        """Whether a guarded prefix starts after some leading segments: an engine behind a root
+        path unknown here (an upstream's ``--root-path /api``) routes ``/api/v1/...`` as ``/v1/...``."""
+        cut = path.find("/", 1)
+        while cut != -1:
+            if path.startswith(GUARDED_PREFIXES, cut) or path[cut:] in self._metered:
+                return True
+            cut = path.find("/", cut + 1)
+        return False
 
     def allows(self, scope: Scope) -> bool:
         if not self.guards(scope):

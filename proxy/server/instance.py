@@ -49,9 +49,10 @@ class Accounting:
         self.metrics = Metrics(self.ledger, registry=registry)
         self.tenancy = tenancy_from_settings(settings)
         keys = self.tenancy.keys
-        self.auth = ApiKeyGuard(keys, settings.auth_exempt_paths, metered=DEFAULT_ROUTES) if keys else None
         # Upstreams may echo the client's model name: only the models they list are labels.
         upstream = settings.engine == "upstream" and settings.upstream
+        self.auth = ApiKeyGuard(keys, settings.auth_exempt_paths, metered=DEFAULT_ROUTES,
+                                prefixed=bool(upstream)) if keys else None
         self.models = ServedModels([settings.model] if settings.model else (), checked=bool(upstream))
         self.upstream_models = (
             UpstreamModels(self.models, settings.upstream, settings.upstream_ca, MODELS_TIMEOUT_S) if upstream else None

@@ -301,7 +301,7 @@ def test_a_metered_route_under_the_upstreams_root_path_is_refused_not_run_unmete
     """vLLM's ``--root-path /api`` routes ``/api/v1/completions`` as ``/v1/completions`` (the bare
     path too), and cachetally in front cannot know the prefix: such a path was forwarded as no
     route of its table, so the engine ran with no record, no counter and no key asked. It is
-    refused, and counted under the route it names, whatever the key."""
+    refused, and counted under the route it names; without the key, it is a 401."""
     inner = echo_upstream([SERVED])
 
     async def under_api(scope: Any, receive: Any, send: Any) -> None:  # as FastAPI(root_path="/api")
@@ -313,12 +313,34 @@ def test_a_metered_route_under_the_upstreams_root_path_is_refused_not_run_unmete
                             usage_flush_interval_s=0.05, api_key=SHARED).validate()
         with serving_in_thread(CachetallyApp(settings)) as url:
             assert complete(url, SHARED) == 200  # the bare path: metered
-            for key in (SHARED, None):
-                for path in ("/api/v1/completions", "/a/b/v1/completions", "/api/invocations"):
-                    assert complete(url, key, path=path) == 403, (key, path)
+            for path in ("/api/v1/completions", "/a/b/v1/completions", "/api/invocations"):
+                assert complete(url, SHARED, path=path) == 403, path
+                assert complete(url, None, path=path) == 401, path  # the key first, as on the bare path
             metrics = httpx.get(f"{url}/metrics").text
     records = [orjson.loads(line) for f in sorted(usage.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
     assert [r["route"] for r in records] == ["completions"]
     refused = {s.labels["route"]: s.value for family in text_string_to_metric_families(metrics)
                for s in family.samples if s.name == "cachetally_refused_unmetered_total"}
-    assert refused == {"/v1/completions": 4, "/invocations": 2}
+    assert refused == {"/v1/completions": 2, "/invocations": 1}
+
+
+def test_a_guarded_route_under_the_upstreams_root_path_needs_the_key(tmp_path: Path) -> None:
+    """Behind vLLM's ``--root-path /api`` every route the key guards is also ``/api/v1/...``:
+    the model list, the tokenizer, adapter loading. cachetally in front cannot know the prefix,
+    so a guarded prefix after any leading segments needs the key as the bare path does; a
+    route that is not guarded under vLLM's own key stays open."""
+    inner = echo_upstream([SERVED])
+
+    async def under_api(scope: Any, receive: Any, send: Any) -> None:  # as FastAPI(root_path="/api")
+        await inner({**scope, "root_path": "/api"} if scope["type"] == "http" else scope, receive, send)
+
+    with serving_in_thread(under_api) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, api_key=SHARED).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            keyed = {"authorization": f"Bearer {SHARED}"}
+            for path in ("/v1/models", "/api/v1/models", "/a/b/v1/models", "/api/v1/load_lora_adapter"):
+                assert httpx.get(f"{url}{path}").status_code == 401, path
+            for path in ("/v1/models", "/api/v1/models"):
+                assert httpx.get(f"{url}{path}", headers=keyed).status_code == 200, path
+            assert httpx.get(f"{url}/health").status_code == 200
+            assert httpx.get(f"{url}/api/health").status_code == 404  # not guarded: the upstream's own answer
