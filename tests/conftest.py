@@ -26,7 +26,7 @@ import pytest
 
 from tests.load import report
 from tests.otlp_receiver import Receiver, otlp_receiver
-from tests.servers import ENGINE_KV_FLAGS, Pace, measure_pace, running_server, tracebacks_in_vllm_log
+from tests.servers import ENGINE_KV_FLAGS, Pace, assert_no_traceback_in_vllm_log, measure_pace, running_server
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -111,7 +111,7 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
     assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes left behind: {alive}"
-    assert not tracebacks_in_vllm_log(log.read_text(errors="replace")), f"a traceback in {log}"
+    assert_no_traceback_in_vllm_log(log)
 
 
 @pytest.fixture(scope="session")

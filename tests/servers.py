@@ -232,3 +232,14 @@ def tracebacks_in_vllm_log(text: str) -> list[str]:
         if not race:
             found.append(line)
     return found
+
+
+def assert_no_traceback_in_vllm_log(log: Path) -> None:
+    """No traceback in ``log`` but the excused race; a failure shows the block that was found,
+    since the log is gone with the test's temporary folder by the time anyone reads CI's output."""
+    text = log.read_text(errors="replace")
+    found = tracebacks_in_vllm_log(text)
+    if found:
+        lines = text.splitlines()
+        at = lines.index(found[0])
+        raise AssertionError(f"a traceback in {log}:\n" + "\n".join(lines[max(0, at - 3):at + 40]))

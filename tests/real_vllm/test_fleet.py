@@ -52,11 +52,11 @@ from tests.real_vllm.test_vllm_apis import responses_json, responses_sse
 from tests.servers import (
     ENGINE_KV_FLAGS,
     Pace,
+    assert_no_traceback_in_vllm_log,
     free_port,
     measure_pace,
     metric_value,
     running_servers,
-    tracebacks_in_vllm_log,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -116,7 +116,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             report("fleet-pace", request_s=round(pace.request_s, 3))
             yield Fleet(router_url, urls, pace)  # type: ignore[arg-type]
     for log in logs.glob("replica-*.log"):  # the whole run, the stop included
-        assert not tracebacks_in_vllm_log(log.read_text(errors="replace")), f"a traceback in {log}"
+        assert_no_traceback_in_vllm_log(log)
     for (_, proc), children in zip(replicas, engines, strict=True):
         assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
         _, alive = psutil.wait_procs(children, timeout=30)

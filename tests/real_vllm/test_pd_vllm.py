@@ -41,7 +41,15 @@ from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
 from tests import clients
 from tests.clients import fresh_prompt
 from tests.load import report
-from tests.servers import ENGINE_KV_FLAGS, Pace, free_port, measure_pace, metric_value, running_servers, tracebacks_in_vllm_log
+from tests.servers import (
+    ENGINE_KV_FLAGS,
+    Pace,
+    assert_no_traceback_in_vllm_log,
+    free_port,
+    measure_pace,
+    metric_value,
+    running_servers,
+)
 from tests.real_vllm.test_fleet import MIDDLEWARE, MODEL, core_binds, sse_usages
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -111,7 +119,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
             yield PD(router_url, prefill, decode, logs / "usage", pace)
     for role in ("prefill", "decode"):  # the whole run, the stop included
         log = logs / f"{role}.log"
-        assert not tracebacks_in_vllm_log(log.read_text(errors="replace")), f"a traceback in {log}"
+        assert_no_traceback_in_vllm_log(log)
     for (_, proc), children in zip(instances, engines, strict=True):
         assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
         _, alive = psutil.wait_procs(children, timeout=30)

@@ -33,7 +33,7 @@ from engine_adapter.vllm.serve import SHUTDOWN_TIMEOUT_S
 from tests import clients
 from tests.clients import fresh_prompt
 from tests.load import report
-from tests.servers import ENGINE_KV_FLAGS, Pace, measure_pace, metric_value, running_server, tracebacks_in_vllm_log
+from tests.servers import ENGINE_KV_FLAGS, Pace, assert_no_traceback_in_vllm_log, measure_pace, metric_value, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
@@ -66,7 +66,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pace
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "the API servers and engine cores run in child processes"
         yield url, measure_pace(url, MODEL)
-    assert not tracebacks_in_vllm_log(log.read_text(errors="replace")), f"a traceback in {log}"
+    assert_no_traceback_in_vllm_log(log)
     assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes left behind: {alive}"

@@ -3,7 +3,11 @@ vLLM's known shutdown race and nothing else. The lines are from a CI run's log."
 
 from __future__ import annotations
 
-from tests.servers import tracebacks_in_vllm_log
+from pathlib import Path
+
+import pytest
+
+from tests.servers import assert_no_traceback_in_vllm_log, tracebacks_in_vllm_log
 
 _A, _B = "(ApiServer_0 pid=11534)", "(ApiServer_1 pid=11535)"
 _RACE = [
@@ -36,3 +40,15 @@ def test_any_other_traceback_is_reported() -> None:
     text = log(f"{_A} {_CLIENT_DOWN}", *(f"{_A} {x}" for x in other),
                "Traceback (most recent call last):", '  File "proxy/patching/responder.py", line 1', "KeyError: 'x'")
     assert tracebacks_in_vllm_log(text) == [f"{_A} {other[1]}", "Traceback (most recent call last):"]
+
+
+def test_a_failed_check_shows_the_block_it_found(tmp_path: Path) -> None:
+    """CI's output is all there is to read once the test's folder is gone: the failure carries
+    the traceback's lines, not only the log's path."""
+    log_file = tmp_path / "prefill.log"
+    log_file.write_text(log(*(f"{_A} {x}" for x in _RACE)))
+    with pytest.raises(AssertionError) as failed:
+        assert_no_traceback_in_vllm_log(log_file)
+    assert "EngineDeadError" in str(failed.value) and "output_handler failed" in str(failed.value)
+    log_file.write_text(log(f"{_A} {_CLIENT_DOWN}", *(f"{_A} {x}" for x in _RACE)))
+    assert_no_traceback_in_vllm_log(log_file)
