@@ -21,6 +21,9 @@ stream may legitimately outlive any TTL: the read timeout is *between* bytes). A
 remembers the asyncio task that opened it, weakly; past the TTL it is swept only once
 that task is done or gone. A slot opened outside a task has no owner to ask and is swept
 by age alone (tests/patching/test_ledger.py::test_the_sweep_never_takes_a_live_requests_slot).
+The cap takes the oldest slot, live or not, but a live request's key stays taken until it
+closes it: given to another request, the first one's close would close the other's slot
+(tests/server/test_leak.py::test_a_slot_the_cap_evicted_keeps_its_key_from_another_tenants_request).
 
 The ledger knows nothing of metrics: it keeps its own counters and tells an optional
 :class:`LedgerObserver` (``proxy.accounting.metrics`` installs one) of each change as it happens, so
@@ -93,21 +96,29 @@ def _add_optional(total: int | None, value: int | None) -> int | None:
     return value if total is None else total + value
 
 
+#: The task serving a request, weakly: a slot (or key) is its request's as long as it runs.
+Owner = weakref.ref[asyncio.Task[object]] | None
+
+
+def _ended(owner: Owner) -> bool:
+    """The request ``owner`` served is over (or unknown): its ``finally`` cannot close it now."""
+    task = owner() if owner is not None else None
+    return task is None or task.done()
+
+
 @dataclass(slots=True)
 class _Slot:
     opened_at: float
-    #: The task serving the request, weakly: the slot is its request's as long as it runs.
-    owner: weakref.ref[asyncio.Task[object]] | None = None
+    owner: Owner = None
     usage: EngineUsage = field(default_factory=EngineUsage)
     first_only: bool = False  # a beam search: later events are its steps, not prompts
 
     def ended(self) -> bool:
         """The request that opened it is over (or unknown): its ``finally`` cannot close it now."""
-        task = self.owner() if self.owner is not None else None
-        return task is None or task.done()
+        return _ended(self.owner)
 
 
-def _current_task() -> weakref.ref[asyncio.Task[object]] | None:
+def _current_task() -> Owner:
     try:
         task = asyncio.current_task()
     except RuntimeError:  # no running event loop
@@ -159,6 +170,8 @@ class UsageLedger:
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         self._slots: dict[str, _Slot] = {}
+        #: Keys whose slot the cap evicted while their request ran: still that request's.
+        self._evicted: dict[str, Owner] = {}
         self._ttl_s = ttl_s
         self._max_slots = max_slots
         self._clock = clock
@@ -169,14 +182,18 @@ class UsageLedger:
         return len(self._slots)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._slots
+        """Whether ``key`` is taken: its slot is open, or the cap evicted it while its request runs."""
+        return key in self._slots or key in self._evicted
 
     def open(self, key: str) -> None:
-        if key in self._slots:
+        if key in self:
             raise KeyError(f"ledger slot {key!r} is already open")
         if len(self._slots) >= self._max_slots:
-            # dicts keep insertion order: the first slot is the oldest.
-            del self._slots[next(iter(self._slots))]
+            # dicts keep insertion order: the first slot is the oldest. Its figures go, its
+            # key stays taken: given out again, its request's close would close the other's slot.
+            oldest = next(iter(self._slots))
+            if not (evicted := self._slots.pop(oldest)).ended():
+                self._evicted[oldest] = evicted.owner
             self.counters.evicted_cap += 1
             self.observer.evicted("cap", 1)
         self._slots[key] = _Slot(opened_at=self._clock(), owner=_current_task())
@@ -186,6 +203,8 @@ class UsageLedger:
     def close(self, key: str) -> EngineUsage | None:
         """Drop the slot; return its usage if any event arrived. No await: safe in ``finally``."""
         slot = self._slots.pop(key, None)
+        if slot is None:
+            self._evicted.pop(key, None)
         if (notify := self.observer.open_slots) is not None:
             notify(len(self._slots))
         return None if slot is None or slot.usage.events == 0 else slot.usage
@@ -229,6 +248,8 @@ class UsageLedger:
         stale = [key for key, slot in self._slots.items() if slot.opened_at < deadline and slot.ended()]
         for key in stale:
             del self._slots[key]
+        for key in [key for key, owner in self._evicted.items() if _ended(owner)]:
+            del self._evicted[key]  # its request ended without a close: a missed drop guard
         if stale:
             self.counters.evicted_ttl += len(stale)
             self.observer.evicted("ttl", len(stale))

@@ -170,6 +170,36 @@ def test_cap_evicts_the_oldest_slot_first_and_counts_it() -> None:
     assert ledger.counters.evicted_cap == 2
 
 
+@pytest.mark.asyncio
+async def test_a_key_the_cap_evicted_stays_taken_while_its_request_runs() -> None:
+    """Its figures go, its key does not: no later request is given it, so the evicted
+    request's close cannot close another's slot, nor its late events land in one."""
+    ledger = UsageLedger(max_slots=1)
+    release = asyncio.Event()
+
+    async def request(key: str, close: bool) -> EngineUsage | None:
+        ledger.open(key)
+        await release.wait()
+        return ledger.close(key) if close else None
+
+    evicted = asyncio.create_task(request("x", close=True))
+    leaked = asyncio.create_task(request("y", close=False))  # evicts x, then misses its close
+    await asyncio.sleep(0)
+    ledger.open("z")  # evicts y
+    assert ledger.counters.evicted_cap == 2 and len(ledger) == 1
+    assert "x" in ledger and "y" in ledger
+    with pytest.raises(KeyError):
+        ledger.open("x")
+    ledger.publish(Scheduled("x", 100, 64))  # the evicted request's late prefill
+    assert ledger.counters.unmatched_events == 1
+    release.set()
+    assert await evicted is None
+    await leaked
+    assert "x" not in ledger and "y" in ledger
+    assert ledger.sweep() == 0 and "y" not in ledger  # its task ended without a close
+    assert "z" in ledger
+
+
 def test_max_slots_must_be_positive() -> None:
     with pytest.raises(ValueError):
         UsageLedger(max_slots=0)
