@@ -5,7 +5,9 @@ else ``proxy`` imports, to build and drive engines: docs/ARCHITECTURE.md). An en
 publishes one :class:`Scheduled` per engine request, when the request is first scheduled,
 into an :class:`EventSink`. The key it publishes under is the proxy's request key, which
 the middleware puts in :data:`current_request_key` for the duration of the HTTP request;
-engine code reads it there instead of parsing its own request ids.
+engine code reads it there instead of parsing its own request ids. An engine whose outputs
+may carry several tokens each also tells the sink how many tokens each output handed its
+serving layer (:meth:`EventSink.generated`), so that a stream is billed in tokens, not events.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class Scheduled:
 
 @runtime_checkable
 class EventSink(Protocol):
-    """Where engines publish. ``publish`` is synchronous and must never block."""
+    """Where engines publish. Both methods are synchronous and must never block."""
 
     def publish(self, event: Scheduled) -> None: ...
+
+    def generated(self, request_id: str, tokens: int) -> None:
+        """``tokens`` more tokens of ``request_id`` reached the engine's serving layer."""

@@ -45,6 +45,7 @@ _ASYNC_LLM = ("vllm.v1.engine.async_llm",)
 _NO_TIERS = ("no prefill hook: totals from RequestOutput, no tiers, "
              "n > 1 may report a later copy's hit")
 _NO_SERVE = "cannot run vLLM's serve entry"
+_BY_EVENTS = "a stream without a usage chunk is billed by its events, which may hold several tokens"
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +117,10 @@ TOUCH_POINTS: dict[str, TouchPoint] = _table(
     TouchPoint("RequestOutputCollector", _OUTPUT_PROCESSOR, _NO_TIERS, fields=("request_id",)),
     TouchPoint("RequestOutput", ("vllm.outputs",), "no tap: cached_tokens unknown",
                fields=("request_id", "prompt_token_ids", "num_cached_tokens",
-                       "num_cache_creation_tokens")),
+                       "num_cache_creation_tokens", "outputs")),
+    # Each output's tokens: a stream is billed in tokens, not events (tap.py).
+    TouchPoint("CompletionOutput", ("vllm.outputs",), _BY_EVENTS, fields=("index", "token_ids")),
+    TouchPoint("SamplingParams", ("vllm.sampling_params",), _BY_EVENTS, fields=("output_kind",)),
     TouchPoint("OutputProcessor._update_stats_from_output", _OUTPUT_PROCESSOR, _NO_TIERS,
                params=("req_state", "engine_core_output")),
     TouchPoint("RequestState", _OUTPUT_PROCESSOR, _NO_TIERS,

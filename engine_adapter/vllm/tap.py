@@ -22,6 +22,12 @@ call, which vLLM mints inside ``generate()``'s first step (``AsyncLLM.add_reques
 on the same instance): the tap wraps that method too, finds the call through a context
 variable set around that step, and registers it with the prefill hook. A figure that
 fails ``Scheduled``'s checks is logged (once) and not published: the request goes on.
+
+Each output ``generate()`` hands the serving layer is counted too, in tokens
+(:meth:`~engine_adapter.events.EventSink.generated`): a stream without a usage chunk cannot be
+billed by its events, which may each carry many tokens. vLLM merges a stream's outputs that
+its serving layer has not taken yet (a client that reads slowly), and a streamed beam search
+sends each beam's whole text in one event.
 """
 
 from __future__ import annotations
@@ -40,14 +46,18 @@ logger = logging.getLogger("cachetally.engine.vllm")
 
 class _Call:
     """One ``generate()`` call: the middleware's key, the internal id vLLM gave its request
-    once added, and whether its figures were published (or refused) at the prefill."""
+    once added, whether its figures were published (or refused) at the prefill, and the
+    ``output_kind`` of its outputs: ``DELTA`` (a stream's) carry only new tokens, the others
+    every token of a choice so far."""
 
-    __slots__ = ("key", "engine_id", "settled")
+    __slots__ = ("key", "engine_id", "settled", "kind", "tokens")
 
-    def __init__(self, key: str | None) -> None:
+    def __init__(self, key: str | None, params: Any) -> None:
         self.key = key
         self.engine_id: str | None = None
         self.settled = False
+        self.kind: str | None = getattr(getattr(params, "output_kind", None), "name", None)
+        self.tokens: dict[int, int] = {}  # choice index -> tokens handed so far (not DELTA)
 
 
 #: Set around a call's first step, in which vLLM's ``generate()`` runs ``add_request()``.
@@ -91,7 +101,7 @@ class EngineTap:
 
     async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         outputs = self._generate(*args, **kwargs)
-        call = _Call(current_request_key.get())
+        call = _Call(current_request_key.get(), kwargs.get("sampling_params", args[1] if len(args) > 1 else None))
         try:
             token = _adding.set(call)
             try:  # reset in the same step: later steps may run in other tasks' contexts
@@ -101,11 +111,25 @@ class EngineTap:
             if output is not None and not call.settled:  # the first, before the serving layer sees it
                 self._publish_output(call, output)
             while output is not None:
+                self._count(call, output)
                 yield output
                 output = await anext(outputs, None)
         finally:
             self._prefill.forget(call.engine_id)  # one cut before its prefill: nothing to hand it
             await outputs.aclose()  # on disconnect: vLLM's generate() aborts the request
+
+    def _count(self, call: _Call, output: Any) -> None:
+        """The tokens ``output`` hands the serving layer, to the sink under the call's key."""
+        if call.key is None or call.kind is None:  # compat: unknown, the stream's events bill it
+            return
+        added = 0
+        for choice in getattr(output, "outputs", ()):
+            tokens = len(getattr(choice, "token_ids", ()))
+            if call.kind != "DELTA":  # cumulative, or the final output: every token of the choice so far
+                tokens, call.tokens[choice.index] = tokens - call.tokens.get(choice.index, 0), tokens
+            added += tokens
+        if added:
+            self._sink.generated(call.key, added)
 
     def _prefilled(self, call: _Call, first: Prefill, prompt_tokens: int) -> None:
         if call.key is not None:  # else outside a metered request: keyed by vLLM's id, from the output

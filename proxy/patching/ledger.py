@@ -55,6 +55,8 @@ class EngineUsage:
     transferred_tokens: int | None = None  # disaggregated decode only (Scheduled)
     decode_local_tokens: int | None = None
     events: int = 0
+    #: Tokens the engine's outputs handed its serving layer, when the engine counts them (vLLM's tap).
+    generated_tokens: int | None = None
     #: (prompt_tokens, cached_tokens) of each engine request, in publication order.
     per_request: list[tuple[int, int]] = field(default_factory=list)
 
@@ -240,6 +242,11 @@ class UsageLedger:
         if slot.first_only and slot.usage.events:
             return
         slot.usage.add(event)
+
+    def generated(self, request_id: str, tokens: int) -> None:
+        """:class:`EventSink`: ``tokens`` more reached the serving layer (for no open slot: dropped)."""
+        if (slot := self._slots.get(request_id)) is not None:
+            slot.usage.generated_tokens = (slot.usage.generated_tokens or 0) + tokens
 
     def sweep(self) -> int:
         """Evict slots older than the TTL whose request has ended; returns how many. Call it

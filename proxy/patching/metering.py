@@ -31,6 +31,9 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
     # A model the engine serves, never a name a client made up: labels must stay bounded.
     model = r.ctx.config.models.label(in_response.model) if in_response.model else r.ctx.config.default_model
     completion, completion_source = notes.completion(r.stream)
+    if completion_source == "stream" and engine is not None and engine.generated_tokens is not None:
+        # Tokens, not events: vLLM puts several in one event (merged outputs, a beam search).
+        completion, completion_source = engine.generated_tokens, "engine"
     local = external = writes = None
     if engine is not None:
         prompt, cached, source = engine.prompt_tokens, engine.cached_tokens, "engine"

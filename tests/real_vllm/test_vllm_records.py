@@ -1,8 +1,8 @@
 """Usage records in embedded-vLLM mode: the shared `cachetally serve` (tests/conftest.py)
 writes them to a session directory. Each request's record matches what its client got;
 a stream without a usage chunk counts the same completion tokens as the same request
-answered as JSON (temperature 0), which checks the stream's token-event count against
-vLLM's own numbers; a client that leaves mid-stream gets a `disconnected` record, and one that leaves a JSON
+answered as JSON (temperature 0), which checks the tokens the tap counted against vLLM's
+own numbers; a client that leaves mid-stream gets a `disconnected` record, and one that leaves a JSON
 request while it is decoding is billed the prefill vLLM counted."""
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def test_each_request_leaves_one_record_matching_its_usage(vllm_server: str, vll
     assert record["json"]["response_id"] == answer.id
     assert record["json"]["cached_tokens"] == json_usage.prompt_tokens_details.cached_tokens
     assert record["sse_usage"]["cached_tokens"] == chunks[-1].usage.prompt_tokens_details.cached_tokens
-    assert [record[n]["completion_source"] for n in ("json", "sse_usage", "sse_plain")] == ["usage", "usage", "stream"]
+    assert [record[n]["completion_source"] for n in ("json", "sse_usage", "sse_plain")] == ["usage", "usage", "engine"]
 
     cut = record["cut"]
-    assert (cut["outcome"], cut["completion_source"]) == ("disconnected", "stream")
+    assert (cut["outcome"], cut["completion_source"]) == ("disconnected", "engine")
     assert 3 <= cut["completion_tokens"] < 200
 
 

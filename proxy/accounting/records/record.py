@@ -23,8 +23,9 @@ the models the engine serves (:mod:`proxy.patching.served_models`).
   sent after (vLLM answers a request whose client left with a 200 and ``null``).
 
 ``completion_tokens`` comes from the response's own usage object when one covering the
-whole request was seen (``completion_source="usage"``). A stream cut before its usage
-chunk counts the token events produced up to the end (``"stream"``): one per choice per
+whole request was seen (``completion_source="usage"``). A stream without one counts the
+tokens the tapped vLLM engine handed its serving layer (``"engine"``: an event may carry
+many), else the token events produced up to the end (``"stream"``): one per choice per
 engine step, which is one token in vLLM (stream interval 1, no speculative decoding) and
 in the sim, and a lower bound when several tokens share an event. Otherwise 0
 (``"none"``): a JSON response that was never produced delivered nothing; or 0 with

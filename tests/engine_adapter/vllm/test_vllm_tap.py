@@ -347,3 +347,91 @@ def test_cache_tiers_are_reported_only_when_they_add_up_to_the_cached_total(loca
     usage = asyncio.run(asyncio.wait_for(main(), 30))
     assert usage is not None
     assert (usage.cached_tokens, usage.local_cached_tokens, usage.external_cached_tokens) == (1920, *tiers)
+
+
+class _Stream(_AsyncLLM):
+    """A streamed request as vLLM runs it: the engine puts each step's output into vLLM's own
+    ``RequestOutputCollector``, which merges the ``DELTA`` outputs the serving layer has not
+    taken yet (a client that reads slowly holds the serving layer in its ``send``)."""
+
+    def __init__(self, steps: list[list[int]], taken: asyncio.Event) -> None:
+        super().__init__()
+        self.steps, self.taken = steps, taken
+
+    async def generate(self, prompt: _Request, sampling_params: Any, request_id: str, **kwargs: Any):
+        # importorskip keeps the warnings torch raises on import out of this process's filter
+        outputs = pytest.importorskip("vllm.outputs")
+        collector_class = pytest.importorskip("vllm.v1.engine.output_processor").RequestOutputCollector
+        queue = await self.add_request(request_id, prompt, sampling_params)
+        state = self._make_state(queue.request_id, request_id, prompt)
+        self.output_processor._update_stats_from_output(state, NS(prefill_stats=prompt.stats), 0.0, None)
+        collector = collector_class(sampling_params.output_kind, queue.request_id)
+
+        async def engine() -> None:
+            for i, tokens in enumerate(self.steps):
+                choice = outputs.CompletionOutput(index=0, text="", token_ids=tokens, cumulative_logprob=None,
+                                                  logprobs=None)
+                collector.put(outputs.RequestOutput(request_id, None, list(range(prompt.stats.num_prompt_tokens)), None,
+                                            [choice], finished=i == len(self.steps) - 1))
+                await asyncio.sleep(0)
+
+        steps = asyncio.create_task(engine())
+        finished = False
+        while not finished:
+            output = await collector.get()
+            finished = output.finished
+            yield output
+            await self.taken.wait()
+        await steps
+
+
+def test_a_stream_whose_outputs_vllm_merged_is_counted_in_tokens_not_events() -> None:
+    """Ten steps of one token each, while the serving layer is held after the first event: vLLM
+    merges the other nine into one output, one event. The ledger holds the ten tokens."""
+    sampling = pytest.importorskip("vllm.sampling_params")
+
+    async def main() -> tuple[int, EngineUsage | None]:
+        taken = asyncio.Event()
+        client, ledger = _Stream([[i] for i in range(10)], taken), UsageLedger()
+        EngineTap(client, ledger)
+        params = sampling.SamplingParams(max_tokens=10, output_kind=sampling.RequestOutputKind.DELTA)
+        ledger.open("k")
+        token = current_request_key.set("k")
+        events = 0
+        try:
+            async for _ in client.generate(_Request(_stats(100, 0, 0)), params, "chatcmpl-k"):
+                events += 1
+                if events == 1:  # the client reads nothing for a while
+                    await asyncio.sleep(0.05)
+                    taken.set()
+        finally:
+            current_request_key.reset(token)
+        return events, ledger.close("k")
+
+    events, usage = asyncio.run(asyncio.wait_for(main(), 30))
+    assert usage is not None
+    assert (events, usage.generated_tokens) == (2, 10)
+
+
+def test_cumulative_outputs_are_counted_once_per_token() -> None:
+    """A beam search's steps run as engine requests whose outputs are ``CUMULATIVE``: every
+    output holds each choice's tokens so far, so only what it adds is counted."""
+    sampling = pytest.importorskip("vllm.sampling_params")
+
+    async def main() -> EngineUsage | None:
+        taken = asyncio.Event()
+        taken.set()
+        client, ledger = _Stream([[1], [1, 2], [1, 2, 3]], taken), UsageLedger()
+        EngineTap(client, ledger)
+        params = sampling.SamplingParams(max_tokens=3, output_kind=sampling.RequestOutputKind.CUMULATIVE)
+        ledger.open("k")
+        token = current_request_key.set("k")
+        try:
+            async for _ in client.generate(_Request(_stats(100, 0, 0)), params, "chatcmpl-k"):
+                pass
+        finally:
+            current_request_key.reset(token)
+        return ledger.close("k")
+
+    usage = asyncio.run(asyncio.wait_for(main(), 30))
+    assert usage is not None and usage.generated_tokens == 3
