@@ -14,6 +14,12 @@ that are still generating stream on as they come, past a choice that finished fi
 choice's own chunks keep their order. For ``n = 1`` (the finishing chunk, then the usage
 chunk, in one engine step) the stream is byte-identical and nothing waits. A stream that
 ends without a usage chunk releases what was held unchanged.
+
+An upstream may send usage the client did not ask for: vLLM's ``--enable-force-include-usage``
+puts it on every chunk, whatever ``continuous_usage_stats`` says, and sends the usage chunk to
+every client. A choice's chunk with usage on it shows that, and the hold stands down: it
+releases what it held, and drops and moves nothing, so the client gets what that upstream
+sends.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ _CHOICE = re.compile(rb'"choices":\s*\[\s*\{')
 
 
 class GhostHold:
-    __slots__ = ("_held", "_all", "_done", "_fingerprint", "_usage_dropped")
+    __slots__ = ("_held", "_all", "_done", "_fingerprint", "_usage_dropped", "_unasked")
 
     def __init__(self) -> None:
         self._held = bytearray()
@@ -38,16 +44,26 @@ class GhostHold:
         self._done = False  # released after the usage chunk: nothing more to hold
         self._fingerprint: str | None = None
         self._usage_dropped = False
+        self._unasked = False  # the upstream sends usage unasked: stand down (module docstring)
 
-    def usage_dropped(self, payload: dict) -> None:
-        """The middleware dropped the ghost usage chunk ``payload``."""
+    def drops(self, payload: dict) -> bool:
+        """Whether the middleware drops the event ``payload``: the ghost usage chunk."""
+        choices = payload.get("choices")
+        if self._unasked or payload.get("usage") is None or not isinstance(choices, list):
+            return False
+        if choices:  # a choice's chunk with usage on it
+            self._unasked = True
+            return False
         fingerprint = payload.get("system_fingerprint")
         self._fingerprint = fingerprint if isinstance(fingerprint, str) else None
         self._usage_dropped = True
+        return True
 
     def filter(self, out: bytes) -> bytes:
         """Feed the patcher's output (whole events, but for an oversized or last one's
         part); returns what may go to the client now."""
+        if self._unasked:
+            return self.release() + out if self._held else out
         if self._done or (not self._held and not _FINISH.search(out)):
             return out
         passed: list[bytes] = []

@@ -280,12 +280,12 @@ class Responder:
     def _patch_event(self, payload: dict[str, Any]) -> bool | None:
         if self.shape is not None:
             return self._patch_shape(payload)
+        ghost = self._hold is not None and self._hold.drops(payload)
         if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
             # A ghost usage chunk never reaches the client, so it is not among the counted events.
-            self.notes.whole_usage(payload, event=self._hold is None)
-        if self._hold is not None and payload.get("usage") is not None and payload.get("choices") == []:
+            self.notes.whole_usage(payload, event=not ghost)
+        if ghost:
             self._patch(payload)  # observe it for the metrics, then drop it
-            self._hold.usage_dropped(payload)
             return False
         options = self.options
         assert options is not None

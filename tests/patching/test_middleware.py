@@ -963,6 +963,29 @@ async def test_ghost_usage_without_a_fingerprint_changes_nothing_else() -> None:
     assert client.body == ROLE + finishing(0) + DONE
 
 
+def usage_so_far(completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": 64, "completion_tokens": completion_tokens, "total_tokens": 64 + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 32}}
+
+
+@pytest.mark.asyncio
+async def test_ghost_usage_stands_down_before_an_upstream_that_sends_usage_unasked() -> None:
+    """vLLM's ``--enable-force-include-usage`` puts usage on every chunk and sends the usage
+    chunk whatever the client asked: the client gets the stream as that upstream sent it. Seen
+    on vLLM 0.32 before: the client lost the usage chunk, and its fingerprint moved to the last
+    choice's chunk."""
+    h = Harness(PatchConfig(ghost_usage=True))
+    client = Client(chat_request(stream=True))
+    upstream = [chunk({"role": "assistant", "content": ""}, usage=usage_so_far(0)),
+                chunk({"content": "hello"}, usage=usage_so_far(1)), finishing(0, usage=usage_so_far(2)),
+                chunk(usage=usage_so_far(2), system_fingerprint="fp-1"), DONE]
+    await h.call(h.middleware(sse_response(*upstream)), client)
+    assert sse_payloads(client.body) == sse_payloads(b"".join(upstream))
+    assert h.requests() == {"hit": 1}  # counted once, from the usage chunk
+    assert h.sample("cachetally_prompt_tokens_total", model="m") == 64
+    assert h.sample("cachetally_cached_tokens_total", model="m", source="upstream", tier="all") == 32
+
+
 @pytest.mark.asyncio
 async def test_ghost_usage_leaves_a_client_that_asked_for_usage_alone() -> None:
     h = Harness(PatchConfig(ghost_usage=True))
