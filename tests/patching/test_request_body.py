@@ -5,8 +5,10 @@ vLLM's request models (``chat_completion/protocol.py``, ``completion/protocol.py
 StreamOptions | None``, ``include_usage`` and ``continuous_usage_stats`` as ``bool | None``,
 and a raw "options need a stream" check before parsing) are mirrored below as pydantic
 models; :mod:`proxy.patching.request_body` and the sim's parser are held against them over arbitrary
-JSON values. Then, through real HTTP in upstream mode, a client sending ``"stream": "true"``
-gets exactly the stream it asked for and its usage record carries the upstream's figures.
+JSON values, and the request body reader against the installed vLLM's own models too (marked
+``vllm``: it imports vLLM), so a vLLM that reads them otherwise is caught. Then, through real
+HTTP in upstream mode, a client sending ``"stream": "true"`` gets exactly the stream it asked
+for and its usage record carries the upstream's figures.
 
 The body itself is read as vLLM's parser (Python's ``json``) reads it: the oracle is
 ``json.loads`` of what the engine is handed, against the client's body with only the
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +141,52 @@ def test_stream_options_are_read_as_vllm_reads_them(payload: dict[str, Any]) -> 
     # A body the engine refuses is never billed as a stream.
     assert options.stream == (expected is not None and expected[0])
 
+
+
+@functools.cache
+def _installed_vllm() -> tuple[dict[str, tuple[dict[str, Any], Any]], Any, tuple[type[Exception], ...]]:
+    """Each patched route's body (what it needs besides the options) and the installed vLLM's
+    own request model for it; how its serving layer reads ``stream_options``; and what its
+    models raise for a body it answers 400."""
+    with warnings.catch_warnings():  # torch, imported by vLLM, deprecates its own torch.jit
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+        from vllm.entrypoints.serve.utils.api_utils import should_include_usage
+        from vllm.exceptions import VLLMClientError
+
+    return {
+        "chat": ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, ChatCompletionRequest),
+        "completions": ({"model": "m", "prompt": "hi"}, CompletionRequest),
+        "responses": ({"model": "m", "input": "hi"}, ResponsesRequest),
+        "messages": ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+                     AnthropicMessagesRequest),
+    }, should_include_usage, (ValidationError, VLLMClientError)
+
+
+@pytest.mark.vllm
+@settings(max_examples=400, deadline=None)
+@given(route=st.sampled_from(["chat", "completions", "responses", "messages"]),
+       options=_BODIES | st.fixed_dictionaries({}, optional={"use_beam_search": JSON}))
+def test_the_installed_vllms_own_models_read_the_options_as_we_do(route: str, options: dict[str, Any]) -> None:
+    """The mirror above, checked against the real thing: what the installed vLLM's route reads
+    from the body (its pydantic model, then ``should_include_usage`` as its serving layer calls
+    it) is what :func:`parse_request` reads, for every body vLLM serves."""
+    models, should_include_usage, refusals = _installed_vllm()
+    base, model = models[route]
+    body = orjson.dumps({**base, **options})
+    reads_options = route in ("chat", "completions")  # Responses and Messages have no stream_options
+    try:
+        request = model.model_validate(json.loads(body))
+    except refusals:
+        return  # a 400 from vLLM: nothing runs, nothing is billed
+    _, ours = parse_request(body, stream_options=reads_options)
+    assert ours.valid and ours.stream == bool(request.stream)
+    if reads_options:
+        assert (ours.include_usage, ours.continuous_usage) == should_include_usage(request.stream_options, False)
+        assert ours.beam_search == request.use_beam_search
 
 # -- the body, read and rewritten as the engine's parser reads it -----------------------------
 
