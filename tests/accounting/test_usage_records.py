@@ -226,6 +226,20 @@ async def test_the_record_carries_the_clients_traceparent_only_when_the_whole_he
     assert [r["traceparent"] for r in records] == [TRACEPARENT, None, None, None, None]
     assert all(r["outcome"] == "completed" for r in records)  # refused as a trace, billed as a request
 
+
+@pytest.mark.asyncio
+async def test_a_prefix_cache_hit_is_recorded_and_counted_in_the_engines_own_tier(tmp_path: Path) -> None:
+    """The sim's hits are all in its own prefix cache: the record bills them as ``local``, never
+    as a KV connector's (``external``), and the tier counters say the same."""
+    body = {"messages": [{"role": "user", "content": "a prompt long enough to fill a cache block " * 8}],
+            "max_tokens": 2}
+    records, metrics = await serve(tmp_path, Exchange(body), Exchange(body))
+    hit = records[1]
+    assert hit["cached_tokens"] > 0
+    assert (hit["local_cached_tokens"], hit["external_cached_tokens"]) == (hit["cached_tokens"], 0)
+    assert metric_value(metrics, "cachetally_cached_tokens_total", tier="local") == hit["cached_tokens"]
+    assert metric_value(metrics, "cachetally_cached_tokens_total", tier="external") == 0
+
 # -- the JSONL sink and the queue in front of it ---------------------------------------------
 
 
