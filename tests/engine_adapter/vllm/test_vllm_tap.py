@@ -284,6 +284,38 @@ def test_requests_cut_before_their_prefill_never_crowd_out_one_still_waiting(mon
     assert [r.getMessage() for r in caplog.records if "wait for their prefill" in r.getMessage()] == []
 
 
+@pytest.mark.parametrize(("queued", "at_prefill", "warned"), [(8, 8, False), (9, 8, True)])
+def test_as_many_requests_as_the_cap_wait_for_their_prefill_and_one_more_evicts_the_oldest(
+        monkeypatch, caplog, queued: int, at_prefill: int, warned: bool) -> None:
+    """The cap is how many requests may wait for their prefill (the ledger's slots): that many
+    are each billed at it, with no warning; one more, and the oldest is billed from its first
+    output instead, which is logged. (The cap is made small here; it is 100,000.)"""
+    from engine_adapter.vllm import prefill
+
+    monkeypatch.setattr(prefill, "_MAX_ENTRIES", 8)
+
+    async def main() -> tuple[int, int]:
+        client, ledger = _AsyncLLM(), UsageLedger()
+        EngineTap(client, ledger)
+        requests = [_Request(_stats(2000, 1920, 0)) for _ in range(queued)]
+        for request in requests:
+            request.prefill.clear()
+            request.finish.clear()
+        served = [asyncio.create_task(_serve(client, ledger, f"k{i}", r)) for i, r in enumerate(requests)]
+        await asyncio.sleep(0.05)  # all added, none prefilled
+        for request in requests:
+            request.prefill.set()
+        await asyncio.sleep(0.05)
+        billed = sum(ledger.usage(f"k{i}") is not None for i in range(queued))
+        for request in requests:
+            request.finish.set()
+        return billed, sum(usage is not None for _, usage in await asyncio.gather(*served))
+
+    with caplog.at_level(logging.WARNING, logger="cachetally.engine.vllm"):
+        assert asyncio.run(asyncio.wait_for(main(), 30)) == (at_prefill, queued)
+    assert any("wait for their prefill" in r.getMessage() for r in caplog.records) == warned
+
+
 class _FanOut(_AsyncLLM):
     """``n`` copies of one prompt, as vLLM's ``ParentRequest`` runs them: child requests
     ``{i}_{parent}``, prefilled in order; without streaming, the one output carries the figures
