@@ -294,6 +294,15 @@ def test_no_record_field_grows_with_what_a_peer_sends() -> None:
     assert len(dumps(record)) < 2048
 
 
+@pytest.mark.parametrize(("sent", "kept"), [(255, 255), (256, 256), (257, 256)])
+def test_a_model_name_or_response_id_is_kept_up_to_256_characters(sent: int, kept: int) -> None:
+    from proxy.accounting.records.record import UsageRecord
+
+    record = UsageRecord(request_id="r", tenant="t", route="chat", stream=False, start_unix=0.0,
+                         request_model="m" * sent, response_id="i" * sent)
+    assert (record.request_model, record.response_id) == ("m" * kept, "i" * kept)
+
+
 # -- routes: an upstream's root path runs nothing unmetered ---------------------------------------
 
 
