@@ -105,6 +105,21 @@ async def test_the_bearer_scheme_is_read_in_any_case(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_key_under_another_scheme_is_refused_and_bills_no_one(tmp_path: Path) -> None:
+    """Only ``Bearer`` carries a key: the same key sent as ``Basic`` or ``Token`` credentials
+    is a 401, and no tenant is billed for it."""
+    path = keys_file(tmp_path, '"sk-alpha-1" = "alpha"\n')
+    async with in_process(api_keys_file=str(path)) as client:
+        for scheme in ("Basic", "Token", "Bearer-ish"):
+            headers = {"authorization": f"{scheme} sk-alpha-1"}
+            answer = await client.post("/v1/completions", json=BODY, headers=headers)
+            assert (answer.status_code, answer.headers.get("www-authenticate")) == (401, "Bearer"), scheme
+        metrics = (await client.get("/metrics")).text
+    assert tenants_in(metrics) == {}
+    assert resolved(Tenancy(KeyTable({"sk-alpha-1": "alpha"})), [(b"authorization", b"Basic sk-alpha-1")]) == "default"
+
+
+@pytest.mark.asyncio
 async def test_a_trusted_headers_value_is_read_without_its_surrounding_whitespace() -> None:
     """uvicorn's httptools parser keeps a header value's trailing whitespace, which is no part
     of the value (RFC 9110, 5.5): ``a `` from the gateway is tenant ``a``, not ``other``."""
