@@ -3,7 +3,9 @@ a torn last line skipped and counted, and a PNG plot."""
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from pathlib import Path
 
 import orjson
@@ -252,6 +254,26 @@ def test_a_directory_with_no_usage_file_is_said(tmp_path: Path, capsys: pytest.C
     out, err = capsys.readouterr()
     assert json.loads(out)["records"] == 0
     assert f"{tmp_path} holds no *.jsonl file" in err
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("threshold", "shown"), [(1, True), (1 << 30, False)])
+def test_on_a_terminal_an_input_over_the_threshold_shows_a_progress_bar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threshold: int, shown: bool
+) -> None:
+    """Reading gigabytes of records says how far it got; a small input gets no bar (the
+    threshold is made tiny here; it is 16 MiB)."""
+    from proxy.accounting.records import report_cli
+
+    monkeypatch.setattr(report_cli, "PROGRESS_BYTES", threshold)
+    monkeypatch.setattr(sys, "stderr", terminal := Terminal())
+    path = write(tmp_path / "a.jsonl", [rec("acme", "m", 10, 0, 1)])
+    assert main(["report", str(path), "--json"]) == 0
+    assert ("reading" in terminal.getvalue()) == shown
 
 
 def test_an_unreadable_period_is_refused_in_words(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
