@@ -342,6 +342,18 @@ async def test_api_key_is_required_on_v1_routes_only() -> None:
 
 
 @pytest.mark.asyncio
+async def test_every_prefix_vllms_own_key_guards_needs_the_key_here_too() -> None:
+    """vLLM's ``--api-key`` guards ``/v1``, ``/v2`` (Cohere's v2 rerank), ``/inference`` and
+    ``/cohere``: a request there without the key is refused before any route is looked up."""
+    async with in_process(api_key="k") as client:
+        for path in ("/v1/rerank", "/v2/rerank", "/inference/v1/generate", "/cohere/v1/rerank"):
+            refused = await client.post(path, json={"model": "m", "query": "q", "documents": ["d"]})
+            assert (refused.status_code, refused.headers.get("www-authenticate")) == (401, "Bearer"), path
+            keyed = await client.post(path, json={}, headers={"authorization": "Bearer k"})
+            assert keyed.status_code != 401, path
+
+
+@pytest.mark.asyncio
 async def test_exempt_paths_are_open_and_only_those() -> None:
     async with in_process(api_key="k", auth_exempt_paths=["/v1/models"]) as client:
         assert (await client.get("/v1/models")).status_code == 200
