@@ -354,6 +354,19 @@ async def test_every_prefix_vllms_own_key_guards_needs_the_key_here_too() -> Non
 
 
 @pytest.mark.asyncio
+async def test_a_guarded_route_under_the_root_path_needs_the_key_as_the_bare_one() -> None:
+    """Behind a ``--root-path`` (vLLM's, or an ASGI server's), ``/api/v1/completions`` is the
+    engine's ``/v1/completions``: it runs the engine and is billed, so it needs the key too."""
+    app = CachetallyApp(Settings(engine="sim", api_key="k").validate())
+    async with app.running():
+        transport = httpx.ASGITransport(app=app, root_path="/api")
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            for path in ("/api/v1/completions", "/v1/completions"):
+                refused = await client.post(path, json={"prompt": "x", "max_tokens": 1})
+                assert (refused.status_code, refused.headers.get("www-authenticate")) == (401, "Bearer"), path
+
+
+@pytest.mark.asyncio
 async def test_exempt_paths_are_open_and_only_those() -> None:
     async with in_process(api_key="k", auth_exempt_paths=["/v1/models"]) as client:
         assert (await client.get("/v1/models")).status_code == 200
