@@ -367,6 +367,25 @@ async def test_a_guarded_route_under_the_root_path_needs_the_key_as_the_bare_one
 
 
 @pytest.mark.asyncio
+async def test_a_websocket_without_the_key_is_closed_as_a_policy_violation() -> None:
+    """vLLM's realtime API is a WebSocket under ``/v1``: without the key it is closed with
+    1008 (policy violation, RFC 6455), which a client tells apart from a normal close."""
+    app = CachetallyApp(Settings(engine="sim", api_key="k").validate())
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async with app.running():
+        scope = {"type": "websocket", "path": "/v1/realtime", "root_path": "", "headers": []}
+        await app(scope, receive, send)
+    assert sent == [{"type": "websocket.close", "code": 1008}]
+
+
+@pytest.mark.asyncio
 async def test_exempt_paths_are_open_and_only_those() -> None:
     async with in_process(api_key="k", auth_exempt_paths=["/v1/models"]) as client:
         assert (await client.get("/v1/models")).status_code == 200
