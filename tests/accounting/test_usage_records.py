@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.jsonl import JsonlSink
 from proxy.accounting.records.queue import Delivery, DropCounts, SinkWorker
-from proxy.accounting.records.record import UsageRecord
+from proxy.accounting.records.record import UsageRecord, dumps
 from proxy.asgi.errors import error_sse_event
 from proxy.patching.context import PatchConfig
 from proxy.patching.ledger import UsageLedger
@@ -258,6 +258,19 @@ def test_files_rotate_by_size_and_hold_every_record_once(tmp_path: Path) -> None
     assert [r["request_id"] for r in read_records(tmp_path)] == [f"r{n}" for n in range(200)]
 
 
+def test_a_file_is_filled_up_to_its_limit_exactly_before_the_next_one_starts(tmp_path: Path) -> None:
+    """The limit is the most a file holds: two records that make it exactly stay together,
+    and the third starts the next file."""
+    records = [record(1) for _ in range(3)]
+    size = len(dumps(records[0]))
+    assert {len(dumps(r)) for r in records} == {size}
+    sink = JsonlSink(tmp_path, max_file_bytes=2 * size)
+    for rec in records:
+        assert sink.write([rec]).written == 1
+    sink.close()
+    assert [p.stat().st_size for p in sink.paths] == [2 * size, size]
+
+
 def test_each_figure_of_a_record_is_written_under_its_own_name(tmp_path: Path) -> None:
     """The JSONL line is the bill: every figure under its own key, the cache tiers not
     mixed up, durations to the microsecond (a 1.5 ms TTFT is not 0)."""
@@ -299,6 +312,30 @@ def test_a_failed_write_is_cut_back_and_retried_never_duplicated(tmp_path: Path,
     assert worker.stop(timeout_s=5)
     assert sorted(r["request_id"] for r in read_records(tmp_path)) == ["r1", "r2", "r3"]
     assert drops.snapshot() == {}
+
+
+def test_a_batch_over_the_limit_retried_after_a_failed_write_leaves_no_empty_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch larger than the limit gets a file of its own; when its first write fails the
+    file is cut back to nothing, and the retry goes into that same file, not a second one."""
+    real_write = os.write
+    failures = iter([True])
+
+    def flaky(fd: int, data: Any) -> int:
+        if next(failures, False):
+            real_write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr("proxy.accounting.records.jsonl.os.write", flaky)
+    sink = JsonlSink(tmp_path, max_file_bytes=64)
+    batch = [record(1), record(2)]
+    assert len(sink.write(batch).retry) == 2
+    assert sink.write(batch).written == 2
+    sink.close()
+    assert [p.name for p in sorted(tmp_path.iterdir())] == [sink.paths[0].name]
+    assert [r["request_id"] for r in read_records(tmp_path)] == ["r1", "r2"]
 
 
 def test_a_full_queue_drops_and_counts_and_logs_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
