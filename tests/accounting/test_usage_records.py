@@ -338,6 +338,33 @@ def test_a_batch_over_the_limit_retried_after_a_failed_write_leaves_no_empty_fil
     assert [r["request_id"] for r in read_records(tmp_path)] == ["r1", "r2"]
 
 
+def test_records_whose_fsync_failed_are_unconfirmed_even_if_a_later_fsync_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux reports a failed writeback once: the next ``fsync`` succeeds whether or not the
+    bytes reached the disk. When the file cannot be cut back either, the batch is counted
+    ``unconfirmed`` (dropped, never offered again), not written."""
+    real_fsync, fsyncs = os.fsync, iter([False, True])  # the directory's, then the batch's
+
+    def failing_once(fd: int) -> None:
+        if next(fsyncs, False):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    def no_cut(fd: int, size: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr("proxy.accounting.records.jsonl.os.fsync", failing_once)
+    monkeypatch.setattr("proxy.accounting.records.jsonl.os.ftruncate", no_cut)
+    drops, written = DropCounts(), []
+    worker = SinkWorker(JsonlSink(tmp_path), drops, max_queued=10, interval_s=0.01)
+    worker.on_written = written.append
+    worker.submit(record(1))
+    worker.submit(record(2))
+    assert worker.stop(timeout_s=5)
+    assert (written, drops.snapshot()) == ([], {("jsonl", "unconfirmed"): 2})
+
+
 def test_a_full_queue_drops_and_counts_and_logs_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     drops = DropCounts(clock=lambda: now[0])
