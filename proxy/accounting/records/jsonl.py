@@ -88,7 +88,7 @@ class JsonlSink:
             try:
                 os.fsync(fd)
             except OSError:
-                synced = True  # same as a failed fsync of the whole write: unconfirmed
+                pass  # unconfirmed, as after a failed fsync of the whole write
             else:
                 self._abandon()
                 return Delivery(written=whole, retry=batch[whole:], detail=detail)
