@@ -74,3 +74,67 @@ def test_every_record_gets_its_own_id_in_the_file_and_at_the_collector(tmp_path:
     assert [line["request_id"] for line in lines] == ["same"] * 3
     assert len(set(in_file)) == 3 and all(uuid.UUID(r).version == 7 for r in in_file)
     assert sorted(s.attributes["cachetally.record_id"] for s in spans) == sorted(in_file)
+
+
+class _Random:
+    """Counter seeds of ``seed``; no random bits in the tail."""
+
+    def __init__(self, seed: int) -> None:
+        self._seed = seed
+
+    def getrandbits(self, bits: int) -> int:
+        return self._seed if bits == 41 else 0
+
+    def seed(self, value: object) -> None:
+        pass
+
+
+def _scripted(monkeypatch: pytest.MonkeyPatch, clock_ms: list[int], seed: int) -> None:
+    from types import SimpleNamespace
+
+    from proxy.accounting.records import record_id
+
+    times = iter(clock_ms)
+    monkeypatch.setattr(record_id, "time", SimpleNamespace(time_ns=lambda: next(times) * 1_000_000))
+    monkeypatch.setattr(record_id, "_random", _Random(seed))
+    monkeypatch.setattr(record_id, "_last_ms", 0)
+    monkeypatch.setattr(record_id, "_counter", 0)
+
+
+@pytest.mark.parametrize("seed", [(1 << 29) - 2, (1 << 30) - 2])  # a carry into bit 29, into the high field
+def test_ids_sort_in_minting_order_across_a_counter_carry_and_a_clock_stepped_back(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Within one millisecond the counter carries across its bits; a clock stepped back (NTP)
+    keeps counting from the last id: the ids still sort in the order they were minted, so a
+    pipeline that reads them in order loses none."""
+    t = 1_700_000_000_000
+    _scripted(monkeypatch, [t, t, t, t - 5, t - 5, t + 1], seed)
+    ids = [uuid7() for _ in range(6)]
+    assert ids == sorted(ids) and len(set(ids)) == 6
+    assert [i.int >> 80 for i in ids] == [t] * 5 + [t + 1]
+
+
+def test_a_new_milliseconds_counter_starts_in_its_lower_half() -> None:
+    """The counter is reseeded with its top bit clear at each new millisecond, which leaves
+    2**41 ids of room before a millisecond must borrow the next one."""
+    tops = []
+    for _ in range(64):
+        time.sleep(0.0011)  # each id the first of its millisecond
+        tops.append(uuid7().int >> 75 & 1)
+    assert tops == [0] * 64
+
+
+def test_children_forked_in_one_millisecond_never_mint_the_same_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers forked from one parent start with its random state: each reseeds, so that even
+    in the same millisecond (the clock is frozen here) no two mint the same record id."""
+    from types import SimpleNamespace
+
+    from proxy.accounting.records import record_id
+
+    monkeypatch.setattr(record_id, "time", SimpleNamespace(time_ns=lambda: 1_700_000_000_000_000_000))
+    minted = _mint(100)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        for chunk in pool.map(_mint, [1000, 1000]):
+            minted += chunk
+    assert len(set(minted)) == len(minted) == 2100
