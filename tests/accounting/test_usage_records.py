@@ -365,6 +365,24 @@ def test_records_whose_fsync_failed_are_unconfirmed_even_if_a_later_fsync_succee
     assert (written, drops.snapshot()) == ([], {("jsonl", "unconfirmed"): 2})
 
 
+def test_a_process_that_finds_its_file_name_taken_never_writes_into_that_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container restarted within the second gets the same pid, so the same first file
+    name: the file its predecessor wrote is left as it was, and the records go to the next."""
+    monkeypatch.setattr("proxy.accounting.records.jsonl.time.strftime", lambda fmt, t: "20261126T000000Z")
+    taken = tmp_path / f"usage-20261126T000000Z-{os.getpid()}-0001.jsonl"
+    taken.write_bytes(dumps(record(0)))
+    before = taken.read_bytes()
+    sink = JsonlSink(tmp_path)
+    first = sink.write([record(1)])  # the name is taken: offered again at the next interval
+    second = sink.write(first.retry)
+    sink.close()
+    assert taken.read_bytes() == before
+    assert (first.written, second.written) == (0, 1)
+    assert [r["request_id"] for r in read_records(tmp_path)] == ["r0", "r1"]
+
+
 def test_a_full_queue_drops_and_counts_and_logs_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     drops = DropCounts(clock=lambda: now[0])
