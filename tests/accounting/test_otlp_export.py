@@ -81,6 +81,23 @@ def test_every_record_is_exported_whatever_the_flags_or_the_environment(
         assert span.attributes["cachetally.tenant"] == "t"
 
 
+def test_a_span_names_the_model_asked_for_and_the_one_that_answered_and_marks_a_failure() -> None:
+    """What a trace viewer shows of a request: the model the client asked for (the served one
+    when the body named none), the model that answered, how long it took, and an error status
+    exactly when the request failed."""
+    asked = UsageRecord(request_id="asked", tenant="t", route="chat", stream=False, start_unix=1.7e9,
+                        end_unix=1.7e9 + 1.5, model="served", request_model="alias", outcome="completed")
+    failed = UsageRecord(request_id="failed", tenant="t", route="chat", stream=False, start_unix=1.7e9,
+                         end_unix=1.7e9 + 0.5, model="served", outcome="error")
+    with otlp_receiver() as receiver:
+        assert export(receiver, [asked, failed]) == (2, {})
+    spans = {s.attributes["cachetally.request_id"]: s for s in receiver.snapshot()}
+    seen = {rid: (s.attributes["gen_ai.request.model"], s.attributes["gen_ai.response.model"], s.status_code,
+                  s.end_ns - s.start_ns) for rid, s in spans.items()}
+    assert seen == {"asked": ("alias", "served", 0, 1_500_000_000),  # status UNSET
+                    "failed": ("served", "served", 2, 500_000_000)}  # status ERROR
+
+
 @pytest.mark.parametrize("status", [400, 503])
 def test_a_collector_that_refuses_gets_each_flush_once_and_every_record_is_counted_dropped(status: int) -> None:
     records = [usage(n) for n in range(2 * MAX_BATCH + 10)]
