@@ -68,7 +68,7 @@ class UsageRecord:
     cache_creation_tokens: int | None = None
     source: str | None = None  # engine | upstream | None when unknown
     completion_tokens: int = 0
-    completion_source: str = "none"  # usage | stream | none | unknown
+    completion_source: str = "none"  # usage | engine | stream | none | unknown
     ttft_s: float | None = None  # first response body bytes after the request started
     traceparent: str | None = None  # the client's W3C trace context, if it sent one
     record_id: str = field(default_factory=new_record_id)  # ours, unique: deduplicate on this
