@@ -93,11 +93,16 @@ def leg_of(payload: dict[str, Any]) -> Leg | None:
     params = payload.get("kv_transfer_params")
     if not isinstance(params, dict):
         return None
-    remote_decode = params.get("do_remote_decode") is True
-    remote_prefill = params.get("do_remote_prefill") is True
-    if remote_decode == remote_prefill:
-        return None  # neither, or a body claiming both: an ordinary request, billed as one
-    return PREFILL if remote_decode else DECODE
+    # A leg is claimed with ``true`` only; the other marker is absent as vLLM reads it (its
+    # scheduler and connectors test truthiness): ``{"do_remote_decode": true,
+    # "do_remote_prefill": 1}`` is a decode to vLLM, so not a prefill leg here. Anything
+    # else, a body claiming both included, is an ordinary request, billed as one.
+    remote_decode, remote_prefill = params.get("do_remote_decode"), params.get("do_remote_prefill")
+    if remote_decode is True and not remote_prefill:
+        return PREFILL
+    if remote_prefill is True and not remote_decode:
+        return DECODE
+    return None
 
 
 class LegMetrics:

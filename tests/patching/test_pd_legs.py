@@ -197,6 +197,11 @@ def test_figures_a_decode_leg_claims_never_replace_its_engines(tmp_path: Path) -
         ({"do_remote_prefill": True, "remote_block_ids": []}, "decode"),
         ({"do_remote_decode": True, "do_remote_prefill": True}, None),
         ({"do_remote_decode": "true"}, None),
+        # vLLM reads the other marker by truthiness: these are decodes (or both) to it, never a free prefill
+        ({"do_remote_decode": True, "do_remote_prefill": 1}, None),
+        ({"do_remote_decode": True, "do_remote_prefill": "no"}, None),
+        ({"do_remote_prefill": True, "do_remote_decode": [0]}, None),
+        ({"do_remote_decode": True, "do_remote_prefill": 0}, "prefill"),
         ({}, None),
         ([], None),
     ],
