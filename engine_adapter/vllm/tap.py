@@ -25,9 +25,10 @@ fails ``Scheduled``'s checks is logged (once) and not published: the request goe
 
 Each output ``generate()`` hands the serving layer is counted too, in tokens
 (:meth:`~engine_adapter.events.EventSink.generated`): a stream without a usage chunk cannot be
-billed by its events, which may each carry many tokens. vLLM merges a stream's outputs that
-its serving layer has not taken yet (a client that reads slowly), and a streamed beam search
-sends each beam's whole text in one event.
+billed by its events, which may each carry many tokens: vLLM merges a stream's outputs that
+its serving layer has not taken yet (a client that reads slowly). A beam search's answer
+passes through no ``generate()`` call (vLLM's serving layer builds it from its one-token
+steps), so the ledger counts none for it and the middleware asks for its usage chunk.
 """
 
 from __future__ import annotations

@@ -244,8 +244,9 @@ class UsageLedger:
         slot.usage.add(event)
 
     def generated(self, request_id: str, tokens: int) -> None:
-        """:class:`EventSink`: ``tokens`` more reached the serving layer (for no open slot: dropped)."""
-        if (slot := self._slots.get(request_id)) is not None:
+        """:class:`EventSink`: ``tokens`` more reached the serving layer (for no open slot: dropped).
+        A beam search's ``generate()`` calls are its steps, not its answer: not counted."""
+        if (slot := self._slots.get(request_id)) is not None and not slot.first_only:
             slot.usage.generated_tokens = (slot.usage.generated_tokens or 0) + tokens
 
     def sweep(self) -> int:

@@ -3,8 +3,8 @@ rewrite what this route owns, and replay it to the inner app.
 
 The inner app sees the request key as ``X-Request-Id``, the replayed body's
 ``Content-Length`` and ``Accept-Encoding: identity`` (its response is parsed and patched);
-in upstream mode with ghost usage (:mod:`proxy.patching.ghost`) a stream is asked for the
-usage chunk the client did not request.
+in upstream mode with ghost usage (:mod:`proxy.patching.ghost`) a stream, and in every mode
+a streamed beam search, is asked for the usage chunk the client did not request.
 
 A client cannot choose its own count: a chat or completions body loses vLLM's per-request
 ``stream_interval`` (a cut stream is counted in chunks), and in upstream mode without
@@ -120,7 +120,10 @@ def _rewrite(r: Responder, payload: dict[str, Any], body: bytes) -> bytes:
     options, config = r.options, r.ctx.config
     assert options is not None
     strip = config.strip_details_flag and DETAILS_FLAG in payload
-    ghost = config.ghost_usage and r.shape is None and options.stream and not options.include_usage
+    # A streamed beam search asks for it everywhere: its answer comes from no generate() call
+    # the engine tap sees, so only vLLM's usage chunk counts the tokens of every beam.
+    ghost = (config.ghost_usage or options.beam_search) and r.shape is None and options.stream
+    ghost = ghost and not options.include_usage
     # vLLM's per-request stream_interval puts that many tokens in one chunk, and a stream cut
     # before its usage chunk is counted in chunks: the client would choose its own count.
     interval = r.shape is None and INTERVAL in payload

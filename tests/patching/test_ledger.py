@@ -300,3 +300,23 @@ async def test_a_stream_that_outlives_the_ttl_still_reports_the_engines_figures(
     assert usage["prompt_tokens_details"]["cached_tokens"] == 48
     assert h.ledger.counters.evicted_ttl == 0
     assert h.requests() == {"hit": 1}
+
+
+def test_a_beam_searchs_engine_steps_are_no_tokens_of_its_answer() -> None:
+    """vLLM's beam search runs one-token engine steps per beam and builds its answer outside
+    them: the steps' tokens are neither the answer's count nor a prompt, so a search cut
+    before its answer leaves no engine count (and the first step's prompt stands)."""
+    ledger = UsageLedger()
+    ledger.open("k")
+    ledger.first_event_only("k")
+    for step in range(5):
+        ledger.publish(Scheduled(request_id="k", prompt_tokens=64 + step, cached_tokens=step))
+        ledger.generated("k", 1)
+    usage = ledger.close("k")
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.generated_tokens) == (64, 0, None)
+    ledger.open("plain")
+    ledger.generated("plain", 3)
+    ledger.publish(Scheduled(request_id="plain", prompt_tokens=10, cached_tokens=0))
+    usage = ledger.close("plain")
+    assert usage is not None and usage.generated_tokens == 3

@@ -1157,6 +1157,21 @@ async def test_a_beam_search_counts_the_clients_prompt_not_every_beam_step(flag:
     assert h.sample("cachetally_cached_tokens_total", model="m", source="engine", tier="all") == 48
 
 
+@pytest.mark.asyncio
+async def test_a_streamed_beam_search_asks_for_its_usage_chunk_in_every_mode() -> None:
+    """A beam search's answer reaches the client from no engine output the tap counts (each
+    beam's whole text in one event, built from the search's steps): embedded too, the stream
+    asks vLLM for its usage chunk, bills from it and keeps it from the client that asked for none."""
+    h = Harness()
+    client = Client(chat_request(use_beam_search=True, n=2, stream=True))
+    beams = [chunk(choices=[{"index": i, "delta": {"content": "x y z"}, "finish_reason": "length"}]) for i in (0, 1)]
+    usage = chunk(usage={"prompt_tokens": 64, "completion_tokens": 32, "total_tokens": 96})
+    await h.call(h.middleware(sse_response(ROLE, *beams, usage, DONE), (64, 0)), client)
+    assert orjson.loads(h.inner_bodies[0])["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+    assert client.body == ROLE + b"".join(beams) + DONE
+    assert h.sample("cachetally_completion_tokens_total", model="m") == 32
+
+
 def text_completion(prompt_tokens: int = 10, **usage: Any) -> bytes:
     return orjson.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m",
                          "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],

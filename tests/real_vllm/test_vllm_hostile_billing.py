@@ -350,25 +350,31 @@ def test_a_client_cannot_group_its_streamed_tokens_to_be_billed_fewer(
     assert len(events) == 1 + 24  # the role event, then one per token
 
 
-def test_a_streamed_beam_search_is_billed_the_tokens_vllm_generated(
+def test_a_streamed_beam_search_is_billed_the_tokens_of_every_beam(
     vllm_server: str, model: str, vllm_usage_dir: Path, vllm_pace: Pace
 ) -> None:
     """vLLM streams a beam search's answer after the search, each beam's whole text in one
-    event: billed by its token events, a stream without a usage chunk paid one token for all
-    it got. The record equals what vLLM generated (its own ``vllm:generation_tokens_total``)."""
-    rid = uuid.uuid4().hex
+    event: billed by its token events, a stream without a usage chunk paid one token a beam.
+    Nor is the search's work the answer: two beams of 16 tokens take 31 one-token engine
+    steps. The record equals what vLLM itself reports for the same request asked with its
+    usage chunk, and the client, who asked for none, gets none."""
     body = {"model": model, "messages": [{"role": "user", "content": fresh_prompt(20)}], "max_tokens": 16,
-            "ignore_eos": True, "use_beam_search": True, "stream": True}
-    name = "vllm:generation_tokens_total"
-    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(4)) as http:
-        before = metric_value(http.get("/metrics").text, name)
-        with http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": rid}) as answer:
-            events = [line for line in answer.iter_lines() if line.startswith("data: {")]
-        generated = metric_value(http.get("/metrics").text, name) - before
-    assert answer.status_code == 200 and generated == 16
-    assert len(events) == 1 + 1  # the role event, then the whole answer
-    record = only_record(vllm_usage_dir, rid)
-    assert (record["completion_tokens"], record["completion_source"]) == (16, "engine")
+            "ignore_eos": True, "use_beam_search": True, "n": 2, "stream": True}
+    rids = [uuid.uuid4().hex, uuid.uuid4().hex]
+    payloads = []
+    with httpx.Client(base_url=vllm_server, timeout=vllm_pace.timeout(8)) as http:
+        for rid, extra in zip(rids, ({}, {"stream_options": {"include_usage": True}}), strict=True):
+            with http.stream("POST", "/v1/chat/completions", json={**body, **extra},
+                             headers={"x-request-id": rid}) as answer:
+                assert answer.status_code == 200
+                payloads.append([orjson.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")])
+    unasked, asked = payloads
+    assert [p for p in unasked if p.get("usage")] == []  # the client asked for no usage chunk
+    [usage] = [p["usage"] for p in asked if p.get("usage")]
+    assert usage["completion_tokens"] == 2 * 16
+    for rid in rids:
+        record = only_record(vllm_usage_dir, rid)
+        assert (record["completion_tokens"], record["completion_source"]) == (usage["completion_tokens"], "usage")
 
 
 def test_a_client_cannot_claim_its_own_cache_reads_in_kv_transfer_params(

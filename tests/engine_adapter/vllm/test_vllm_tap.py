@@ -446,8 +446,8 @@ def test_a_stream_whose_outputs_vllm_merged_is_counted_in_tokens_not_events() ->
 
 
 def test_cumulative_outputs_are_counted_once_per_token() -> None:
-    """A beam search's steps run as engine requests whose outputs are ``CUMULATIVE``: every
-    output holds each choice's tokens so far, so only what it adds is counted."""
+    """A non-streamed request's outputs are ``CUMULATIVE`` (or final only): every output holds
+    each choice's tokens so far, so only what it adds is counted."""
     sampling = pytest.importorskip("vllm.sampling_params")
 
     async def main() -> EngineUsage | None:
