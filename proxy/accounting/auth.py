@@ -28,7 +28,7 @@ from starlette.types import Scope, Send
 from proxy.accounting.tenants import KeyTable, bearer_token
 from proxy.asgi.errors import send_error
 from proxy.asgi.headers import only_header
-from proxy.asgi.paths import route_path
+from proxy.asgi.paths import route_path, tails
 
 #: Path prefixes that need a key: vLLM's own (``vllm.entrypoints.serve.middleware.authenticate``).
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -43,6 +43,7 @@ class ApiKeyGuard:
         self._exempt = frozenset(exempt_paths)
         self._metered = frozenset(metered)
         self._prefixed = prefixed
+        self._longest = max(map(len, self._metered), default=0)
 
     def guards(self, scope: Scope) -> bool:
         """Whether ``scope`` needs a key (module docstring)."""
@@ -59,10 +60,10 @@ class ApiKeyGuard:
         path unknown here (an upstream's ``--root-path /api``) routes ``/api/v1/...`` as ``/v1/...``."""
         cut = path.find("/", 1)
         while cut != -1:
-            if path.startswith(GUARDED_PREFIXES, cut) or path[cut:] in self._metered:
+            if path.startswith(GUARDED_PREFIXES, cut):
                 return True
             cut = path.find("/", cut + 1)
-        return False
+        return any(tail in self._metered for tail in tails(path, self._longest))
 
     def allows(self, scope: Scope) -> bool:
         if not self.guards(scope):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from starlette.types import Scope
 
 #: The most of a client's path a log line shows.
@@ -21,6 +23,17 @@ def route_path(scope: Scope) -> str:
     if root and path.startswith(root) and path[len(root) : len(root) + 1] == "/":
         return path[len(root) :]
     return path
+
+
+def tails(path: str, longest: int) -> Iterator[str]:
+    """What ``path`` is after each run of leading segments, of at most ``longest`` characters:
+    the route an engine behind an unknown root path would serve it as (``/api/v1/models``:
+    ``/v1/models``, ``/models``). Only the last ``longest`` characters are searched, so a long
+    path of many segments costs one pass, not one copy per segment."""
+    cut = path.find("/", max(1, len(path) - longest))
+    while cut != -1:
+        yield path[cut:]
+        cut = path.find("/", cut + 1)
 
 
 def logged_path(scope: Scope) -> str:

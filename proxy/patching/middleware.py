@@ -39,7 +39,7 @@ from proxy.accounting.request_id import RequestIds
 from proxy.asgi.error_guard import ErrorGuard
 from proxy.asgi.errors import send_error
 from proxy.asgi.headers import RequestHeaders, without
-from proxy.asgi.paths import route_path
+from proxy.asgi.paths import route_path, tails
 from proxy.patching.context import PatchConfig, PatchContext
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.metering import meter
@@ -76,6 +76,7 @@ class UsagePatchMiddleware:
         self._refused = config.refused if config.refuse_unmetered else frozenset()
         self._prefixed = config.refuse_unmetered and config.refuse_prefixed
         self._known = frozenset(config.routes) | config.refused
+        self._longest = max(map(len, self._known), default=0)
         self._routes = config.routes
         self._tenant_of = config.tenancy.resolve
 
@@ -116,12 +117,7 @@ class UsagePatchMiddleware:
     def _under_a_prefix(self, path: str) -> str | None:
         """The metered or refused route ``path`` ends with after a prefix (Starlette routes
         ``{root_path}/v1/...`` as ``/v1/...``), or ``None``."""
-        cut = path.find("/", 1)
-        while cut != -1:
-            if path[cut:] in self._known:
-                return path[cut:]
-            cut = path.find("/", cut + 1)
-        return None
+        return next((tail for tail in tails(path, self._longest) if tail in self._known), None)
 
     def refuse_route(self, route: str) -> None:
         """Refuse ``route`` from now on while billing is on, as the refused routes are: for a
