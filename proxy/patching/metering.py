@@ -32,12 +32,13 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
     model = r.ctx.config.models.label(in_response.model) if in_response.model else r.ctx.config.default_model
     completion, completion_source = notes.completion(r.stream)
     if completion_source == "stream" and engine is not None and engine.generated_tokens is not None:
-        # Tokens, not events: vLLM puts several in one event (merged outputs, a beam search).
+        # Tokens, not events: vLLM merges the outputs a slow reader has not taken into one event.
         completion, completion_source = engine.generated_tokens, "engine"
     local = external = writes = None
     if engine is not None:
         prompt, cached, source = engine.prompt_tokens, engine.cached_tokens, "engine"
-        local, external, writes = engine.local_cached_tokens, engine.external_cached_tokens, engine.cache_creation_tokens
+        local, external = engine.local_cached_tokens, engine.external_cached_tokens
+        writes = engine.cache_creation_tokens
     elif in_response.source == "upstream":
         prompt, cached, source = in_response.prompt_tokens, in_response.cached_tokens, "upstream"
         writes = in_response.cache_creation_tokens
