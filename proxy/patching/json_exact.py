@@ -29,8 +29,14 @@ _WIDE_INT = b"0" * 19
 
 
 def standard_dumps(value: Any) -> bytes:
-    """ASCII: surrogates escaped, NaN and Infinity kept, as ``json`` writes them."""
-    return json.dumps(value).encode()
+    """NaN and Infinity kept, as ``json`` writes them, in orjson's compact form otherwise:
+    the text read by ``json`` only because a string looked like a wide integer (an id's
+    digits) comes back as orjson would write it. ASCII only with a lone surrogate, which
+    UTF-8 cannot hold."""
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":")).encode()
 
 
 def dumps(value: Any) -> bytes:

@@ -1227,3 +1227,19 @@ async def test_a_clients_remote_prefill_claim_is_not_billed_as_cache_reads_in_up
     assert client.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": billed}
     assert h.sample("cachetally_cached_tokens_total", model="m", source="upstream", tier="all") == billed
     assert h.requests() == {"hit" if billed else "miss": 1}
+
+
+@pytest.mark.asyncio
+async def test_a_usage_chunk_whose_id_has_a_long_run_of_digits_keeps_the_engines_compact_form() -> None:
+    """A string of 19 digits or more reads like an integer past 64 bits, so the chunk is read by
+    ``json``; it was written back in ``json``'s spaced form, unlike every other chunk (a random
+    ``chatcmpl-`` hex id holds such a run now and then). It comes back as orjson writes it."""
+    h = Harness()
+    client = Client(chat_request(stream=True, stream_options={"include_usage": True}))
+    rid = "chatcmpl-53fbc3d42dc449809098134995075869"
+    usage = {"prompt_tokens": 64, "completion_tokens": 1, "total_tokens": 65}
+    event = {"id": rid, "object": "chat.completion.chunk", "model": "m", "choices": [], "usage": usage}
+    await h.call(h.middleware(sse_response(ROLE, TOKEN, b"data: " + orjson.dumps(event) + b"\n\n", DONE), (64, 48)),
+                 client)
+    patched = {**event, "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 48}}}
+    assert client.body == ROLE + TOKEN + b"data: " + orjson.dumps(patched) + b"\n\n" + DONE
