@@ -164,6 +164,13 @@ def _beam_search(payload: dict[str, Any]) -> bool:
         return False
 
 
+def several_prompts(prompt: object) -> bool:
+    """Whether vLLM reads a completions ``prompt`` as more than one: a list of two or more
+    strings or token-id lists. A list of token ids is one prompt, and its model reads
+    ``1.0`` and ``true`` there as ids too; a mixed list it refuses."""
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
+
+
 def _json_object(body: bytes) -> tuple[dict[str, Any], bool]:
     """The body as a JSON object, and whether orjson read it (module docstring)."""
     try:

@@ -29,6 +29,7 @@ from proxy.patching.request_body import (
     parse_request,
     read_body,
     replay,
+    several_prompts,
 )
 from proxy.patching.responder import Responder
 
@@ -94,16 +95,10 @@ def _refusal(r: Responder, payload: dict[str, Any], beam_search: bool) -> str | 
     """Why billing cannot meter this body, or ``None``."""
     if r.shape is not None:
         return r.shape.refusal(payload)
-    if beam_search and _several_prompts(payload.get("prompt")):
+    if beam_search and several_prompts(payload.get("prompt")):
         # One search per prompt, their steps interleaved: no event says which is a prompt.
         return "use_beam_search with several prompts is not metered on this server; send one prompt per request"
     return None
-
-
-def _several_prompts(prompt: object) -> bool:
-    """A completions ``prompt`` that vLLM reads as more than one: a list of strings or of
-    token-id lists (a list of token ids is one prompt)."""
-    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
 
 
 def _watch(r: Responder, receive: Receive) -> Receive:

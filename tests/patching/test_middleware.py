@@ -1196,9 +1196,11 @@ async def test_a_beam_search_over_several_prompts_is_refused_and_counted_while_b
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("prompt", ["a", ["a"], [1, 2, 3]], ids=["string", "one-string", "token-ids"])
+@pytest.mark.parametrize("prompt", ["a", ["a"], [1, 2, 3], [1.0, 2.0], [True, 2]],
+                         ids=["string", "one-string", "token-ids", "float-ids", "bool-id"])
 async def test_a_beam_search_over_one_prompt_is_served_and_billed_while_billing(prompt: Any) -> None:
-    """A list of token ids is one prompt, as is a one-string list: served and billed once."""
+    """A list of token ids is one prompt, as is a one-string list: served and billed once.
+    vLLM's model reads ``1.0`` and ``true`` in it as token ids too."""
     h = Harness(PatchConfig(refuse_unmetered=True))
     client = Client(orjson.dumps({"model": "m", "prompt": prompt, "n": 2, "use_beam_search": True}))
     await h.call(h.middleware(json_response(text_completion()), (10, 0), (11, 10), (11, 10)), client,

@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_
 from engine_adapter.sim.protocol import RequestError
 from engine_adapter.sim.protocol import lax_bool as sim_lax_bool
 from proxy.patching.context import PatchConfig
-from proxy.patching.request_body import DETAILS_FLAG, lax_bool, optional_bool, parse_request, stream_options_of
+from proxy.patching.request_body import (DETAILS_FLAG, lax_bool, optional_bool, parse_request,
+    several_prompts, stream_options_of)
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
 from tests.patching.test_middleware import Client, Harness, chat_completion, json_response
@@ -187,6 +188,25 @@ def test_the_installed_vllms_own_models_read_the_options_as_we_do(route: str, op
     if reads_options:
         assert (ours.include_usage, ours.continuous_usage) == should_include_usage(request.stream_options, False)
         assert ours.beam_search == request.use_beam_search
+
+
+_PROMPT_ITEMS = st.one_of(st.integers(0, 9), st.floats(0, 9), st.booleans(), st.text(max_size=2), st.none(),
+                          st.lists(st.integers(0, 9) | st.floats(0, 9), min_size=1, max_size=2))
+
+
+@pytest.mark.vllm
+@settings(max_examples=300, deadline=None)
+@given(prompt=st.text(max_size=2) | st.lists(_PROMPT_ITEMS, max_size=3))
+def test_a_prompt_is_several_exactly_when_the_installed_vllm_reads_several(prompt: Any) -> None:
+    """A beam search over several prompts is refused while billing (request_side): the count of
+    prompts is read as the installed vLLM's completions model reads it, for every prompt it takes."""
+    models, _, refusals = _installed_vllm()
+    try:
+        request = models["completions"][1].model_validate({"model": "m", "prompt": prompt})
+    except refusals:
+        return  # a 400 from vLLM: nothing runs
+    read = request.prompt
+    assert several_prompts(prompt) == (isinstance(read, list) and len(read) > 1 and not isinstance(read[0], int))
 
 # -- the body, read and rewritten as the engine's parser reads it -----------------------------
 
