@@ -69,6 +69,9 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             upstream, _ = stack.enter_context(running_server([*SIM, "--model", "model-a"]))
             args = [*serve, "--upstream", upstream]
         url, _ = stack.enter_context(running_server(args, env=env, log_path=log))
+        # One metered request, so the log holds a debug-level line whichever of this module's
+        # tests run here (pytest -k, xdist's load), and the teardown's check reads one.
+        assert httpx.post(f"{url}/v1/completions", json=completion(), headers=AUTH).status_code == 200
         yield Server(url, log, request.param)
     text = log.read_text(errors="replace")
     assert " DEBUG " in text  # the check ran against a debug-level log
