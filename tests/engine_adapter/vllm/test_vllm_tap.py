@@ -141,24 +141,27 @@ def test_a_sink_that_fails_at_the_prefill_never_reaches_vllms_output_handler(cap
 def test_thousands_of_requests_queued_before_their_prefill_are_each_billed_at_it() -> None:
     """vLLM does not bound its queue (``max_num_queued_reqs`` is None by default): 5,000
     requests added before any prefills are each billed at their prefill, and so at a cut."""
-    async def main(n: int) -> tuple[int, int]:
-        client, ledger = _AsyncLLM(), UsageLedger()
-        EngineTap(client, ledger)
-        requests = [_Request(_stats(2000, 1920, 0)) for _ in range(n)]
-        for request in requests:
-            request.prefill.clear()
-            request.finish.clear()
-        served = [asyncio.create_task(_serve(client, ledger, f"k{i}", r)) for i, r in enumerate(requests)]
-        await asyncio.sleep(0.2)  # all added, none prefilled
-        for request in requests:
-            request.prefill.set()
-        await asyncio.sleep(0.2)
-        at_prefill = sum(ledger.usage(f"k{i}") is not None for i in range(n))
-        for request in requests:
-            request.finish.set()
-        return at_prefill, sum(usage is not None for _, usage in await asyncio.gather(*served))
+    assert asyncio.run(asyncio.wait_for(_queued_then_prefilled(5000, pause_s=0.2), 60)) == (5000, 5000)
 
-    assert asyncio.run(asyncio.wait_for(main(5000), 60)) == (5000, 5000)
+
+async def _queued_then_prefilled(n: int, pause_s: float) -> tuple[int, int]:
+    """``n`` requests added before any prefills, then all prefilled, then all finished: how
+    many were billed at their prefill, and how many in the end."""
+    client, ledger = _AsyncLLM(), UsageLedger()
+    EngineTap(client, ledger)
+    requests = [_Request(_stats(2000, 1920, 0)) for _ in range(n)]
+    for request in requests:
+        request.prefill.clear()
+        request.finish.clear()
+    served = [asyncio.create_task(_serve(client, ledger, f"k{i}", r)) for i, r in enumerate(requests)]
+    await asyncio.sleep(pause_s)  # all added, none prefilled
+    for request in requests:
+        request.prefill.set()
+    await asyncio.sleep(pause_s)
+    at_prefill = sum(ledger.usage(f"k{i}") is not None for i in range(n))
+    for request in requests:
+        request.finish.set()
+    return at_prefill, sum(usage is not None for _, usage in await asyncio.gather(*served))
 
 
 def _figures(usage: EngineUsage | None) -> tuple | None:
@@ -294,25 +297,8 @@ def test_as_many_requests_as_the_cap_wait_for_their_prefill_and_one_more_evicts_
 
     monkeypatch.setattr(prefill, "_MAX_ENTRIES", 8)
 
-    async def main() -> tuple[int, int]:
-        client, ledger = _AsyncLLM(), UsageLedger()
-        EngineTap(client, ledger)
-        requests = [_Request(_stats(2000, 1920, 0)) for _ in range(queued)]
-        for request in requests:
-            request.prefill.clear()
-            request.finish.clear()
-        served = [asyncio.create_task(_serve(client, ledger, f"k{i}", r)) for i, r in enumerate(requests)]
-        await asyncio.sleep(0.05)  # all added, none prefilled
-        for request in requests:
-            request.prefill.set()
-        await asyncio.sleep(0.05)
-        billed = sum(ledger.usage(f"k{i}") is not None for i in range(queued))
-        for request in requests:
-            request.finish.set()
-        return billed, sum(usage is not None for _, usage in await asyncio.gather(*served))
-
     with caplog.at_level(logging.WARNING, logger="cachetally.engine.vllm"):
-        assert asyncio.run(asyncio.wait_for(main(), 30)) == (at_prefill, queued)
+        assert asyncio.run(asyncio.wait_for(_queued_then_prefilled(queued, pause_s=0.05), 30)) == (at_prefill, queued)
     assert any("wait for their prefill" in r.getMessage() for r in caplog.records) == warned
 
 
