@@ -58,6 +58,9 @@ class ResponseUsage:
     cache_creation_tokens: int | None = None
     source: str | None = None  # engine | upstream | None (unknown)
     mismatches: int = 0
+    #: The input figures an opening event reported as it came (Messages' ``message_start``), which
+    #: a later usage object that omits one of them keeps, as the client's SDK reads it.
+    opening: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

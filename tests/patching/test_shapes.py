@@ -7,7 +7,8 @@ blocks warm, writes = the blocks the cold request cached; Anthropic's three inpu
 add up to the prompt; one record per request under its route. Upstream in front of an
 engine that reports the right figures: every stream and body goes through byte for byte,
 and the records and counters carry its reads and writes; in front of Anthropic's own
-stream shape, a final ``message_delta`` without cache figures stays as it came; a Responses
+stream shape, a final ``message_delta`` without cache figures stays as it came, and one with
+some of them keeps ``message_start``'s others, as the SDK reads them; a Responses
 stream whose final event is megabytes large is still read, and one that ends
 ``response.failed`` is an error.
 Refused while billing is on: engine routes that are not metered, background responses."""
@@ -261,6 +262,40 @@ def test_an_upstream_message_delta_without_cache_figures_keeps_those_of_message_
     assert (record["source"], record["prompt_tokens"], record["cached_tokens"], record["cache_creation_tokens"]) \
         == ("upstream", 60, 50, 0)
     assert metric_value(metrics, "cachetally_requests_total", cache="hit") == 1
+    assert metric_value(metrics, "cachetally_cached_tokens_total", source="upstream", tier="all") == 50
+
+
+@pytest.mark.parametrize("missing", ["zero", "omit"])
+@pytest.mark.parametrize("figures", [{"input_tokens": 10}, {"cache_read_input_tokens": 50},
+                                     {"input_tokens": 10, "cache_read_input_tokens": None}], ids=["input", "reads", "null"])
+def test_a_message_delta_with_some_input_figures_keeps_the_others_of_message_start(
+    usage_dir: Path, missing: str, figures: dict[str, Any]
+) -> None:
+    """A ``message_delta``'s figures are cumulative and each is optional: the ``anthropic`` SDK
+    keeps ``message_start``'s value for one the delta omits or sends as ``null``. The client
+    and the record see the reads ``message_start`` reported, never a 0 put in their place."""
+    events = [*ANTHROPIC_EVENTS[:-2], {**ANTHROPIC_EVENTS[-2], "usage": {**figures, "output_tokens": 5}},
+              ANTHROPIC_EVENTS[-1]]
+
+    async def stream(request: Request) -> Response:
+        await request.body()
+        body = b"".join(b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e)) for e in events)
+        return Response(body, media_type="text/event-stream")
+
+    rid = uuid.uuid4().hex
+    with serving_in_thread(Starlette(routes=[Route("/v1/messages", stream, methods=["POST"])]), "partial") as upstream:
+        args = billed_front(upstream, usage_dir, "--missing", missing)
+        with running_server(args) as (front, _), sdk(front, "messages") as client:
+            assert isinstance(client, anthropic.Anthropic)
+            with client.messages.stream(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                                        extra_headers={"x-request-id": rid}) as answer:
+                usage = answer.get_final_message().usage
+            metrics = httpx.get(f"{front}/metrics").text
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens, usage.output_tokens) \
+        == (10, 50, 0, 5)
+    [record] = records_for(usage_dir, {rid})[rid]
+    assert (record["source"], record["prompt_tokens"], record["cached_tokens"], record["cache_creation_tokens"]) \
+        == ("upstream", 60, 50, 0)
     assert metric_value(metrics, "cachetally_cached_tokens_total", source="upstream", tier="all") == 50
 
 

@@ -105,20 +105,33 @@ def holder(api: str, payload: dict[str, Any]) -> dict[str, Any] | None:
     return payload.get("response")
 
 
-def expected_usage(api: str, usage: Any) -> Any:
-    """What the patched usage must be, given the engine's 90 prompt, 64 reads, 16 writes."""
+ANTHROPIC_INPUT = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
+def sent_figures(usage: dict[str, Any]) -> dict[str, Any]:
+    """The input figures a usage object sends: a ``null`` one is not sent (the SDK keeps the earlier)."""
+    return {k: usage[k] for k in ANTHROPIC_INPUT if usage.get(k) is not None}
+
+
+def expected_usage(api: str, usage: Any, opening: dict[str, Any] | None = None) -> Any:
+    """What the patched usage must be, given the engine's 90 prompt, 64 reads, 16 writes.
+    ``opening``: a ``message_delta``'s ``message_start`` figures, which those it omits keep."""
     if not isinstance(usage, dict):
         return usage
     want = copy.deepcopy(usage)
     if api == "messages":
-        parts = [usage.get(k) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
-        counts = [v if type(v) is int and v >= 0 else None for v in parts]
+        sent = sent_figures(usage)
+        figures = opening | sent if opening and sent else usage
+        counts = [v if type(v) is int and v >= 0 else None for v in (figures.get(k) for k in ANTHROPIC_INPUT)]
         prompt = None if counts[0] is None else counts[0] + (counts[1] or 0) + (counts[2] or 0)
         if prompt in (None, 90):
             # The engine knows the prompt: input_tokens excludes its reads and writes.
             want |= {"input_tokens": 10, "cache_read_input_tokens": 64, "cache_creation_input_tokens": 16}
-        elif counts[1] is None:
-            want["cache_read_input_tokens"] = 0  # another prompt, no report: the `zero` policy
+        else:
+            # Another prompt: its reported figures, written whole; no reads reported: the `zero` policy.
+            want |= {"input_tokens": counts[0], "cache_read_input_tokens": counts[1] or 0}
+            if counts[2] is not None:
+                want["cache_creation_input_tokens"] = counts[2]
         return want
     prompt = usage.get("input_tokens")
     details = want.get("input_tokens_details")
@@ -144,6 +157,7 @@ def test_any_chunking_patches_only_the_cache_fields_to_the_engines_figures(
     in_events, in_tail = split_events(source)
     out_events, out_tail = split_events(whole)
     assert (len(out_events), out_tail) == (len(in_events), in_tail)
+    opening: dict[str, Any] | None = None  # the last message_start's figures
     for before, after in zip(in_events, out_events, strict=True):
         data, others = parse_event(before)
         payload = orjson.loads(data) if data is not None else None
@@ -151,10 +165,14 @@ def test_any_chunking_patches_only_the_cache_fields_to_the_engines_figures(
         if place is None or not isinstance(place.get("usage"), dict):
             assert after == before
             continue
+        kind = payload.get("type")  # type: ignore[union-attr]
+        if kind == "message_start":
+            opening = sent_figures(place["usage"])
         out_data, out_others = parse_event(after)
         assert out_others == others
         assert out_data is not None
         got = orjson.loads(out_data)
         want = copy.deepcopy(payload)
-        holder(api, want)["usage"] = expected_usage(api, place["usage"])  # type: ignore[index]
+        holder(api, want)["usage"] = expected_usage(  # type: ignore[index]
+            api, place["usage"], opening if kind == "message_delta" else None)
         assert got == want

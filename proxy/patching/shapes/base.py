@@ -63,6 +63,10 @@ class Shape:
     def read(self, usage: dict[str, Any]) -> Reported:
         raise NotImplementedError
 
+    def reported(self, payload: dict[str, Any], usage: dict[str, Any], in_response: ResponseUsage) -> Reported:
+        """What ``usage`` says as the client reads it, after the response's earlier events."""
+        return self.read(usage)
+
     def write(self, usage: dict[str, Any], figures: Figures) -> None:
         raise NotImplementedError
 
@@ -80,7 +84,7 @@ class Shape:
         usage = holder.get("usage")
         if not isinstance(usage, dict):
             return None, None
-        reported = self.read(usage)
+        reported = self.reported(payload, usage, in_response)
         if engine is None and reported.prompt is None and reported.reads is None:
             return None, (holder if final else None)
         figures = resolve(engine, missing, reported)

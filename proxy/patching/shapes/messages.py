@@ -13,6 +13,9 @@ prompt. Writes are the prompt tokens the engine wrote to its prefix cache.
 ``zero`` missing policy); vLLM writes it only with ``--enable-prompt-tokens-details``.
 Upstream, a final ``message_delta`` with ``output_tokens`` only (Anthropic's own shape) is
 left as it came: the figures are ``message_start``'s (:mod:`proxy.patching.shapes.base`).
+A ``message_delta``'s figures are cumulative and each is optional: one it omits (or sends as
+``null``) keeps ``message_start``'s value, as the ``anthropic`` SDK merges them, so a delta
+with some of the three is read and written whole, the others taken from ``message_start``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.patching.shapes.base import Figures, Reported, Shape
-from proxy.patching.usage import count
+from proxy.patching.usage import ResponseUsage, count
+
+#: The input figures of a usage object: together, the whole prompt.
+_INPUT_FIGURES = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 class MessagesShape(Shape):
@@ -41,6 +47,15 @@ class MessagesShape(Shape):
         writes = count(usage.get("cache_creation_input_tokens"))
         prompt = None if fresh is None else fresh + (reads or 0) + (writes or 0)
         return Reported(prompt, reads, writes)
+
+    def reported(self, payload: dict[str, Any], usage: dict[str, Any], in_response: ResponseUsage) -> Reported:
+        sent = {name: usage[name] for name in _INPUT_FIGURES if usage.get(name) is not None}
+        kind = payload.get("type")
+        if kind == "message_start":
+            in_response.opening = sent
+        elif kind == "message_delta" and sent and in_response.opening:
+            return self.read(in_response.opening | sent)
+        return self.read(usage)
 
     def write(self, usage: dict[str, Any], figures: Figures) -> None:
         reads, writes, prompt = figures.reads, figures.writes, figures.prompt
