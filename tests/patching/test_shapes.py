@@ -10,7 +10,7 @@ and the records and counters carry its reads and writes; in front of Anthropic's
 stream shape, a final ``message_delta`` without cache figures stays as it came, and one with
 some of them keeps ``message_start``'s others, as the SDK reads them; a Responses
 stream whose final event is megabytes large is still read, and one that ends
-``response.failed`` is an error.
+``response.failed`` is an error, with or without ``event:`` lines.
 Refused while billing is on: engine routes that are not metered, background responses."""
 
 from __future__ import annotations
@@ -425,3 +425,58 @@ def test_a_responses_stream_that_ends_failed_is_an_error(usage_dir: Path) -> Non
                        headers={"x-request-id": rid}).raise_for_status()
     [record] = records_for(usage_dir, {rid})[rid]
     assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == ("error", 500, 448)
+
+
+def unnamed_responses_upstream(last: str | None) -> Any:
+    """A Responses stream without ``event:`` lines, as LiteLLM's proxy sends it: the ``openai``
+    SDK reads each event by its data's ``type``. It ends with ``last``, or, without one, waits
+    for its client to leave."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await lifespan(receive, send)
+        while (await receive()).get("more_body"):
+            pass
+        head = {"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL, "status": "in_progress",
+                "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None}
+        events = [{"type": "response.created", "response": head}] + [
+            {"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0, "content_index": 0,
+             "delta": "a", "logprobs": []} for _ in range(3)]
+        if last is not None:
+            usage = {"input_tokens": 500, "input_tokens_details": {"cached_tokens": 448}, "output_tokens": 3,
+                     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 503}
+            events.append({"type": last, "response": {**head, "status": "failed", "usage": usage}})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for number, event in enumerate(events):
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + orjson.dumps({**event, "sequence_number": number}) + b"\n\n"})
+        if last is None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+@pytest.mark.parametrize("last", ["response.failed", None], ids=["failed", "client-left"])
+def test_a_responses_stream_without_event_names_is_recorded_as_the_openai_sdk_reads_it(
+    usage_dir: Path, last: str | None
+) -> None:
+    """The SDK reads a Responses event by its data's ``type``: a stream without ``event:``
+    lines fails on ``response.failed``, and one its client leaves delivered its deltas."""
+    rid = uuid.uuid4().hex
+    with serving_in_thread(unnamed_responses_upstream(last), "unnamed") as upstream:
+        args = billed_front(upstream, usage_dir, "--model", MODEL)
+        with running_server(args) as (front, _), sdk(front, "responses") as client:
+            assert isinstance(client, openai.OpenAI)
+            with client.responses.create(model=MODEL, input="hi", stream=True,
+                                         extra_headers={"x-request-id": rid}) as stream:
+                seen = [event.type for _, event in zip(range(4 if last is None else 5), stream, strict=False)]
+    assert seen[1:4] == ["response.output_text.delta"] * 3
+    [record] = records_for(usage_dir, {rid})[rid]
+    if last is None:
+        assert (record["outcome"], record["completion_tokens"], record["completion_source"]) == (
+            "disconnected", 3, "stream")
+    else:
+        assert seen[-1] == last
+        assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == ("error", 500, 448)

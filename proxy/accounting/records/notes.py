@@ -10,10 +10,13 @@
   ``completion_tokens`` when a stream is cut before its usage chunk
   (:mod:`proxy.accounting.records.record`). The Messages and Responses streams frame their tokens
   with other events, so there only their token events count, by ``event:`` line:
-  ``content_block_delta`` and ``response.*delta``;
+  ``content_block_delta`` and ``response.*delta``. The ``openai`` SDK reads a Responses
+  event by its data's ``type`` alone, and some servers (LiteLLM) send no ``event:`` lines:
+  in such events a data line that starts with a ``response.*delta`` type is the token event;
 - an error event in a stream (``data: {"error"...}``, as vLLM and cachetally's upstream
   relay end a stream that failed; ``event: error`` in the named streams, and
-  ``event: response.failed``, the Responses API's end of a failed response): not a token,
+  ``event: response.failed``, the Responses API's end of a failed response, or a data line
+  that starts with either type, where the events are not named): not a token,
   and the request's outcome is ``error`` however the stream then ends;
 - the completion tokens and id of a usage object that covers the whole request (a JSON
   body, or a stream's usage-only chunk), which the responder parses anyway;
@@ -35,20 +38,25 @@ _FIRST_EVENT = (b"data: {", b"data:{")
 _ERROR_EVENTS = (b'data: {"error"', b'data:{"error"')
 #: In the named streams: an error event, named (``response.failed`` too) or not (vLLM's and
 #: an upstream relay's ``data: {"error"...}``, which the openai SDK raises on there too).
-_NAMED_STREAM_ERROR = re.compile(rb'event: ?(?:error|response\.failed)[\r\n]|data: ?\{"error"')
+_NAMED_STREAM_ERROR = re.compile(
+    rb'event: ?(?:error|response\.failed)[\r\n]|data: ?\{(?:"error"|"type": ?"(?:error|response\.failed)")')
 _LINE_ENDS = (b"\n", b"\r")
 #: Token events of the streams whose events are named (``event:`` lines), by route.
 _TOKEN_EVENTS = {
     "messages": re.compile(rb"event: ?content_block_delta[\r\n]"),
     "responses": re.compile(rb"event: ?response\.[\w.]*delta[\r\n]"),
 }
+#: The events hold an ``event:`` line (a named stream), else the token events are read from
+#: the data's leading ``type``: only the Responses API's client reads events without a name.
+_EVENT_FIELD = re.compile(rb"(?:^|[\r\n])event:")
+_UNNAMED_TOKEN_EVENTS = {"responses": re.compile(rb'data: ?\{"type": ?"response\.[\w.]*delta"')}
 
 
 class RequestNotes:
     __slots__ = (
         "started", "t0", "ttft_s", "response_id", "disconnected", "response_done", "errored", "unread",
         "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
-        "_usage_events", "_token_events", "_plain", "_id_tail",
+        "_usage_events", "_token_events", "_unnamed_token_events", "_plain", "_id_tail",
     )
 
     def __init__(self, route: str) -> None:
@@ -67,6 +75,7 @@ class RequestNotes:
         self._line_start = True  # the next byte of the stream starts a line
         self._events = self._role_events = self._usage_events = 0
         self._token_events = _TOKEN_EVENTS.get(route)
+        self._unnamed_token_events = _UNNAMED_TOKEN_EVENTS.get(route)
         #: Past the chat role events, in an LF stream at a line start: what engines send.
         self._plain = False
         #: The end of the last body message sniffed for an id: an ``"id"`` cut between two.
@@ -90,7 +99,10 @@ class RequestNotes:
                 self._events += 1
             return
         if self._token_events is not None:
-            self._events += len(self._token_events.findall(events))
+            tokens = self._token_events
+            if self._unnamed_token_events is not None and not _EVENT_FIELD.search(events):
+                tokens = self._unnamed_token_events
+            self._events += len(tokens.findall(events))
             if _NAMED_STREAM_ERROR.search(events):  # one scan of the events
                 self.errored = True
             return
