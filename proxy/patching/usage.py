@@ -21,18 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from proxy.accounting.records.record import count
 from proxy.patching.ledger import EngineUsage
 from proxy.patching.vendor_usage import WRITES_KEY, reported_cache_writes, reported_cached_tokens
 
 Missing = Literal["zero", "omit"]
 DETAILS_KEY = "cached_tokens_details"
-
-
-def count(value: Any) -> int | None:
-    """A token count: a non-negative int (a JSON ``true`` is not one)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
 
 
 def believed(prompt: int | None, reads: int | None, writes: int | None) -> tuple[int | None, int | None]:

@@ -28,14 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from proxy.accounting.records.record import count as _count
+
 WRITES_KEY = "created_cache_tokens"  # vLLM's name in prompt_tokens_details
-
-
-def _count(value: Any) -> int | None:
-    # bool is an int subclass; a JSON true is not a token count.
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
 
 
 def _openai(usage: Any) -> int | None:
@@ -53,7 +48,7 @@ def _sglang_ext(ext: Any) -> int | None:
     if tiers.get("storage") is not None:  # present only with an L3 storage backend
         values.append(tiers["storage"])
     counts = [_count(value) for value in values]
-    return sum(c for c in counts if c is not None) if None not in counts else None
+    return _count(sum(c for c in counts if c is not None)) if None not in counts else None  # the sum too
 
 
 def _llama_cpp(timings: Any) -> int | None:

@@ -20,8 +20,9 @@
   and the request's outcome is ``error`` however the stream then ends;
 - the completion tokens and id of a usage object that covers the whole request (a JSON
   body, or a stream's usage-only chunk), which the responder parses anyway;
-- a JSON body too large to hold (``max_response_bytes``), passed on unread: its completion
-  tokens are not known here (``completion_source: "unknown"``), and never taken for 0.
+- a JSON body too large to hold (``max_response_bytes``), passed on unread, or whose usage
+  holds no count of its completion tokens (a peer's ``-1`` or ``2**64``): they are not known
+  here (``completion_source: "unknown"``), and never taken for 0.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import re
 import time
 from typing import Any
 
+from proxy.accounting.records.record import count
 
 _ID_FIELD = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 #: Enough bytes to hold the start of an ``"id"`` field cut at a message boundary.
@@ -68,7 +70,7 @@ class RequestNotes:
         self.disconnected = False
         self.response_done = False  # the last body message went out
         self.errored = False  # the stream carried an error event
-        self.unread = False  # a JSON body went out unread: too large to hold
+        self.unread = False  # a JSON body's tokens are unknown: too large to read, or no count in its usage
         self.usage_completion: int | None = None
         self._roles_pending = route == "chat"
         self._cr: bool | None = None
@@ -149,8 +151,10 @@ class RequestNotes:
         completion = (  # OpenAI chat and completions, else Responses and Messages
             usage.get("completion_tokens", usage.get("output_tokens")) if isinstance(usage, dict) else None
         )
-        if type(completion) is int and completion >= 0:  # a peer's -1 or true is not a count
-            self.usage_completion = completion
+        if (tokens := count(completion)) is not None:  # a peer's -1, true or 2**64 is not a count
+            self.usage_completion = tokens
+        elif isinstance(usage, dict):  # a body was delivered, but its usage says no count of it
+            self.unread = True
         response_id = payload.get("id")
         if isinstance(response_id, str):
             self.response_id = response_id

@@ -30,7 +30,9 @@ engine step, which is one token in vLLM (stream interval 1, no speculative decod
 in the sim, and a lower bound when several tokens share an event. Otherwise 0
 (``"none"``): a JSON response that was never produced delivered nothing; or 0 with
 ``"unknown"``: a JSON response too large to hold (``max_response_bytes``) went out unread,
-so its tokens were not counted here.
+or its usage held no count of them, so its tokens were not counted here.
+
+Every token figure is a :func:`count`: a peer's figure that is not one is unknown here.
 """
 
 from __future__ import annotations
@@ -46,6 +48,17 @@ from proxy.accounting.records.record_id import new_record_id
 SCHEMA_VERSION = 2
 #: The longest ``request_model`` or ``response_id`` a record keeps; longer ones are cut to this.
 MAX_TEXT_CHARS = 256
+
+#: The largest token figure a record holds: an OTLP span's integer attribute is an int64,
+#: and one figure past it would fail the export of the whole batch, other records' too.
+MAX_COUNT = (1 << 63) - 1
+
+
+def count(value: Any) -> int | None:
+    """A token count: a non-negative int a record can hold (a JSON ``true`` is not one)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
+        return value
+    return None
 
 
 @dataclass(slots=True)

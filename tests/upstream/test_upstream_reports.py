@@ -1,0 +1,134 @@
+"""Upstream mode in front of servers whose answers are not stock vLLM's: what the client,
+the usage record, the counters and the OTLP collector get from each.
+
+The upstream is a Starlette app on 127.0.0.1 answering the bytes a test names (the request's
+first message picks them); cachetally runs in a real uvicorn; the client is the official
+``openai`` SDK.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
+from tests.otlp_receiver import otlp_receiver
+from tests.servers import metric_value, serving_in_thread
+
+pytestmark = pytest.mark.loopback
+
+#: A count past int64 (an OTLP integer attribute), and past what orjson writes (u64).
+PAST_INT64, PAST_U64 = 1 << 63, 10**23
+FAIR = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def dumps(value: Any) -> bytes:
+    """JSON as Python writes it: integers of any size (orjson stops at 64 bits)."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def completion(usage: dict[str, Any]) -> bytes:
+    return dumps({
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}],
+        "usage": usage,
+    })
+
+
+def stream(usage: dict[str, Any]) -> bytes:
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {**head, "choices": [], "usage": usage},
+    ]
+    return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def huge(n: int) -> dict[str, Any]:
+    return {"prompt_tokens": n, "completion_tokens": n, "total_tokens": n, "prompt_tokens_details": {"cached_tokens": n}}
+
+
+ANSWERS: dict[str, Callable[[bool], bytes]] = {
+    "fair": lambda streamed: (stream if streamed else completion)(FAIR),
+    "past-int64": lambda streamed: (stream if streamed else completion)(huge(PAST_INT64)),
+    "past-u64": lambda streamed: (stream if streamed else completion)(huge(PAST_U64)),
+}
+
+
+async def answer(request: Request) -> Response:
+    body = await request.json()
+    streamed = bool(body.get("stream"))
+    content = ANSWERS[body["messages"][0]["content"]](streamed)
+    return Response(content, media_type="text/event-stream" if streamed else "application/json")
+
+
+@contextlib.contextmanager
+def proxied(tmp_path: Path, **overrides: Any) -> Iterator[tuple[openai.OpenAI, CachetallyApp]]:
+    upstream = Starlette(routes=[Route("/v1/chat/completions", answer, methods=["POST"])])
+    with serving_in_thread(upstream, "upstream") as upstream_url:
+        settings = Settings(engine="upstream", upstream=upstream_url, model="m", usage_dir=str(tmp_path),
+                            usage_flush_interval_s=0.05, **overrides).validate()
+        app = CachetallyApp(settings)
+        with serving_in_thread(app, "cachetally") as url, openai.OpenAI(
+            base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10
+        ) as client:
+            yield client, app
+
+
+def ask(client: openai.OpenAI, case: str, streamed: bool) -> tuple[str, Any]:
+    """The text and the usage the client got."""
+    messages = [{"role": "user", "content": case}]
+    if not streamed:
+        response = client.chat.completions.create(model="m", messages=messages)  # type: ignore[arg-type]
+        return response.choices[0].message.content or "", response.usage
+    chunks = list(client.chat.completions.create(
+        model="m", messages=messages, stream=True, stream_options={"include_usage": True}))  # type: ignore[arg-type]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, next(c.usage for c in chunks if c.usage is not None)
+
+
+def records(directory: Path, expected: int, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [orjson.loads(line) for path in sorted(directory.glob("*.jsonl")) for line in path.read_bytes().splitlines()]
+        if len(found) >= expected or time.monotonic() > deadline:
+            return found
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("case", ["past-int64", "past-u64"])
+def test_figures_no_record_can_hold_are_unknown_and_lose_no_record(tmp_path: Path, case: str, streamed: bool) -> None:
+    """An upstream reporting token counts past 64 bits: the client gets its answer, and the
+    request, and the fair one beside it, each leave one record, in the file and at the
+    collector; the bill takes none of the hostile figures (unknown, never 2**63 or 10**23)."""
+    with otlp_receiver() as collector:
+        with proxied(tmp_path, otlp_endpoint=collector.url) as (client, app):
+            text, usage = ask(client, case, streamed)
+            assert text == "Hello"
+            assert usage.prompt_tokens_details.cached_tokens == 0  # the missing policy: zero
+            assert ask(client, "fair", streamed)[1].prompt_tokens_details.cached_tokens == 4
+            metrics = app.metrics.exposition().decode()
+        spans = collector.snapshot()
+    hostile, fair = records(tmp_path, 2)
+    assert (fair["prompt_tokens"], fair["cached_tokens"], fair["completion_tokens"]) == (10, 4, 3)
+    assert (hostile["prompt_tokens"], hostile["cached_tokens"], hostile["source"]) == (None, None, None)
+    assert hostile["completion_tokens"] < 1 << 63
+    assert hostile["completion_source"] == ("stream" if streamed else "unknown")
+    assert sorted(span.attributes["cachetally.record_id"] for span in spans) == sorted(
+        r["record_id"] for r in (hostile, fair))
+    assert metric_value(metrics, "cachetally_cached_tokens_total", tier="all") == 4
+    assert metric_value(metrics, "cachetally_prompt_tokens_total") == 10
