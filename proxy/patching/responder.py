@@ -227,7 +227,6 @@ class Responder:
         self._size += len(self._chunks[-1])
         if self._size > self.ctx.config.max_response_bytes:
             self._count_skip("body_too_large")
-            self.notes.unread = True
             self.mode = Mode.PASS
             start = self._take_start()
             if self._length is not None:
@@ -243,7 +242,7 @@ class Responder:
         except ValueError:
             payload = None
         if not isinstance(payload, dict):
-            self._count_skip("malformed")
+            self._count_skip("malformed", unread=False)  # read: no object, so no tokens (vLLM's null)
         else:
             self.notes.whole_usage(payload)
             if (self._patch(payload) is not None) | (  # both, in order: a prefill leg hands over what was read
@@ -296,5 +295,6 @@ class Responder:
             )
         return self._patch(payload)
 
-    def _count_skip(self, reason: str) -> None:
+    def _count_skip(self, reason: str, unread: bool = True) -> None:
         self.ctx.metrics.patch_skipped.labels(reason).inc()
+        self.notes.unread |= unread  # what went out unread is not known: its tokens are never taken for none

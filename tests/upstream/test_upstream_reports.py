@@ -9,6 +9,7 @@ first message picks them); cachetally runs in a real uvicorn; the client is the 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -72,8 +73,12 @@ ANSWERS: dict[str, Callable[[bool], bytes]] = {
 async def answer(request: Request) -> Response:
     body = await request.json()
     streamed = bool(body.get("stream"))
-    content = ANSWERS[body["messages"][0]["content"]](streamed)
-    return Response(content, media_type="text/event-stream" if streamed else "application/json")
+    case = body["messages"][0]["content"]
+    media_type = "text/event-stream" if streamed else "application/json"
+    if case == "gzipped":  # whatever Accept-Encoding said
+        return Response(gzip.compress(ANSWERS["fair"](streamed)), media_type=media_type,
+                        headers={"content-encoding": "gzip"})
+    return Response(ANSWERS[case](streamed), media_type=media_type)
 
 
 @contextlib.contextmanager
@@ -132,3 +137,19 @@ def test_figures_no_record_can_hold_are_unknown_and_lose_no_record(tmp_path: Pat
         r["record_id"] for r in (hostile, fair))
     assert metric_value(metrics, "cachetally_cached_tokens_total", tier="all") == 4
     assert metric_value(metrics, "cachetally_prompt_tokens_total") == 10
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_an_answer_encoded_against_the_request_is_delivered_and_its_tokens_are_unknown(
+        tmp_path: Path, streamed: bool) -> None:
+    """cachetally asks for ``Accept-Encoding: identity``; an upstream that gzips anyway goes
+    out as it came, unread: the client decodes it, and the record says its tokens are
+    unknown, never that it delivered none."""
+    with proxied(tmp_path) as (client, app):
+        text, usage = ask(client, "gzipped", streamed)
+        assert (text, usage.prompt_tokens_details.cached_tokens) == ("Hello", 4)  # the upstream's own
+        metrics = app.metrics.exposition().decode()
+    (record,) = records(tmp_path, 1)
+    assert (record["outcome"], record["completion_tokens"], record["completion_source"]) == ("completed", 0, "unknown")
+    assert (record["prompt_tokens"], record["cached_tokens"]) == (None, None)
+    assert metric_value(metrics, "cachetally_patch_skipped_total", reason="encoded") == 1
