@@ -59,6 +59,11 @@ class GhostHold:
         self._usage_dropped = True
         return True
 
+    @property
+    def holding(self) -> bool:
+        """Something is held: a ``[DONE]`` the patcher passed may not have reached the client."""
+        return bool(self._held)
+
     def filter(self, out: bytes) -> bytes:
         """Feed the patcher's output (whole events, but for an oversized or last one's
         part); returns what may go to the client now."""

@@ -196,9 +196,8 @@ class Responder:
         if out:
             self.notes.sse_events(out)
         if self._hold is not None:
-            out = self._hold.filter(out)
-            if not more:
-                out += self._hold.release()
+            out = self._hold.filter(out) + (b"" if more else self._hold.release())
+            self.notes.ended &= not self._hold.holding  # a held [DONE] has not reached the client
         if out is body and body:
             await self._send(message)  # passed on as it came
         elif out or not more:

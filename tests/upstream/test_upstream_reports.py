@@ -8,11 +8,12 @@ first message picks them); cachetally runs in a real uvicorn; the client is the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import orjson
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from proxy.server.app import CachetallyApp
@@ -74,11 +75,20 @@ async def answer(request: Request) -> Response:
     body = await request.json()
     streamed = bool(body.get("stream"))
     case = body["messages"][0]["content"]
+    if case == "slow-end":
+        return StreamingResponse(ended_late(), media_type="text/event-stream")
     media_type = "text/event-stream" if streamed else "application/json"
     if case == "gzipped":  # whatever Accept-Encoding said
         return Response(gzip.compress(ANSWERS["fair"](streamed)), media_type=media_type,
                         headers={"content-encoding": "gzip"})
     return Response(ANSWERS[case](streamed), media_type=media_type)
+
+
+async def ended_late() -> AsyncIterator[bytes]:
+    """A whole stream, ``[DONE]`` and all, whose HTTP body ends a moment later (a server that
+    cleans up after its last event, or a busy one). cachetally asks every stream for usage."""
+    yield stream(FAIR)
+    await asyncio.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -153,3 +163,20 @@ def test_an_answer_encoded_against_the_request_is_delivered_and_its_tokens_are_u
     assert (record["outcome"], record["completion_tokens"], record["completion_source"]) == ("completed", 0, "unknown")
     assert (record["prompt_tokens"], record["cached_tokens"]) == (None, None)
     assert metric_value(metrics, "cachetally_patch_skipped_total", reason="encoded") == 1
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_a_stream_the_client_read_to_its_done_is_completed_though_it_hangs_up_before_the_body_ends(
+        tmp_path: Path, include_usage: bool) -> None:
+    """The ``openai`` SDK closes its connection at ``[DONE]``; an upstream that ends its HTTP
+    body a moment later must not make the record of a stream the client got whole say it
+    left early."""
+    with proxied(tmp_path) as (client, _):
+        options = {"stream_options": {"include_usage": True}} if include_usage else {}
+        chunks = list(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "slow-end"}], stream=True, **options))  # type: ignore[call-overload]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
+        assert [c.usage.prompt_tokens_details.cached_tokens for c in chunks if c.usage] == ([4] if include_usage else [])
+        (record,) = records(tmp_path, 1)
+    assert (record["outcome"], record["status"]) == ("completed", 200)
+    assert (record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]) == (10, 4, 3)

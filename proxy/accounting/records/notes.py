@@ -43,6 +43,9 @@ _ERROR_EVENTS = (b'data: {"error"', b'data:{"error"')
 _NAMED_STREAM_ERROR = re.compile(
     rb'event: ?(?:error|response\.failed)[\r\n]|data: ?\{(?:"error"|"type": ?"(?:error|response\.failed)")')
 _LINE_ENDS = (b"\n", b"\r")
+#: The end of a chat or completions stream, at a line start: a JSON string holds no raw line
+#: end, so generated text never matches.
+_DONE = re.compile(rb"[\r\n]data: ?\[DONE\][\r\n]")
 #: Token events of the streams whose events are named (``event:`` lines), by route.
 _TOKEN_EVENTS = {
     "messages": re.compile(rb"event: ?content_block_delta[\r\n]"),
@@ -57,7 +60,7 @@ _UNNAMED_TOKEN_EVENTS = {"responses": re.compile(rb'data: ?\{"type": ?"response\
 class RequestNotes:
     __slots__ = (
         "started", "t0", "ttft_s", "response_id", "disconnected", "response_done", "errored", "unread",
-        "usage_completion", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
+        "usage_completion", "ended", "_roles_pending", "_cr", "_line_start", "_events", "_role_events",
         "_usage_events", "_token_events", "_unnamed_token_events", "_plain", "_id_tail",
     )
 
@@ -72,6 +75,9 @@ class RequestNotes:
         self.errored = False  # the stream carried an error event
         self.unread = False  # a JSON body's tokens are unknown: too large to read, or no count in its usage
         self.usage_completion: int | None = None
+        #: ``[DONE]`` went out: the stream is whole for the client (the ``openai`` SDK hangs up
+        #: there), whenever the HTTP body ends.
+        self.ended = False
         self._roles_pending = route == "chat"
         self._cr: bool | None = None
         self._line_start = True  # the next byte of the stream starts a line
@@ -120,6 +126,8 @@ class RequestNotes:
         if self._cr:
             count += events.count(b"\rdata: {") + events.count(b"\rdata:{")
         self._events += count
+        if events.find(b"[DONE]") >= 0 and _DONE.search((b"\n" if self._line_start else b"") + events):
+            self.ended = True
         self._line_start = events.endswith(_LINE_ENDS)
         if self._roles_pending:  # role events open a chat stream, one per choice, then stop
             roles = events.count(b'"role"')
@@ -140,7 +148,7 @@ class RequestNotes:
             self._id_tail = head[-_ID_FIELD_MAX:]
 
     def client_left(self) -> None:
-        if not self.response_done:
+        if not (self.response_done or self.ended):
             self.disconnected = True
 
     def whole_usage(self, payload: dict[str, Any], *, event: bool = False) -> None:
@@ -171,6 +179,6 @@ class RequestNotes:
             return "error"
         if self.disconnected:  # whatever the app sent after (vLLM's handler: a null body)
             return "disconnected"
-        if self.response_done:
+        if self.response_done or self.ended:
             return "completed" if status is not None and status < 400 else "error"
         return "error"

@@ -16,7 +16,8 @@ the models the engine serves (:mod:`proxy.patching.served_models`).
 
 ``outcome``:
 
-- ``completed``: the whole response went out with a status below 400;
+- ``completed``: the whole response went out with a status below 400 (a chat or completions
+  stream is whole at its ``[DONE]``, where the ``openai`` SDK hangs up);
 - ``error``: the whole response went out with a status of 400 or more, or the server
   side failed or ended the response early while the client was still there;
 - ``disconnected``: the client left before the response was complete, whatever the app
