@@ -79,6 +79,9 @@ class RequestOptions:
     orjson_read: bool = True
     #: vLLM's ``use_beam_search``: the engine runs one request per beam per step.
     beam_search: bool = False
+    #: One choice streams (``n`` 1, one prompt): the usage on any of its chunks covers the
+    #: whole request so far, not one choice of several.
+    one_choice: bool = True
 
 
 _TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
@@ -152,7 +155,21 @@ def parse_request(body: bytes, stream_options: bool = True) -> tuple[dict[str, A
         valid=valid,
         orjson_read=orjson_read,
         beam_search=_beam_search(payload),
+        one_choice=_one_choice(payload),
     )
+
+
+def _one_choice(payload: dict[str, Any]) -> bool:
+    """One choice streams: ``n`` absent, null or 1 (``true`` too is 1 to pydantic, but not
+    surely: taken for several), and one prompt."""
+    n = payload.get("n")
+    return (n is None or (n == 1 and n is not True)) and not several_prompts(payload.get("prompt"))
+
+
+def several_prompts(prompt: object) -> bool:
+    """A completions ``prompt`` that vLLM reads as more than one: a list of strings or of
+    token-id lists (a list of token ids is one prompt)."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
 
 
 def _beam_search(payload: dict[str, Any]) -> bool:

@@ -278,15 +278,13 @@ class Responder:
     def _patch_event(self, payload: dict[str, Any]) -> bool | None:
         if self.shape is not None:
             return self._patch_shape(payload)
+        options = self.options
+        assert options is not None
         ghost = self._hold is not None and self._hold.drops(payload)
-        if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
-            # A ghost usage chunk never reaches the client, so it is not among the counted events.
-            self.notes.whole_usage(payload, event=not ghost)
+        self.notes.chunk_usage(payload, dropped=ghost, one_choice=options.one_choice)
         if ghost:
             self._patch(payload)  # observe it for the metrics, then drop it
             return False
-        options = self.options
-        assert options is not None
         if options.want_details and payload.get("choices"):
             # Tier details belong to the final usage chunk only, not continuous ones.
             return UsagePatch(self.ctx.ledger.usage(self.key), self.ctx.config.missing).apply(

@@ -64,7 +64,35 @@ def huge(n: int) -> dict[str, Any]:
     return {"prompt_tokens": n, "completion_tokens": n, "total_tokens": n, "prompt_tokens_details": {"cached_tokens": n}}
 
 
+def llama_cpp_stream() -> bytes:
+    """llama.cpp server's stream (b6097): the usage and timings ride on the finishing chunk,
+    whose delta is empty; no usage-only chunk, whatever ``stream_options`` asked."""
+    head = {"created": 1, "id": "chatcmpl-1", "model": "m", "system_fingerprint": "b6097-9515c613",
+            "object": "chat.completion.chunk"}
+    chunks = [
+        {"choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}], **head},
+        {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": "Hel"}}], **head},
+        {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": "lo"}}], **head},
+        {"choices": [{"finish_reason": "stop", "index": 0, "delta": {}}], **head,
+         "usage": {"completion_tokens": 2, "prompt_tokens": 10, "total_tokens": 12},
+         "timings": {"cache_n": 6, "prompt_n": 4, "prompt_ms": 2.1, "predicted_n": 2, "predicted_ms": 9.5}},
+    ]
+    return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def per_choice_usage_stream() -> bytes:
+    """Two choices, each chunk with its own choice's usage (vLLM's continuous usage), cut
+    before the usage-only chunk: no chunk covers the whole request."""
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    chunks = [{**head, "choices": [{"index": i % 2, "delta": {"content": text}, "finish_reason": None}],
+               "usage": {"prompt_tokens": 10, "completion_tokens": 1 + i // 2, "total_tokens": 11 + i // 2}}
+              for i, text in enumerate(["a", "b", "c", "d"])]
+    return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
 ANSWERS: dict[str, Callable[[bool], bytes]] = {
+    "per-choice": lambda streamed: per_choice_usage_stream(),
+    "llama.cpp": lambda streamed: llama_cpp_stream(),
     "fair": lambda streamed: (stream if streamed else completion)(FAIR),
     "past-int64": lambda streamed: (stream if streamed else completion)(huge(PAST_INT64)),
     "past-u64": lambda streamed: (stream if streamed else completion)(huge(PAST_U64)),
@@ -180,3 +208,34 @@ def test_a_stream_the_client_read_to_its_done_is_completed_though_it_hangs_up_be
         (record,) = records(tmp_path, 1)
     assert (record["outcome"], record["status"]) == ("completed", 200)
     assert (record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]) == (10, 4, 3)
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_a_llama_cpp_stream_is_billed_the_tokens_its_final_chunk_reports(tmp_path: Path, include_usage: bool) -> None:
+    """llama.cpp reports usage on its finishing chunk, an event with an empty delta: the
+    record takes the completion tokens it reports (2), not its events (3, the finishing one
+    too), and the cached tokens of ``timings.cache_n``."""
+    with proxied(tmp_path) as (client, app):
+        options = {"stream_options": {"include_usage": True}} if include_usage else {}
+        chunks = list(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "llama.cpp"}], stream=True, **options))  # type: ignore[call-overload]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
+        # llama.cpp sends it unasked too; the client gets what it sends, the standard field added
+        assert [(c.usage.completion_tokens, c.usage.prompt_tokens_details.cached_tokens) for c in chunks if c.usage] == [
+            (2, 6)]
+        (record,) = records(tmp_path, 1)
+        metrics = app.metrics.exposition().decode()
+    assert (record["completion_tokens"], record["completion_source"]) == (2, "usage")
+    assert (record["prompt_tokens"], record["cached_tokens"], record["source"]) == (10, 6, "upstream")
+    assert metric_value(metrics, "cachetally_completion_tokens_total") == 2
+
+
+def test_a_choices_own_usage_is_not_taken_for_the_requests_when_several_stream(tmp_path: Path) -> None:
+    """With ``n`` 2, a chunk's usage counts its choice alone: the record counts the four
+    token events, not the last chunk's 2."""
+    with proxied(tmp_path) as (client, _):
+        chunks = list(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "per-choice"}], n=2, stream=True))
+        assert sorted(c.choices[0].delta.content for c in chunks) == ["a", "b", "c", "d"]
+        (record,) = records(tmp_path, 1)
+    assert (record["completion_tokens"], record["completion_source"]) == (4, "stream")

@@ -151,6 +151,17 @@ class RequestNotes:
         if not (self.response_done or self.ended):
             self.disconnected = True
 
+    def chunk_usage(self, payload: dict[str, Any], *, dropped: bool, one_choice: bool) -> None:
+        """A stream chunk's usage, when it covers the whole request: a usage-only chunk (not
+        among the counted events if ``dropped``, the ghost one the client never gets), or,
+        when one choice streams, any chunk's (llama.cpp's finishing chunk, continuous usage),
+        counted so far; with several, a choice's chunk counts that choice alone."""
+        if not isinstance(payload.get("usage"), dict):
+            return
+        usage_only = payload.get("choices") == []
+        if usage_only or one_choice:
+            self.whole_usage(payload, event=usage_only and not dropped)
+
     def whole_usage(self, payload: dict[str, Any], *, event: bool = False) -> None:
         """``payload``'s usage covers the whole request (``event``: an SSE usage-only chunk
         the client gets, so counted among the stream's events)."""
