@@ -91,6 +91,7 @@ def per_choice_usage_stream() -> bytes:
 
 
 ANSWERS: dict[str, Callable[[bool], bytes]] = {
+    "error-200": lambda streamed: dumps({"error": {"message": "model overloaded", "type": "server_error", "code": 503}}),
     "per-choice": lambda streamed: per_choice_usage_stream(),
     "llama.cpp": lambda streamed: llama_cpp_stream(),
     "fair": lambda streamed: (stream if streamed else completion)(FAIR),
@@ -239,3 +240,16 @@ def test_a_choices_own_usage_is_not_taken_for_the_requests_when_several_stream(t
         assert sorted(c.choices[0].delta.content for c in chunks) == ["a", "b", "c", "d"]
         (record,) = records(tmp_path, 1)
     assert (record["completion_tokens"], record["completion_source"]) == (4, "stream")
+
+
+def test_a_200_whose_body_is_an_error_is_recorded_as_an_error(tmp_path: Path) -> None:
+    """Some servers and gateways answer a failure with a 200 and an error object: the client
+    gets it as it came, and the record says the request failed, with no tokens, as it says
+    of a stream that carried an error event."""
+    with proxied(tmp_path) as (client, _):
+        raw = client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "error-200"}])
+        assert raw.http_response.json() == {"error": {"message": "model overloaded", "type": "server_error", "code": 503}}
+        (record,) = records(tmp_path, 1)
+    assert (record["status"], record["outcome"]) == (200, "error")
+    assert (record["completion_tokens"], record["completion_source"], record["prompt_tokens"]) == (0, "none", None)

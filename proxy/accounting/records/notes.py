@@ -164,8 +164,11 @@ class RequestNotes:
 
     def whole_usage(self, payload: dict[str, Any], *, event: bool = False) -> None:
         """``payload``'s usage covers the whole request (``event``: an SSE usage-only chunk
-        the client gets, so counted among the stream's events)."""
+        the client gets, so counted among the stream's events). A whole body that is an error
+        object (a 200 some servers and gateways answer a failure with) failed the request."""
         self._usage_events += event
+        if isinstance(payload.get("error"), dict):  # Responses' own "error" is null unless it failed
+            self.errored = True
         usage = payload.get("usage")
         completion = (  # OpenAI chat and completions, else Responses and Messages
             usage.get("completion_tokens", usage.get("output_tokens")) if isinstance(usage, dict) else None

@@ -19,7 +19,8 @@ the models the engine serves (:mod:`proxy.patching.served_models`).
 - ``completed``: the whole response went out with a status below 400 (a chat or completions
   stream is whole at its ``[DONE]``, where the ``openai`` SDK hangs up);
 - ``error``: the whole response went out with a status of 400 or more, or the server
-  side failed or ended the response early while the client was still there;
+  side failed or ended the response early while the client was still there, or its body
+  was an error object (a 200 some servers answer a failure with);
 - ``disconnected``: the client left before the response was complete, whatever the app
   sent after (vLLM answers a request whose client left with a 200 and ``null``).
 
