@@ -90,7 +90,18 @@ def per_choice_usage_stream() -> bytes:
     return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
+def ollama_stream() -> bytes:
+    """Ollama's OpenAI endpoint: every chunk's delta names the role, its token beside it; here
+    without a usage chunk (a client that left before it gets none either)."""
+    head = {"id": "chatcmpl-86", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "system_fingerprint": "fp_ollama"}
+    chunks = [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None}]}
+              for text in ["Hel", "lo", " there"]]
+    return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
 ANSWERS: dict[str, Callable[[bool], bytes]] = {
+    "ollama": lambda streamed: ollama_stream(),
     "error-200": lambda streamed: dumps({"error": {"message": "model overloaded", "type": "server_error", "code": 503}}),
     "per-choice": lambda streamed: per_choice_usage_stream(),
     "llama.cpp": lambda streamed: llama_cpp_stream(),
@@ -253,3 +264,14 @@ def test_a_200_whose_body_is_an_error_is_recorded_as_an_error(tmp_path: Path) ->
         (record,) = records(tmp_path, 1)
     assert (record["status"], record["outcome"]) == (200, "error")
     assert (record["completion_tokens"], record["completion_source"], record["prompt_tokens"]) == (0, "none", None)
+
+
+def test_a_stream_whose_every_chunk_names_the_role_is_billed_its_tokens(tmp_path: Path) -> None:
+    """Ollama names the role in every chunk: only the events that carry a role and no content
+    open a stream, so its three tokens are billed three, not 0."""
+    with proxied(tmp_path) as (client, _):
+        chunks = list(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "ollama"}], stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello there"
+        (record,) = records(tmp_path, 1)
+    assert (record["completion_tokens"], record["completion_source"]) == (3, "stream")

@@ -43,6 +43,11 @@ _ERROR_EVENTS = (b'data: {"error"', b'data:{"error"')
 _NAMED_STREAM_ERROR = re.compile(
     rb'event: ?(?:error|response\.failed)[\r\n]|data: ?\{(?:"error"|"type": ?"(?:error|response\.failed)")')
 _LINE_ENDS = (b"\n", b"\r")
+#: A chat stream's opening event, one per choice: a role and no content (vLLM's ``""``,
+#: llama.cpp's ``null``), in either order. Ollama names the role beside every token: no match.
+#: A JSON string holds no raw ``"``, so generated text never matches.
+_ROLE_EVENT = re.compile(
+    rb'"role":\s*"[^"]*",\s*"content":\s*(?:""|null)\s*[,}]|"content":\s*(?:""|null),\s*"role":\s*"[^"]*"\s*[,}]')
 #: The end of a chat or completions stream, at a line start: a JSON string holds no raw line
 #: end, so generated text never matches.
 _DONE = re.compile(rb"[\r\n]data: ?\[DONE\][\r\n]")
@@ -130,7 +135,7 @@ class RequestNotes:
             self.ended = True
         self._line_start = events.endswith(_LINE_ENDS)
         if self._roles_pending:  # role events open a chat stream, one per choice, then stop
-            roles = events.count(b'"role"')
+            roles = len(_ROLE_EVENT.findall(events))
             self._role_events += roles
             self._roles_pending = roles > 0
         self._plain = self._line_start and self._cr is False and not self._roles_pending
