@@ -101,6 +101,7 @@ def ollama_stream() -> bytes:
 
 
 ANSWERS: dict[str, Callable[[bool], bytes]] = {
+    "no-usage": lambda streamed: completion({}).replace(b',"usage":{}', b""),
     "ollama": lambda streamed: ollama_stream(),
     "error-200": lambda streamed: dumps({"error": {"message": "model overloaded", "type": "server_error", "code": 503}}),
     "per-choice": lambda streamed: per_choice_usage_stream(),
@@ -275,3 +276,13 @@ def test_a_stream_whose_every_chunk_names_the_role_is_billed_its_tokens(tmp_path
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello there"
         (record,) = records(tmp_path, 1)
     assert (record["completion_tokens"], record["completion_source"]) == (3, "stream")
+
+
+def test_a_json_answer_without_usage_has_unknown_tokens_not_none(tmp_path: Path) -> None:
+    """A server that sends no usage with its answer delivered tokens nobody counted: the
+    record says ``unknown``, never that it delivered none."""
+    with proxied(tmp_path) as (client, _):
+        text, usage = ask(client, "no-usage", streamed=False)
+        assert (text, usage) == ("Hello", None)
+        (record,) = records(tmp_path, 1)
+    assert (record["outcome"], record["completion_tokens"], record["completion_source"]) == ("completed", 0, "unknown")

@@ -180,7 +180,7 @@ class RequestNotes:
         )
         if (tokens := count(completion)) is not None:  # a peer's -1, true or 2**64 is not a count
             self.usage_completion = tokens
-        elif isinstance(usage, dict):  # a body was delivered, but its usage says no count of it
+        elif isinstance(usage, dict) or payload.get("choices"):  # delivered, with no count of it
             self.unread = True
         response_id = payload.get("id")
         if isinstance(response_id, str):
