@@ -166,12 +166,6 @@ def _one_choice(payload: dict[str, Any]) -> bool:
     return (n is None or (n == 1 and n is not True)) and not several_prompts(payload.get("prompt"))
 
 
-def several_prompts(prompt: object) -> bool:
-    """A completions ``prompt`` that vLLM reads as more than one: a list of strings or of
-    token-id lists (a list of token ids is one prompt)."""
-    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
-
-
 def _beam_search(payload: dict[str, Any]) -> bool:
     """``use_beam_search`` as vLLM's chat and completions models read it (a value it refuses
     is a 400 there, and no search)."""
