@@ -10,7 +10,8 @@ there and must be one here (:func:`lax_bool`, held against pydantic's own parsin
 tests/patching/test_request_body.py). A body whose options pydantic would reject is answered 400
 by the engine, so it is neither a stream nor rewritten here: ``valid`` is False. A body over the limit
 is refused from its ``Content-Length`` before any of it is read, or as soon as the bytes
-read pass the limit.
+read pass the limit (with ``pd_legs``, after it is read to its end and not kept, for its leg:
+:mod:`proxy.patching.oversized_leg`).
 
 The body itself is read as the engine's server reads it too. vLLM's routes take it from
 Starlette's ``Request.json()``, the standard library's ``json.loads``, which also takes what
@@ -38,7 +39,11 @@ DETAILS_FLAG = "return_cached_tokens_details"
 
 
 class BodyTooLarge(Exception):
-    pass
+    """``head``: the chunks read before the limit was passed; ``more``: the rest is unread."""
+
+    def __init__(self, head: list[bytes] | None = None, more: bool = True) -> None:
+        super().__init__()
+        self.head, self.more = head or [], more
 
 
 class ClientGone(Exception):
@@ -59,9 +64,9 @@ async def read_body(receive: Receive, declared_lengths: Iterable[bytes], limit: 
             raise ClientGone
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
         chunks.append(chunk)
+        if size > limit:
+            raise BodyTooLarge(chunks, message.get("more_body", False))
         if not message.get("more_body", False):
             return b"".join(chunks)
 

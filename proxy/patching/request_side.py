@@ -20,6 +20,7 @@ from starlette.types import Message, Receive, Scope
 
 from proxy.asgi.errors import send_error
 from proxy.asgi.paths import route_path
+from proxy.patching.oversized_leg import member_of
 from proxy.patching.pd_leg import DECODE, handed, leg_of
 from proxy.patching.request_body import (
     DETAILS_FLAG,
@@ -50,7 +51,9 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     headers = r.request_headers
     try:
         body = await read_body(receive, headers.values(b"content-length"), config.max_request_bytes)
-    except BodyTooLarge:
+    except BodyTooLarge as too_large:
+        if config.pd_legs and not await _read_oversized_leg(r, too_large, receive):
+            return
         await send_error(r.send, 413, f"Request body exceeds {config.max_request_bytes} bytes")
         return
     except ClientGone:
@@ -89,6 +92,20 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         await r.ctx.app(scope, receive, r.send)
     else:  # r.send rewrites a framework's 404 or 405 itself: one layer less on every message
         await guard.serve(scope, receive, r.send, r.started)
+
+
+async def _read_oversized_leg(r: Responder, too_large: BodyTooLarge, receive: Receive) -> bool:
+    """The leg of a body refused as too large, and a decode leg's handed figures, so that a
+    decode leg the router made larger than its prefill leg still bills its prefill
+    (:mod:`proxy.patching.oversized_leg`). ``False`` if the client left before the end."""
+    try:
+        params = await member_of(too_large.head, too_large.more, receive, TRANSFER, r.ctx.config.max_request_bytes)
+    except ClientGone:
+        r.notes.client_left()
+        return False
+    r.leg = leg_of(params)
+    r.handed = handed(params) if r.leg == DECODE else None
+    return True
 
 
 def _refusal(r: Responder, payload: dict[str, Any], beam_search: bool) -> str | None:

@@ -32,13 +32,15 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 @contextlib.contextmanager
-def pd_fleet(tmp_path: Path, *, pd_legs: bool = True) -> Iterator[tuple[str, str]]:
+def pd_fleet(tmp_path: Path, *, pd_legs: bool = True,
+             max_request_bytes: int = 32 << 20) -> Iterator[tuple[str, str]]:
     """(prefill URL, decode URL); both stopped, their records drained, on exit."""
     specs = []
     for name in ("prefill", "decode"):
         args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning",
                 "--usage-dir", str(tmp_path / name), "--usage-flush-interval", "0.2"]
-        env = {"CACHETALLY_PD_LEGS": "true" if pd_legs else "false", "CACHETALLY_SIM_TOKEN_DELAY_S": "0.005"}
+        env = {"CACHETALLY_PD_LEGS": "true" if pd_legs else "false", "CACHETALLY_SIM_TOKEN_DELAY_S": "0.005",
+               "CACHETALLY_MAX_REQUEST_BYTES": str(max_request_bytes)}
         specs.append((args, env, None))
     with running_servers(specs) as ((prefill, _), (decode, _)):
         yield prefill, decode
@@ -139,6 +141,34 @@ def test_a_decode_leg_that_fails_after_its_prefill_leaves_one_record_with_its_ou
     assert by_id["left"]["outcome"] == "disconnected" and by_id["left"]["completion_tokens"] > 0
     assert requests == 2  # the stream the engine served, and the refused request's prefill
     assert decode_legs == {"error": 1, "disconnected": 1}
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_decode_leg_the_router_made_too_large_still_bills_its_prefill(tmp_path: Path, declared: bool) -> None:
+    """The router's decode leg is the client's body plus the prefill's ``kv_transfer_params``
+    (on /v1/responses, the client's ``stream_options`` too, which its prefill leg loses), so it
+    can pass ``max_request_bytes`` where the prefill leg did not. Refused, it bills its prefill."""
+    limit = 8192
+    with pd_fleet(tmp_path, max_request_bytes=limit) as (prefill, decode), httpx.Client(timeout=30) as http:
+        body = body_for("chat", f"{uuid.uuid4().hex} prefilled for nothing " * 20, user="")
+        leg = body | {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        leg["user"] = "u" * (limit - len(orjson.dumps(leg)))  # the prefill leg is at the limit
+        headers = {"x-request-id": "grown", "content-type": "application/json"}
+        prefilled = http.post(f"{prefill}/v1/chat/completions", content=orjson.dumps(leg), headers=headers)
+        prefilled.raise_for_status()
+        grown = orjson.dumps(leg | {"max_tokens": 4, "kv_transfer_params": prefilled.json()["kv_transfer_params"]})
+        content = grown if declared else iter([grown[i : i + 1000] for i in range(0, len(grown), 1000)])
+        refused = http.post(f"{decode}/v1/chat/completions", content=content, headers=headers)
+        computed = (fleet_value((prefill, decode), "cachetally_pd_prompt_tokens_total", leg="prefill"),
+                    fleet_value((prefill, decode), "cachetally_pd_cached_tokens_total", leg="prefill", tier="all"))
+        requests = fleet_value((prefill, decode), "cachetally_requests_total", tenant="default")
+        decode_legs = fleet_value((prefill, decode), "cachetally_pd_legs_total", leg="decode", outcome="error")
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == 413
+    [record] = records(tmp_path)
+    assert (record["request_id"], record["outcome"], record["status"]) == ("grown", "error", 413)
+    assert (record["prompt_tokens"], record["cached_tokens"]) == computed
+    assert computed[0] > 0
+    assert (requests, decode_legs) == (1, 1)
 
 
 def test_without_pd_legs_a_body_claiming_to_be_a_prefill_leg_is_billed(tmp_path: Path) -> None:
