@@ -23,6 +23,12 @@ _TYPES = {
 }
 
 
+#: What the client of a request the server's stop ended is told (a 503: another instance
+#: may serve it). uvicorn cancels the requests still running ``shutdown_timeout_s`` after
+#: SIGTERM; left to it, one whose response had not started gets a plain-text 500.
+STOPPED = "The server stopped before the request finished; retry it"
+
+
 class ErrorAnswer(Exception):
     """An engine app's failure that says how the client is to be told of it, when nothing
     of the response has reached the client yet (:class:`proxy.asgi.error_guard.ErrorGuard`)."""
@@ -52,6 +58,14 @@ def anthropic_error_sse_event(message: str) -> bytes:
     return b"event: error\ndata: " + orjson.dumps(
         {"type": "error", "error": {"type": "api_error", "message": message}}
     ) + b"\n\n"
+
+
+def stream_error_event(path: str, status: int, message: str) -> bytes:
+    """The error event for a stream on ``path`` that already started: a Messages stream's
+    own shape on ``/v1/messages`` (its clients read named events only), else OpenAI's."""
+    if path == "/v1/messages":
+        return anthropic_error_sse_event(message)
+    return error_sse_event(status, message)
 
 
 async def send_error(

@@ -14,6 +14,7 @@ claim as cache reads). While billing is on, a beam search over several prompts i
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.types import Message, Receive, Scope
@@ -33,6 +34,7 @@ from proxy.patching.request_body import (
     several_prompts,
 )
 from proxy.patching.responder import Responder
+from proxy.patching.stopped import end_stopped
 
 INTERVAL = "stream_interval"
 TRANSFER = "kv_transfer_params"
@@ -88,10 +90,14 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     ]
     scope, receive = {**scope, "headers": forwarded}, replay(body, _watch(r, receive))
     guard = r.ctx.guard
-    if guard is None:
-        await r.ctx.app(scope, receive, r.send)
-    else:  # r.send rewrites a framework's 404 or 405 itself: one layer less on every message
-        await guard.serve(scope, receive, r.send, r.started)
+    try:
+        if guard is None:
+            await r.ctx.app(scope, receive, r.send)
+        else:  # r.send rewrites a framework's 404 or 405 itself: one layer less on every message
+            await guard.serve(scope, receive, r.send, r.started)
+    except asyncio.CancelledError:  # the server's stop (proxy.patching.stopped)
+        if not await end_stopped(r, scope):
+            raise
 
 
 async def _read_oversized_leg(r: Responder, too_large: BodyTooLarge, receive: Receive) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Receive, Scope, Send
 
-from proxy.asgi.errors import ErrorAnswer, anthropic_error_sse_event, error_sse_event, send_error
+from proxy.asgi.errors import ErrorAnswer, send_error, stream_error_event
 from proxy.asgi.headers import Headers
 from proxy.asgi.paths import logged_path, route_path
 from proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
@@ -151,10 +151,7 @@ class Forward:
                 raise UpstreamBodyError(502, exc.message) from None
             # Close a half-sent event first, so the error event is parsed on its own.
             prefix = b"" if tail.endswith(_EVENT_ENDS) else b"\n\n"
-            if route_path(scope) == "/v1/messages":  # Messages clients read named events only
-                event = prefix + anthropic_error_sse_event(exc.message)
-            else:
-                event = prefix + error_sse_event(exc.status, exc.message)
+            event = prefix + stream_error_event(route_path(scope), exc.status, exc.message)
             await send({"type": "http.response.body", "body": event, "more_body": False})
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,35 @@
+"""A patched request that the server's stop cancels, ended in the API's own error shape.
+
+``cachetally serve`` (sim and upstream engines) waits ``shutdown_timeout_s`` after SIGTERM
+for the requests in flight, then uvicorn cancels their tasks. Left to uvicorn, a request
+whose response had not reached the client gets a plain-text 500 and a stream is cut off
+mid-body (an incomplete chunked body, no error). Here the request's own task ends it
+instead: a 503 in OpenAI error JSON while nothing was sent (a JSON body is held to be
+patched until it is whole), or one SSE error event that ends a stream already started.
+Its usage record is then written as for any failed request (``outcome`` ``error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from proxy.asgi.errors import STOPPED, send_error, stream_error_event
+from proxy.asgi.paths import route_path
+from proxy.patching.responder import Mode, Responder
+
+
+async def end_stopped(r: Responder, scope: dict) -> bool:
+    """Answer the cancelled request ``r``; ``False`` when it cannot be (a body that is
+    neither held nor SSE already went out in part: only a cut connection says it is short)."""
+    if not r.started():
+        await send_error(r.send, 503, STOPPED)
+    elif r.mode is Mode.SSE and not r.completed:
+        # A blank line first ends an event the patcher may hold half of; alone it is no event.
+        event = b"\n\n" + stream_error_event(route_path(scope), 503, STOPPED)
+        await r.send({"type": "http.response.body", "body": event, "more_body": False})
+    else:
+        return False
+    task = asyncio.current_task()
+    assert task is not None
+    task.uncancel()  # this task ended its request: nothing is left to cancel
+    return True
