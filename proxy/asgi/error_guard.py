@@ -6,6 +6,7 @@ patched routes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Collection
 from http import HTTPStatus
@@ -13,7 +14,7 @@ from http import HTTPStatus
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.asgi.errors import ErrorAnswer, send_error
+from proxy.asgi.errors import STOPPED, ErrorAnswer, send_error
 from proxy.asgi.paths import logged_path
 
 logger = logging.getLogger("cachetally.app")
@@ -31,6 +32,8 @@ class ErrorGuard:
       (the sim) plain text. Only those two statuses are held; every other response
       passes through untouched. ``only_paths``: rewrite on these paths alone (upstream
       mode: a drop-in proxy passes an upstream's other routes through byte for byte).
+    - A request the server's stop cancels before its response started gets a 503 (the
+      patched routes: :mod:`proxy.patching.stopped`).
     """
 
     def __init__(self, app: ASGIApp, only_paths: Collection[str] | None = None) -> None:
@@ -65,6 +68,13 @@ class ErrorGuard:
             await self.app(scope, receive, guarded_send)
         except Exception as exc:
             await self._failed(exc, scope, send, started)
+        except asyncio.CancelledError:  # the server's stop: see proxy.asgi.errors.STOPPED
+            if started:
+                raise
+            await send_error(send, 503, STOPPED)
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()  # this task ended its request: nothing is left to cancel
 
     def rewrites(self, path: str) -> bool:
         """Whether a 404 or 405 on ``path`` is rewritten as an OpenAI error."""

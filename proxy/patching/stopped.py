@@ -6,7 +6,8 @@ whose response had not reached the client gets a plain-text 500 and a stream is 
 mid-body (an incomplete chunked body, no error). Here the request's own task ends it
 instead: a 503 in OpenAI error JSON while nothing was sent (a JSON body is held to be
 patched until it is whole), or one SSE error event that ends a stream already started.
-Its usage record is then written as for any failed request (``outcome`` ``error``).
+Its usage record is then written as for any failed request (``outcome`` ``error``). The
+engine's other routes get the same 503 from :class:`~proxy.asgi.error_guard.ErrorGuard`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ line; no prompt text and no traceback in the log.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import signal
@@ -29,7 +30,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.asgi.errors import STOPPED
-from tests.servers import running_server
+from tests.servers import running_server, serving_in_thread
 
 pytestmark = pytest.mark.loopback
 
@@ -149,3 +150,43 @@ def test_sigterm_ends_each_request_in_flight_with_its_answer_or_an_openai_error_
             allowed = ("completed", "disconnected") if outcome == "whole" else ("error",)
             assert by_id[rid]["outcome"] in allowed, (by_id[rid], outcome)
 
+
+def test_sigterm_ends_a_passed_through_request_still_running_with_a_503_in_openai_json(tmp_path: Path) -> None:
+    """In upstream mode a route cachetally does not meter (here embeddings, billing off) is
+    passed through; still running when the drain ends, it gets the same 503."""
+    arrived = threading.Event()
+
+    async def upstream(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":  # type: ignore[operator]
+                await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
+            await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
+            return
+        body = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
+        if scope["path"] != "/v1/models":
+            arrived.set()
+            await asyncio.sleep(60)  # never answers: its server cancels it when the test ends
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})  # type: ignore[operator]
+
+    log = tmp_path / "serve.log"
+    env = {"CACHETALLY_SHUTDOWN_TIMEOUT_S": SHUTDOWN_TIMEOUT}
+    with serving_in_thread(upstream, "upstream") as upstream_url, \
+            running_server(["-m", "proxy.server.cli", "serve", "--upstream", upstream_url], env=env,
+                           log_path=log) as (url, proc):
+        def stop_once_arrived() -> None:
+            assert arrived.wait(30)
+            proc.send_signal(signal.SIGTERM)
+
+        stopper = threading.Thread(target=stop_once_arrived)
+        stopper.start()
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30) as client, \
+                pytest.raises(openai.APIStatusError) as raised:
+            client.embeddings.create(model="m", input="a secret text")
+        stopper.join()
+        proc.wait(timeout=30)
+    assert raised.value.status_code == 503
+    assert orjson.loads(raised.value.response.content)["error"]["message"] == STOPPED
+    text = log.read_text()
+    assert "a secret text" not in text and "Traceback" not in text, text[-3000:]
