@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -51,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(Exception):
+    """SIGTERM, as uvicorn re-raises it after the graceful stop it started."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         settings = serve_settings(args)
@@ -85,11 +94,15 @@ def _serve(args: argparse.Namespace) -> int:
             # app's ready line is never printed for a port it cannot have.
             sockets = [config.bind_socket()]
             server = uvicorn.Server(config)
+            previous = signal.signal(signal.SIGTERM, _terminated)
             try:
                 server.run(sockets=sockets)
-            except KeyboardInterrupt:  # uvicorn re-raises a captured SIGINT once stopped; uvicorn.run swallows it
+            except (KeyboardInterrupt, _Terminated):
+                # uvicorn re-raises the SIGINT or SIGTERM it handled once its graceful stop is
+                # done: a stop asked for and done exits 0, as with --workers N.
                 pass
             finally:
+                signal.signal(signal.SIGTERM, previous)
                 sockets[0].close()
             if not server.started:
                 return 3  # uvicorn's own code for a start that failed

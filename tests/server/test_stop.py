@@ -134,7 +134,7 @@ def test_sigterm_ends_each_request_in_flight_with_its_answer_or_an_openai_error_
             client.join(30)
     text = log.read_text()
     assert set(got) == {*rids, late} and set(got.values()) <= {"whole", "error", "refused"}, got
-    assert returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the SIGTERM it handled
+    assert returncode == 0  # a stop asked for and done
     assert secret not in text and "Traceback" not in text, text[-3000:]
     records = _records(usage)
     seen = [record["request_id"] for record in records]
@@ -185,7 +185,7 @@ def test_sigterm_ends_a_passed_through_request_still_running_with_a_503_in_opena
                 pytest.raises(openai.APIStatusError) as raised:
             client.embeddings.create(model="m", input="a secret text")
         stopper.join()
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 0
     assert raised.value.status_code == 503
     assert orjson.loads(raised.value.response.content)["error"]["message"] == STOPPED
     text = log.read_text()
