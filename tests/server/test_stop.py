@@ -146,7 +146,9 @@ def test_sigterm_ends_each_request_in_flight_with_its_answer_or_an_openai_error_
         event(outcome)  # --hypothesis-show-statistics: how often each was seen
         if outcome == "refused":
             assert rid not in by_id, by_id[rid]
-        elif rid in by_id:  # a whole answer was once recorded disconnected, upstream mode under load: unexplained
+        elif rid in by_id:
+            # The sync openai client closes a stream at [DONE]: when the upstream's end of the
+            # body has not reached the proxy yet, the client has left before it (rare, under load).
             allowed = ("completed", "disconnected") if outcome == "whole" else ("error",)
             assert by_id[rid]["outcome"] in allowed, (by_id[rid], outcome)
 
