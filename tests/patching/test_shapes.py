@@ -359,6 +359,11 @@ def test_a_messages_stream_whose_upstream_dies_raises_in_the_anthropic_sdk_and_i
     assert (record["outcome"], record["completion_tokens"]) == ("error", 1)
 
 
+#: A Responses stream's ``response`` object as its first events carry it.
+RESPONSE_HEAD = {"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL, "status": "in_progress",
+                 "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None}
+
+
 def responses_upstream(metadata: str, last: str) -> Any:
     """An upstream Responses stream that echoes the request's ``metadata`` in its events, as
     vLLM does, and sends its last event (``last``) in 256 KiB parts, as TCP may hand it over."""
@@ -368,9 +373,7 @@ def responses_upstream(metadata: str, last: str) -> Any:
             return await lifespan(receive, send)
         while (await receive()).get("more_body"):
             pass
-        head = {"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL, "status": "in_progress",
-                "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-                "metadata": {"k": metadata}, "usage": None}
+        head = {**RESPONSE_HEAD, "metadata": {"k": metadata}}
         usage = {"input_tokens": 500, "input_tokens_details": {"cached_tokens": 448},
                  "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 501}
         text = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
@@ -437,8 +440,7 @@ def unnamed_responses_upstream(last: str | None) -> Any:
             return await lifespan(receive, send)
         while (await receive()).get("more_body"):
             pass
-        head = {"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL, "status": "in_progress",
-                "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None}
+        head = RESPONSE_HEAD
         events = [{"type": "response.created", "response": head}] + [
             {"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0, "content_index": 0,
              "delta": "a", "logprobs": []} for _ in range(3)]
