@@ -166,9 +166,15 @@ def parse_request(body: bytes, stream_options: bool = True) -> tuple[dict[str, A
 
 def _one_choice(payload: dict[str, Any]) -> bool:
     """One choice streams: ``n`` absent, null or 1 (``true`` too is 1 to pydantic, but not
-    surely: taken for several), and one prompt."""
+    surely: taken for several), and one prompt. vLLM's completions run each of
+    ``prompt_embeds`` (one, or a list) as a prompt of its own, then ``prompt``'s."""
     n = payload.get("n")
-    return (n is None or (n == 1 and n is not True)) and not several_prompts(payload.get("prompt"))
+    if not (n is None or (n == 1 and n is not True)):
+        return False
+    prompt, embeds = payload.get("prompt"), payload.get("prompt_embeds")
+    if embeds is None:
+        return prompt is None or not several_prompts(prompt)
+    return prompt is None and (not isinstance(embeds, list) or len(embeds) == 1)
 
 
 def _beam_search(payload: dict[str, Any]) -> bool:

@@ -90,6 +90,17 @@ def per_choice_usage_stream() -> bytes:
     return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
+def per_prompt_usage_stream() -> bytes:
+    """vLLM's completions stream for two prompts (``prompt`` and ``prompt_embeds``), one choice
+    each, each chunk with its own choice's usage (continuous usage), cut before the usage-only
+    chunk."""
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
+    chunks = [{**head, "choices": [{"index": i % 2, "text": text, "logprobs": None, "finish_reason": None}],
+               "usage": {"prompt_tokens": 10, "completion_tokens": 1 + i // 2, "total_tokens": 11 + i // 2}}
+              for i, text in enumerate(["a", "b", "c", "d"])]
+    return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
 def ollama_stream() -> bytes:
     """Ollama's OpenAI endpoint: every chunk's delta names the role, its token beside it; here
     without a usage chunk (a client that left before it gets none either)."""
@@ -125,6 +136,10 @@ async def answer(request: Request) -> Response:
     return Response(ANSWERS[case](streamed), media_type=media_type)
 
 
+async def answer_completion(request: Request) -> Response:
+    return Response(per_prompt_usage_stream(), media_type="text/event-stream")
+
+
 async def ended_late() -> AsyncIterator[bytes]:
     """A whole stream, ``[DONE]`` and all, whose HTTP body ends a moment later (a server that
     cleans up after its last event, or a busy one). cachetally asks every stream for usage."""
@@ -134,7 +149,8 @@ async def ended_late() -> AsyncIterator[bytes]:
 
 @contextlib.contextmanager
 def proxied(tmp_path: Path, **overrides: Any) -> Iterator[tuple[openai.OpenAI, CachetallyApp]]:
-    upstream = Starlette(routes=[Route("/v1/chat/completions", answer, methods=["POST"])])
+    upstream = Starlette(routes=[Route("/v1/chat/completions", answer, methods=["POST"]),
+                                  Route("/v1/completions", answer_completion, methods=["POST"])])
     with serving_in_thread(upstream, "upstream") as upstream_url:
         settings = Settings(engine="upstream", upstream=upstream_url, model="m", usage_dir=str(tmp_path),
                             usage_flush_interval_s=0.05, **overrides).validate()
@@ -250,6 +266,20 @@ def test_a_choices_own_usage_is_not_taken_for_the_requests_when_several_stream(t
         chunks = list(client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "per-choice"}], n=2, stream=True))
         assert sorted(c.choices[0].delta.content for c in chunks) == ["a", "b", "c", "d"]
+        (record,) = records(tmp_path, 1)
+    assert (record["completion_tokens"], record["completion_source"]) == (4, "stream")
+
+
+def test_a_prompts_own_usage_is_not_taken_for_the_requests_when_prompt_embeds_add_a_prompt(tmp_path: Path) -> None:
+    """vLLM's completions run ``prompt_embeds`` as prompts of their own, before ``prompt``'s:
+    with ``n`` 1, a ``prompt`` and an embedding two choices stream, and a chunk's usage counts
+    its own choice. The record counts the four token events, not the last chunk's 2."""
+    with proxied(tmp_path) as (client, _):
+        chunks = list(client.completions.create(
+            model="m", prompt="two prompts", n=1, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            extra_body={"prompt_embeds": "UEsDBAAAAAAAAA=="}))
+        assert sorted(c.choices[0].text for c in chunks) == ["a", "b", "c", "d"]
         (record,) = records(tmp_path, 1)
     assert (record["completion_tokens"], record["completion_source"]) == (4, "stream")
 
