@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import orjson
 import pytest
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.loopback
 
 #: A count past int64 (an OTLP integer attribute), and past what orjson writes (u64).
 PAST_INT64, PAST_U64 = 1 << 63, 10**23
+MAX_INT64 = PAST_INT64 - 1
 FAIR = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 4}}
 
 
@@ -136,6 +138,21 @@ async def answer(request: Request) -> Response:
     return Response(ANSWERS[case](streamed), media_type=media_type)
 
 
+def message(usage: dict[str, Any]) -> bytes:
+    return dumps({"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+                  "content": [{"type": "text", "text": "Hello"}], "stop_reason": "end_turn",
+                  "stop_sequence": None, "usage": usage})
+
+
+async def answer_message(request: Request) -> Response:
+    body = await request.json()
+    fair = {"input_tokens": 4, "cache_read_input_tokens": 4, "cache_creation_input_tokens": 2, "output_tokens": 3}
+    usage = fair if body["messages"][0]["content"] == "fair" else {
+        "input_tokens": MAX_INT64, "cache_read_input_tokens": MAX_INT64, "cache_creation_input_tokens": MAX_INT64,
+        "output_tokens": 3}
+    return Response(message(usage), media_type="application/json")
+
+
 async def answer_completion(request: Request) -> Response:
     return Response(per_prompt_usage_stream(), media_type="text/event-stream")
 
@@ -150,7 +167,8 @@ async def ended_late() -> AsyncIterator[bytes]:
 @contextlib.contextmanager
 def proxied(tmp_path: Path, **overrides: Any) -> Iterator[tuple[openai.OpenAI, CachetallyApp]]:
     upstream = Starlette(routes=[Route("/v1/chat/completions", answer, methods=["POST"]),
-                                  Route("/v1/completions", answer_completion, methods=["POST"])])
+                                  Route("/v1/completions", answer_completion, methods=["POST"]),
+                                  Route("/v1/messages", answer_message, methods=["POST"])])
     with serving_in_thread(upstream, "upstream") as upstream_url:
         settings = Settings(engine="upstream", upstream=upstream_url, model="m", usage_dir=str(tmp_path),
                             usage_flush_interval_s=0.05, **overrides).validate()
@@ -204,6 +222,25 @@ def test_figures_no_record_can_hold_are_unknown_and_lose_no_record(tmp_path: Pat
         r["record_id"] for r in (hostile, fair))
     assert metric_value(metrics, "cachetally_cached_tokens_total", tier="all") == 4
     assert metric_value(metrics, "cachetally_prompt_tokens_total") == 10
+
+
+def test_a_messages_prompt_whose_three_parts_add_up_past_int64_is_unknown_and_loses_no_record(tmp_path: Path) -> None:
+    """Anthropic's prompt is the sum of three figures: each one a record can hold, their sum
+    past 2**63 - 1 is no count of the prompt, and the request and the fair one beside it each
+    leave one record, in the file and at the collector."""
+    with otlp_receiver() as collector:
+        with proxied(tmp_path, otlp_endpoint=collector.url) as (openai_client, _), anthropic.Anthropic(
+                base_url=str(openai_client.base_url).removesuffix("/v1/"), api_key="unused", max_retries=0,
+                timeout=10) as client:
+            for case in ("hostile", "fair"):
+                answer = client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": case}])
+                assert answer.content[0].text == "Hello"  # type: ignore[union-attr]
+        spans = collector.snapshot()
+    hostile, fair = records(tmp_path, 2)
+    assert (fair["prompt_tokens"], fair["cached_tokens"], fair["cache_creation_tokens"]) == (10, 4, 2)
+    assert (hostile["prompt_tokens"], hostile["cached_tokens"], hostile["source"]) == (None, None, None)
+    assert sorted(span.attributes["cachetally.record_id"] for span in spans) == sorted(
+        r["record_id"] for r in (hostile, fair))
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])

@@ -45,7 +45,8 @@ class MessagesShape(Shape):
         fresh = count(usage.get("input_tokens"))
         reads = count(usage.get("cache_read_input_tokens"))
         writes = count(usage.get("cache_creation_input_tokens"))
-        prompt = None if fresh is None else fresh + (reads or 0) + (writes or 0)
+        # Each part a record can hold, their sum perhaps not: then it is no count of the prompt.
+        prompt = None if fresh is None else count(fresh + (reads or 0) + (writes or 0))
         return Reported(prompt, reads, writes)
 
     def reported(self, payload: dict[str, Any], usage: dict[str, Any], in_response: ResponseUsage) -> Reported:
