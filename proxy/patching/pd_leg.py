@@ -47,7 +47,7 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.patching.ledger import EngineUsage
-from proxy.patching.usage import ResponseUsage
+from proxy.patching.usage import ResponseUsage, count
 
 Leg = Literal["prefill", "decode"]
 PREFILL: Leg = "prefill"
@@ -82,8 +82,9 @@ def handed(payload: dict[str, Any]) -> tuple[int, int, str] | None:
     figures = params.get(FIGURES) if isinstance(params, dict) else None
     if not isinstance(figures, dict):
         return None
-    prompt, cached, source = figures.get("prompt_tokens"), figures.get("cached_tokens"), figures.get("source")
-    if type(prompt) is not int or type(cached) is not int or not 0 <= cached <= prompt:
+    prompt, cached = count(figures.get("prompt_tokens")), count(figures.get("cached_tokens"))
+    source = figures.get("source")
+    if prompt is None or cached is None or cached > prompt:  # a figure no record holds is none
         return None
     return (prompt, cached, source) if source in ("engine", "upstream") else None
 

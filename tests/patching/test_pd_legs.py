@@ -24,6 +24,7 @@ import orjson
 import pytest
 
 from engine_adapter.sim.tokenizer import render_chat, tokenize
+from tests.otlp_receiver import otlp_receiver
 from tests.servers import metric_value, running_servers
 
 pytestmark = pytest.mark.loopback
@@ -218,6 +219,30 @@ def test_figures_a_decode_leg_claims_never_replace_its_engines(tmp_path: Path) -
                   {"prompt_tokens": 5, "cached_tokens": 0, "source": "client"},
                   {"prompt_tokens": 5, "cached_tokens": 0}, [5, 0], None):
         assert handed({"kv_transfer_params": {"do_remote_prefill": True, "cachetally_prefill": claim}}) is None
+
+
+def test_a_decode_legs_claim_no_record_can_hold_loses_no_record(tmp_path: Path) -> None:
+    """A refused decode leg whose body claims a prefill of 2**63 tokens: no OTLP span holds
+    that, and one such record would fail the export of its whole batch. It is no count: the
+    record has no prompt, and it and the request beside it both reach the collector."""
+    claim = {"prompt_tokens": 1 << 63, "cached_tokens": 0, "source": "engine"}
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning",
+            "--usage-dir", str(tmp_path / "decode"), "--usage-flush-interval", "0.2"]
+    with otlp_receiver() as collector:
+        with running_servers([([*args, "--otlp-endpoint", collector.url], {"CACHETALLY_PD_LEGS": "true"}, None)]) \
+                as ((decode, _),), httpx.Client(timeout=30) as http:
+            body = body_for("chat", "a huge claim", max_tokens=0) | {
+                "kv_transfer_params": {"do_remote_prefill": True, "cachetally_prefill": claim}}
+            refused = http.post(f"{decode}/v1/chat/completions", json=body, headers={"x-request-id": "huge"})
+            assert refused.status_code == 400
+            http.post(f"{decode}/v1/chat/completions", json=body_for("chat", "a fair one"),
+                      headers={"x-request-id": "fair"}).raise_for_status()
+        spans = collector.snapshot()
+    by_id = {r["request_id"]: r for r in records(tmp_path)}
+    assert (by_id["huge"]["outcome"], by_id["huge"]["prompt_tokens"]) == ("error", None)
+    assert by_id["fair"]["prompt_tokens"] > 0
+    assert sorted(span.attributes["cachetally.record_id"] for span in spans) == sorted(
+        r["record_id"] for r in by_id.values())
 
 
 @pytest.mark.parametrize(
