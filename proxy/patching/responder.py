@@ -197,7 +197,8 @@ class Responder:
             self.notes.sse_events(out)
         if self._hold is not None:
             out = self._hold.filter(out) + (b"" if more else self._hold.release())
-            self.notes.ended &= not self._hold.holding  # a held [DONE] has not reached the client
+            if self.notes.ended and self._hold.holding:  # a held [DONE] has not reached the client
+                self.notes.ended = False
         if out is body and body:
             await self._send(message)  # passed on as it came
         elif out or not more:

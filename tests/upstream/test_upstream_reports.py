@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import orjson
 import pytest
@@ -131,6 +132,8 @@ async def answer(request: Request) -> Response:
     case = body["messages"][0]["content"]
     if case == "slow-end":
         return StreamingResponse(ended_late(), media_type="text/event-stream")
+    if case == "slow-end-no-usage":
+        return StreamingResponse(ended_late(with_usage=False), media_type="text/event-stream")
     media_type = "text/event-stream" if streamed else "application/json"
     if case == "gzipped":  # whatever Accept-Encoding said
         return Response(gzip.compress(ANSWERS["fair"](streamed)), media_type=media_type,
@@ -157,10 +160,12 @@ async def answer_completion(request: Request) -> Response:
     return Response(per_prompt_usage_stream(), media_type="text/event-stream")
 
 
-async def ended_late() -> AsyncIterator[bytes]:
+async def ended_late(with_usage: bool = True) -> AsyncIterator[bytes]:
     """A whole stream, ``[DONE]`` and all, whose HTTP body ends a moment later (a server that
-    cleans up after its last event, or a busy one). cachetally asks every stream for usage."""
-    yield stream(FAIR)
+    cleans up after its last event, or a busy one). cachetally asks every stream for usage;
+    ``with_usage`` false: a server that sends none all the same."""
+    events = [event + b"\n\n" for event in stream(FAIR).split(b"\n\n") if event]
+    yield b"".join(event for event in events if with_usage or b'"choices":[]' not in event)
     await asyncio.sleep(0.5)
 
 
@@ -274,6 +279,20 @@ def test_a_stream_the_client_read_to_its_done_is_completed_though_it_hangs_up_be
         (record,) = records(tmp_path, 1)
     assert (record["outcome"], record["status"]) == ("completed", 200)
     assert (record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]) == (10, 4, 3)
+
+
+def test_a_client_that_leaves_while_the_done_is_held_is_disconnected(tmp_path: Path) -> None:
+    """An upstream that sends no usage chunk though cachetally asked for one: the finishing
+    chunk and ``[DONE]`` wait for it, held until the body ends. A client that leaves after its
+    text and before that never got ``[DONE]``: its stream was not whole."""
+    with proxied(tmp_path) as (client, _):
+        body = {"model": "m", "messages": [{"role": "user", "content": "slow-end-no-usage"}], "stream": True}
+        with httpx.Client(base_url=str(client.base_url), timeout=10) as http, \
+                http.stream("POST", "chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert '"Hello"' in next(line for line in lines if line.startswith("data: {"))
+        (record,) = records(tmp_path, 1)
+    assert record["outcome"] == "disconnected"
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
