@@ -57,8 +57,9 @@ MAX_COUNT = (1 << 63) - 1
 
 
 def count(value: Any) -> int | None:
-    """A token count: a non-negative int a record can hold (a JSON ``true`` is not one)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
+    """A token count: a non-negative int a record can hold (a JSON ``true`` is not one: a
+    parsed value's type is exactly ``int`` or ``bool``, one check of the type for both)."""
+    if type(value) is int and 0 <= value <= MAX_COUNT:
         return value
     return None
 
