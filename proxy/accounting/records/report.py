@@ -18,7 +18,7 @@ the engine wrote to its prefix cache) are part of the uncached input, priced at
 input), else at ``input``.
 
 A record whose token figure is neither null nor a count (a negative number, a float, a
-string, a boolean, an integer too wide for JSON readers) is not added to any total: a
+string, a boolean, an integer past the int64 a record holds) is not added to any total: a
 negative figure would lower the bill, a float or string would bill nothing for what it
 names. It is counted in ``invalid_records`` and named on stderr. With ``--since`` or
 ``--until``, a record whose ``start_time`` is missing or unreadable cannot be placed in
@@ -43,8 +43,10 @@ from typing import Any
 
 import orjson
 
+from proxy.accounting.records.record import count
+
 PRICE_KEYS = ("input", "cached_input", "output")
-#: A record's token figures: each null (unknown) or a count, an int >= 0 (a bool is not one).
+#: A record's token figures: each null (unknown) or a :func:`~proxy.accounting.records.record.count`.
 FIGURES = ("prompt_tokens", "cached_tokens", "cache_creation_tokens", "completion_tokens")
 OPTIONAL_PRICE_KEYS = ("cache_write_input",)
 
@@ -281,12 +283,9 @@ def read(
 
 
 def _counts(record: dict[str, Any]) -> bool:
-    """Whether each token figure of ``record`` is null or a count."""
-    for name in FIGURES:
-        value = record.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            return False
-    return True
+    """Whether each token figure of ``record`` is null or a count, as the recorder writes
+    (an int64: one line's 2**64 - 1 billed trillions)."""
+    return all(record.get(name) is None or count(record.get(name)) is not None for name in FIGURES)
 
 
 def _started(record: dict[str, Any]) -> datetime | None:
