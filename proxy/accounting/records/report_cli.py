@@ -68,7 +68,8 @@ def _expand(paths: list[Path]) -> list[Path]:
     out: list[Path] = []
     seen: set[tuple[int, int]] = set()
     for path in paths:
-        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+        # iterdir, not glob: glob reads an unreadable directory as an empty one, a zero bill.
+        files = sorted(p for p in path.iterdir() if p.name.endswith(".jsonl")) if path.is_dir() else [path]
         if not files:  # a typo, or files one level down (one folder per host): not a zero bill
             print(f"cachetally report: {path} holds no *.jsonl file (subdirectories are not read)", file=sys.stderr)
         for file in files:
@@ -89,8 +90,12 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"cachetally report: {exc}", file=sys.stderr)
         return 2
-    with tqdm(total=size, unit="B", unit_scale=True, desc="reading", disable=size < PROGRESS_BYTES or None) as bar:
-        report = read(paths, bar.update, since=args.since, until=args.until)
+    try:  # a file unreadable to this user, gone, or a directory: no bill rather than part of one
+        with tqdm(total=size, unit="B", unit_scale=True, desc="reading", disable=size < PROGRESS_BYTES or None) as bar:
+            report = read(paths, bar.update, since=args.since, until=args.until)
+    except OSError as exc:
+        print(f"cachetally report: cannot read {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     if prices is not None:
         report.price(prices)
     for count, said in (
