@@ -12,10 +12,10 @@ client's ``request_id`` is never a key: clients reuse it. Records written before
 completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
 billed as uncached input; one past its prompt (written by an upstream before cachetally
 stopped believing such figures) counts as the whole prompt cached, and is counted in
-``clamped``. Cache writes (``cache_creation_tokens``: uncached prompt tokens
-the engine wrote to its prefix cache) are part of the uncached input, priced at
-``cache_write_input`` when a price table sets it (Anthropic prices writes above fresh
-input), else at ``input``.
+``clamped``. Cache writes (``cache_creation_tokens``: uncached prompt tokens the engine
+wrote to its prefix cache) are part of the uncached input, priced at ``cache_write_input``
+when a price table sets it, else at ``input``. Money is exact (prices and costs are
+:class:`~decimal.Decimal`, never rounded): rows add up to their totals to the last digit.
 
 A record whose token figure is neither null nor a count (a negative number, a float, a
 string, a boolean, an integer past the int64 a record holds) is not added to any total: a
@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, Inexact, InvalidOperation, Overflow, localcontext
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ PRICE_KEYS = ("input", "cached_input", "output")
 #: A record's token figures: each null (unknown) or a :func:`~proxy.accounting.records.record.count`.
 FIGURES = ("prompt_tokens", "cached_tokens", "cache_creation_tokens", "completion_tokens")
 OPTIONAL_PRICE_KEYS = ("cache_write_input",)
+#: Money arithmetic: wide enough that no product or sum is ever rounded (one would raise).
+EXACT = Context(prec=MAX_PREC, Emax=MAX_EMAX, Emin=MIN_EMIN, traps=[Inexact, InvalidOperation, Overflow])
 
 
 @dataclass(slots=True)
@@ -57,7 +60,7 @@ class Totals:
     requests: int = 0
     disconnected: int = 0
     #: With a price table for the model; ``None`` without one, or over rows one of which has none.
-    cost: float | None = None
+    cost: Decimal | None = None
     #: Rows merged in that have no price: the cost above would be partial, so it is ``None``.
     unpriced: int = 0
     prompt_tokens: int = 0
@@ -77,8 +80,7 @@ class Totals:
     def add(self, record: dict[str, Any]) -> None:
         self.requests += 1
         self.disconnected += record.get("outcome") == "disconnected"
-        prompt = record.get("prompt_tokens")
-        if isinstance(prompt, int):
+        if isinstance(prompt := record.get("prompt_tokens"), int):
             self.prompt_tokens += prompt
             cached = record.get("cached_tokens")
             cached = min(max(cached, 0), prompt) if isinstance(cached, int) else 0
@@ -86,8 +88,7 @@ class Totals:
             writes = record.get("cache_creation_tokens")
             if isinstance(writes, int) and writes > 0:
                 self.cache_write_tokens += min(writes, max(0, prompt - cached))
-        completion = record.get("completion_tokens")
-        self.completion_tokens += completion if isinstance(completion, int) else 0
+        self.completion_tokens += completion if isinstance(completion := record.get("completion_tokens"), int) else 0
 
     def merge(self, other: Totals) -> None:
         self.requests += other.requests
@@ -98,7 +99,7 @@ class Totals:
         self.completion_tokens += other.completion_tokens
         self.unpriced += other.unpriced
         if other.cost is not None:
-            self.cost = (self.cost or 0.0) + other.cost
+            self.cost = EXACT.add(self.cost or Decimal(0), other.cost)
         if self.unpriced:
             self.cost = None
 
@@ -108,7 +109,7 @@ class Totals:
             "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
             "uncached_tokens": self.uncached_tokens, "cache_write_tokens": self.cache_write_tokens,
             "completion_tokens": self.completion_tokens, "hit_ratio": round(self.hit_ratio, 4),
-            "cost": None if self.cost is None else round(self.cost, 6),
+            "cost": None if self.cost is None else self.cost.normalize(EXACT),
         }
 
 
@@ -116,16 +117,17 @@ class Totals:
 class Prices:
     """Per million tokens: uncached input, cached input, output; cache writes (``None``: as input)."""
 
-    input: float
-    cached_input: float
-    output: float
-    cache_write_input: float | None = None
+    input: Decimal
+    cached_input: Decimal
+    output: Decimal
+    cache_write_input: Decimal | None = None
 
-    def cost(self, t: Totals) -> float:
+    def cost(self, t: Totals) -> Decimal:
         write = self.input if self.cache_write_input is None else self.cache_write_input
         fresh = t.uncached_tokens - t.cache_write_tokens
-        return (fresh * self.input + t.cache_write_tokens * write + t.cached_tokens * self.cached_input
-                + t.completion_tokens * self.output) / 1e6
+        with localcontext(EXACT):
+            return (fresh * self.input + t.cache_write_tokens * write + t.cached_tokens * self.cached_input
+                    + t.completion_tokens * self.output).scaleb(-6)
 
 
 @dataclass(slots=True)
@@ -140,7 +142,7 @@ class PriceList:
     def load(cls, path: Path) -> PriceList:
         try:
             with path.open("rb") as fh:
-                data = tomllib.load(fh)
+                data = tomllib.load(fh, parse_float=Decimal)  # 0.1 stays 0.1, not 0.1000000000000000055
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"cannot read prices {path}: {exc}") from None
         unknown = set(data) - {"default", "models"}
@@ -159,15 +161,16 @@ class PriceList:
 def _prices(table: Any, where: str, base: Prices | None) -> Prices:
     if not isinstance(table, dict) or set(table) - set(PRICE_KEYS) - set(OPTIONAL_PRICE_KEYS):
         raise ValueError(f"{where}: only {', '.join(PRICE_KEYS + OPTIONAL_PRICE_KEYS)} (per million tokens)")
-    values: dict[str, float | None] = {}
+    values: dict[str, Decimal | None] = {}
     for key in PRICE_KEYS + OPTIONAL_PRICE_KEYS:
         value = table.get(key, getattr(base, key) if base else None)
         if value is None and key in OPTIONAL_PRICE_KEYS:
             values[key] = None
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        price = None if isinstance(value, bool) or not isinstance(value, int | Decimal) else Decimal(value)
+        if price is None or not price.is_finite() or price < 0:  # inf and nan made every cost null
             raise ValueError(f"{where}: {key} must be a number >= 0")
-        values[key] = float(value)
+        values[key] = price.copy_abs()  # -0.0 is 0: no cost printed "-0"
     return Prices(**values)  # type: ignore[arg-type]
 
 

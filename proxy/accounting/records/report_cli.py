@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import orjson
 
-from proxy.accounting.records.report import PriceList, Report, Totals, read
+from proxy.accounting.records.report import EXACT, PriceList, Report, Totals, read
 
 PROGRESS_BYTES = 16 << 20
 
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"cachetally report: no price for model(s) {', '.join(unpriced)}: "
               "the totals over them have no cost", file=sys.stderr)
     if args.json:
-        sys.stdout.write(orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(orjson.dumps(_exact(report.as_json()), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         sys.stdout.write(table(report))
     if args.plot:
@@ -131,6 +133,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exact(value: Any) -> Any:
+    """``value`` with each cost, and each total past int64, as JSON numbers written digit for
+    digit: a float would round the money, and orjson refuses integers past 64 bits."""
+    if isinstance(value, dict):
+        return {k: _exact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_exact(v) for v in value]
+    if isinstance(value, Decimal) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 63):
+        return orjson.Fragment(format(value, "f" if isinstance(value, Decimal) else "d"))
+    return value
+
+
 def table(report: Report) -> str:
     priced = any(t.cost is not None for t in report.rows.values())
     head = ["tenant", "model", "requests", "disconnected", "prompt", "cached", "completion", "hit_ratio"]
@@ -139,7 +153,7 @@ def table(report: Report) -> str:
     def cells(tenant: str, model: str, t: Totals) -> list[str]:
         row = [tenant, model, str(t.requests), str(t.disconnected), str(t.prompt_tokens), str(t.cached_tokens),
                str(t.completion_tokens), f"{t.hit_ratio:.4f}"]
-        return row + ([f"{t.cost:.6f}" if t.cost is not None else "-"] if priced else [])
+        return row + ([format(t.cost.normalize(EXACT), "f") if t.cost is not None else "-"] if priced else [])
 
     rows = [cells(tenant, model, t) for (tenant, model), t in sorted(report.rows.items())]
     rows.append(cells("TOTAL", "", report.total()))
@@ -160,7 +174,7 @@ def plot(report: Report, path: Path) -> None:
     names = list(tenants)
     cached = [tenants[n].cached_tokens for n in names]
     uncached = [tenants[n].uncached_tokens for n in names]
-    costs = [tenants[n].cost for n in names]
+    costs = [None if tenants[n].cost is None else float(tenants[n].cost) for n in names]
     priced = any(c is not None for c in costs)
     fig, axes = plt.subplots(1, 2 if priced else 1, figsize=(12 if priced else 7, 4.5), squeeze=False)
     ax = axes[0][0]
