@@ -9,6 +9,7 @@ import os
 import random
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -141,16 +142,20 @@ def test_a_file_that_cannot_be_read_is_an_error_in_words(tmp_path: Path, capsys:
     assert out == "" and f"cannot read {tmp_path / 'usage' / 'b.jsonl'}: Is a directory" in err
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
-def test_an_unreadable_directory_is_an_error_not_an_empty_bill(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """glob reads a directory it may not list as an empty one: a zero bill, exit 0."""
-    (tmp_path / "usage").mkdir()
-    (tmp_path / "usage" / "a.jsonl").write_bytes(b'{"tenant": "acme", "model": "m", "prompt_tokens": 5}\n')
-    (tmp_path / "usage").chmod(0o300)
-    try:
-        assert main(["report", str(tmp_path / "usage"), "--json"]) == 2
-    finally:
-        (tmp_path / "usage").chmod(0o700)
+def test_an_unreadable_directory_is_an_error_not_an_empty_bill(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """glob reads a directory it may not list as an empty one: a zero bill, exit 0. The
+    directory is made unlistable to the process at the system call (root lists any mode)."""
+    usage = tmp_path / "usage"
+    usage.mkdir()
+    (usage / "a.jsonl").write_bytes(b'{"tenant": "acme", "model": "m", "prompt_tokens": 5}\n')
+    for name in ("scandir", "listdir"):
+        def refused(path: Any = ".", *, _real: Any = getattr(os, name)) -> Any:
+            if os.fspath(path) == str(usage):
+                raise PermissionError(13, "Permission denied", str(usage))
+            return _real(path)
+        monkeypatch.setattr(os, name, refused)
+    assert main(["report", str(usage), "--json"]) == 2
     assert "Permission denied" in capsys.readouterr().err
 
 
