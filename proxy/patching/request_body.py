@@ -85,7 +85,7 @@ class RequestOptions:
     #: vLLM's ``use_beam_search``: the engine runs one request per beam per step.
     beam_search: bool = False
     #: One choice streams (``n`` 1, one prompt): the usage on any of its chunks covers the
-    #: whole request so far, not one choice of several.
+    #: whole request so far, not one choice of several. Read for streams only (True otherwise).
     one_choice: bool = True
 
 
@@ -160,7 +160,7 @@ def parse_request(body: bytes, stream_options: bool = True) -> tuple[dict[str, A
         valid=valid,
         orjson_read=orjson_read,
         beam_search=_beam_search(payload),
-        one_choice=_one_choice(payload),
+        one_choice=not stream or _one_choice(payload),  # read for a stream's chunks alone
     )
 
 
