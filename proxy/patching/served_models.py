@@ -15,7 +15,8 @@ sends. In upstream mode the names are therefore checked against a list:
 
 Any other name is labelled :data:`OTHER_MODEL`. At most :data:`MAX_MODELS` ids of at most
 :data:`MAX_NAME_CHARS` characters are taken from one listing, so the upstream cannot mint
-series without bound either.
+series without bound either, and only names UTF-8 can carry (a label the exposition
+cannot encode would fail every scrape).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class ServedModels:
         if not isinstance(data, list):
             raise ValueError("not a model list")
         ids = [card.get("id") for card in data if isinstance(card, dict)]
-        names = [i for i in ids if isinstance(i, str) and 0 < len(i) <= MAX_NAME_CHARS]
+        names = [i for i in ids if isinstance(i, str) and 0 < len(i) <= MAX_NAME_CHARS and _utf8(i)]
         if len(names) > MAX_MODELS:
             logger.warning("the upstream lists %d models: only the first %d get a label", len(names), MAX_MODELS)
         self._listed = frozenset(names[:MAX_MODELS])
@@ -103,6 +104,17 @@ class UpstreamModels:
         while True:
             await asyncio.sleep(RETRY_S if self._failing else REFRESH_S)
             await self.refresh()
+
+
+def _utf8(name: str) -> bool:
+    """Whether ``name`` can be a label: httpx reads the listing with Python's ``json``, which
+    takes a lone surrogate (``"\\ud800"``) that no exposition can encode; one such label
+    made every ``/metrics`` scrape fail."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _why(exc: Exception) -> str:

@@ -20,6 +20,7 @@ the instance has stopped (its records drained): the usage records, the counters 
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.accounting.records.report import read
@@ -245,6 +246,55 @@ def test_made_up_model_names_mint_no_series_or_report_rows(tmp_path: Path) -> No
     assert {model: t.requests for (_, model), t in report.rows.items()} == {SERVED: 3, "other": 31}
     assert max(len(r["request_model"]) for r in billing.records) == 256
     assert max(len(orjson.dumps(r)) for r in billing.records) < 4096
+
+
+def _surrogate_upstream() -> Starlette:
+    """An upstream that reads bodies with Python's ``json`` (a lone surrogate passes, as in vLLM
+    and llama.cpp's Python peers), echoes the model, gives the response an id with a lone
+    surrogate, and lists a model whose name has one."""
+
+    async def completion(request: Request) -> Response:
+        body = json.loads(await request.body())
+        return Response(json.dumps({
+            "id": "cmpl-\ud800", "object": "text_completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                      "prompt_tokens_details": {"cached_tokens": 3}},
+        }), media_type="application/json")  # json.dumps escapes the surrogate: valid UTF-8 on the wire
+
+    async def models(request: Request) -> Response:
+        listing = {"object": "list", "data": [{"id": m} for m in (SERVED, "\ud800")]}
+        return Response(json.dumps(listing), media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/completions", completion, methods=["POST"]),
+                             Route("/v1/models", models, methods=["GET"])])
+
+
+def test_a_lone_surrogate_from_a_client_or_the_upstream_loses_no_record_and_fails_no_scrape(tmp_path: Path) -> None:
+    """A model or id with a lone surrogate (``"\\ud800"``, valid JSON that orjson and UTF-8
+    cannot hold) failed the JSONL flush of its record and of every fair record flushed with
+    it, so the request was served and counted with no record; and a model the upstream
+    listed with one became a label that failed every ``/metrics`` scrape with a 500."""
+    usage = tmp_path / "usage"
+    with serving_in_thread(_surrogate_upstream()) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage),
+                            usage_flush_interval_s=0.5).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            for model in (f"{SERVED}\\ud800", SERVED, "\\ud800"):  # in one flush: the fair one among them
+                body = '{"model": "%s", "prompt": "hi", "max_tokens": 2}' % model
+                answer = httpx.post(f"{url}/v1/completions", content=body, timeout=10,
+                                    headers={"content-type": "application/json"})
+                assert answer.status_code == 200
+            scrape = httpx.get(f"{url}/metrics")
+    assert scrape.status_code == 200
+    counted = sum(s.value for family in text_string_to_metric_families(scrape.text)
+                  for s in family.samples if s.name == "cachetally_requests_total")
+    records = [orjson.loads(line) for f in sorted(usage.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    assert counted == len(records) == 3
+    assert [(r["model"], r["request_model"], r["response_id"]) for r in records] == [
+        ("other", f"{SERVED}\\ud800", "cmpl-\\ud800"), (SERVED, SERVED, "cmpl-\\ud800"),
+        ("other", "\\ud800", "cmpl-\\ud800")]
+    assert sum(r["prompt_tokens"] for r in records) == 21
 
 
 def test_an_upstream_that_hides_its_models_labels_only_the_configured_one(tmp_path: Path) -> None:

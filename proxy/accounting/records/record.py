@@ -10,7 +10,8 @@ client's ``X-Request-Id``, which a client may reuse, kept as a field of its own.
 
 Bounds: ``request_model`` is the client's string, ``response_id`` the engine's; a record
 keeps at most :data:`MAX_TEXT_CHARS` characters of each, so no client (nor an upstream)
-can make a record, or the OTLP batch that carries it, arbitrarily large. The other
+can make a record, or the OTLP batch that carries it, arbitrarily large, nor one that cannot
+be written (:func:`peer_text`). The other
 strings are bounded where they are made (request ids, ``traceparent``, tenant names). ``model`` is a label the responder has already bounded to
 the models the engine serves (:mod:`proxy.patching.served_models`).
 
@@ -64,6 +65,22 @@ def count(value: Any) -> int | None:
     return None
 
 
+def peer_text(value: str) -> str:
+    """A client's or an upstream's string as a record holds it: at most :data:`MAX_TEXT_CHARS`
+    characters, and UTF-8. A body read by Python's ``json`` (vLLM's, an upstream's) may hold
+    a lone surrogate (``"\\ud800"``), which orjson cannot write: one such record failed its
+    JSONL flush, and every other record of that flush with it (the OTLP span dropped the
+    attribute). It is kept as its escape, ``\\ud800``, in both."""
+    if len(value) > MAX_TEXT_CHARS:
+        value = value[:MAX_TEXT_CHARS]
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            value = value.encode("utf-8", "backslashreplace").decode()[:MAX_TEXT_CHARS]
+    return value
+
+
 @dataclass(slots=True)
 class UsageRecord:
     request_id: str
@@ -90,10 +107,10 @@ class UsageRecord:
     record_id: str = field(default_factory=new_record_id)  # ours, unique: deduplicate on this
 
     def __post_init__(self) -> None:
-        if self.request_model is not None and len(self.request_model) > MAX_TEXT_CHARS:
-            self.request_model = self.request_model[:MAX_TEXT_CHARS]
-        if self.response_id is not None and len(self.response_id) > MAX_TEXT_CHARS:
-            self.response_id = self.response_id[:MAX_TEXT_CHARS]
+        if self.request_model is not None:
+            self.request_model = peer_text(self.request_model)
+        if self.response_id is not None:
+            self.response_id = peer_text(self.response_id)
 
     def as_json(self) -> dict[str, Any]:
         """The JSONL line's object, keys in a fixed order; times as datetimes (:func:`dumps`)."""
