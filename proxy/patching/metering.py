@@ -56,9 +56,12 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
         source=source, completion_tokens=completion, completion_source=completion_source, ttft_s=notes.ttft_s,
         traceparent=_traceparent(r.request_headers),
     )
-    if engine is None and prompt is None and not r.completed:
+    if engine is None and prompt is None and outcome != "completed":
         # Rejected (4xx), failed or abandoned before the engine saw it: not a counted
-        # request, but the tokens it streamed still count, as its usage record does.
+        # request, but the tokens it streamed still count, as its usage record does. Read
+        # from the record's outcome, so that the records tell which requests were counted: a
+        # 200 whose body is an error object, or a stream that ended in an error event, went
+        # out whole and was counted though its record said it failed.
         metrics.count_completion(record)
     else:
         metrics.record(record, in_response.mismatches)

@@ -114,7 +114,16 @@ def ollama_stream() -> bytes:
     return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
+def failing_stream() -> bytes:
+    """vLLM's shape of a chat stream that fails after a token: an error object as an event, then ``[DONE]``."""
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    token = {**head, "choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}]}
+    error = {"error": {"message": "engine failed", "type": "InternalServerError", "code": 500}}
+    return b"data: " + dumps(token) + b"\n\ndata: " + dumps(error) + b"\n\ndata: [DONE]\n\n"
+
+
 ANSWERS: dict[str, Callable[[bool], bytes]] = {
+    "error-event": lambda streamed: failing_stream(),
     "no-usage": lambda streamed: completion({}).replace(b',"usage":{}', b""),
     "ollama": lambda streamed: ollama_stream(),
     "error-200": lambda streamed: dumps({"error": {"message": "model overloaded", "type": "server_error", "code": 503}}),
@@ -351,6 +360,26 @@ def test_a_200_whose_body_is_an_error_is_recorded_as_an_error(tmp_path: Path) ->
         (record,) = records(tmp_path, 1)
     assert (record["status"], record["outcome"]) == (200, "error")
     assert (record["completion_tokens"], record["completion_source"], record["prompt_tokens"]) == (0, "none", None)
+
+
+@pytest.mark.parametrize(("case", "streamed", "counted"), [
+    ("error-200", False, 0), ("error-event", True, 0), ("no-usage", False, 1), ("ollama", True, 1)])
+def test_the_records_tell_which_requests_the_counter_counts(
+        tmp_path: Path, case: str, streamed: bool, counted: int) -> None:
+    """docs/ACCOUNTING.md: ``cachetally_requests_total`` leaves out exactly the records with
+    ``prompt_tokens`` null whose outcome is not ``completed``. A 200 whose body is an error
+    object and a stream that ended in an error event went out whole, and were counted
+    (``cache="unknown"``) though their records said they failed."""
+    with proxied(tmp_path) as (client, app):
+        body = {"model": "m", "messages": [{"role": "user", "content": case}], "stream": streamed}
+        with httpx.Client(base_url=str(client.base_url), timeout=10) as http:
+            assert http.post("chat/completions", json=body).status_code == 200
+        (record,) = records(tmp_path, 1)
+        metrics = app.metrics.exposition().decode()
+    assert record["prompt_tokens"] is None
+    assert (record["outcome"] == "completed") == bool(counted)
+    assert metric_value(metrics, "cachetally_requests_total") == counted
+    assert metric_value(metrics, "cachetally_completion_tokens_total") == record["completion_tokens"]
 
 
 def test_a_stream_whose_every_chunk_names_the_role_is_billed_its_tokens(tmp_path: Path) -> None:
