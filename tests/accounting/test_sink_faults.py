@@ -251,3 +251,18 @@ def test_otlp_counts_what_a_collector_took_refused_or_rejected_in_part_over_real
     assert set(dropped) <= {"export_failed"}
     check_outcome(present, submitted, written, dropped)
     assert written == len(present)
+
+
+def test_a_record_json_cannot_hold_is_dropped_alone_and_the_rest_of_its_flush_written(tmp_path: Path) -> None:
+    """A record orjson cannot write (a lone surrogate in a string, injected past the record's
+    own bounds) once failed its whole flush: every fair record in it was dropped too."""
+    recorder = Recorder([JsonlSink(tmp_path)], interval_s=3600)
+    metrics = watched(recorder)
+    poison = usage(1)
+    poison.request_model = "m\ud800"
+    recorder.start()
+    for record in (usage(0), poison, usage(2)):
+        recorder.submit(record)
+    recorder.stop(timeout_s=60)
+    assert ids_in_files(tmp_path) == Counter({"r0": 1, "r2": 1})
+    assert counters(metrics, "jsonl") == (2, {"write_failed": 1})

@@ -10,6 +10,8 @@ later) and ``fsync``'d; its records count as written only then. The rule that ke
 record in a file once or in ``cachetally_usage_records_dropped_total``, never both and
 never neither (docs/RELIABILITY.md, "Usage sinks under faults"):
 
+- a record that orjson cannot serialize (a value no record should hold) is dropped alone,
+  counted; the rest of its batch is written;
 - ``open`` fails: nothing was written; the batch is offered again next interval;
 - ``write`` or ``fsync`` fails: the file is cut back (``ftruncate``) to its last
   confirmed byte, so nothing of the batch is in it, and the batch is offered again;
@@ -34,6 +36,20 @@ from proxy.accounting.records.queue import Delivery
 from proxy.accounting.records.record import UsageRecord, dumps
 
 
+def _lines(batch: list[UsageRecord]) -> tuple[list[UsageRecord], list[bytes], int]:
+    """The records that serialize, their lines, and how many did not: a value orjson cannot
+    write loses its own record (counted), never the fair ones flushed with it."""
+    kept: list[UsageRecord] = []
+    lines: list[bytes] = []
+    for record in batch:
+        try:
+            lines.append(dumps(record))
+        except TypeError:  # orjson.JSONEncodeError is one
+            continue
+        kept.append(record)
+    return kept, lines, len(batch) - len(kept)
+
+
 class JsonlSink:
     name = "jsonl"
     failure = "write_failed"
@@ -47,7 +63,14 @@ class JsonlSink:
         self.paths: list[Path] = []
 
     def write(self, batch: list[UsageRecord]) -> Delivery:
-        lines = [dumps(record) for record in batch]
+        batch, lines, unwritable = _lines(batch)
+        done = self._write(batch, lines) if batch else Delivery()
+        if unwritable:
+            done.lost += unwritable
+            done.detail = done.detail or "a record JSON cannot hold"
+        return done
+
+    def _write(self, batch: list[UsageRecord], lines: list[bytes]) -> Delivery:
         data = b"".join(lines)
         try:
             if self._fd is None or (self._size and self._size + len(data) > self._max):
