@@ -8,6 +8,11 @@ instead: a 503 in OpenAI error JSON while nothing was sent (a JSON body is held 
 patched until it is whole), or one SSE error event that ends a stream already started.
 Its usage record is then written as for any failed request (``outcome`` ``error``). The
 engine's other routes get the same 503 from :class:`~proxy.asgi.error_guard.ErrorGuard`.
+
+The answer goes out only if the connection takes it at once. uvicorn does not wait for the
+tasks it cancelled: it stops the app (the recorder's final drain) right after. A stream
+whose client stopped reading would wait on it forever, and its record, written once the
+task ends, would miss that drain; such a stream is cut, as uvicorn cuts it.
 """
 
 from __future__ import annotations
@@ -21,14 +26,19 @@ from proxy.patching.responder import Mode, Responder
 
 async def end_stopped(r: Responder, scope: dict) -> bool:
     """Answer the cancelled request ``r``; ``False`` when it cannot be (a body that is
-    neither held nor SSE already went out in part: only a cut connection says it is short)."""
-    if not r.started():
-        await send_error(r.send, 503, STOPPED)
-    elif r.mode is Mode.SSE and not r.completed:
-        # A blank line first ends an event the patcher may hold half of; alone it is no event.
-        event = b"\n\n" + stream_error_event(route_path(scope), 503, STOPPED)
-        await r.send({"type": "http.response.body", "body": event, "more_body": False})
-    else:
+    neither held nor SSE already went out in part: only a cut connection says it is short;
+    or a connection that does not take the answer at once)."""
+    try:
+        async with asyncio.timeout(0):  # a send that does not wait finishes before it fires
+            if not r.started():
+                await send_error(r.send, 503, STOPPED)
+            elif r.mode is Mode.SSE and not r.completed:
+                # A blank line first ends an event the patcher may hold half of; alone it is no event.
+                event = b"\n\n" + stream_error_event(route_path(scope), 503, STOPPED)
+                await r.send({"type": "http.response.body", "body": event, "more_body": False})
+            else:
+                return False
+    except TimeoutError:
         return False
     task = asyncio.current_task()
     assert task is not None

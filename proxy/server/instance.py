@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry
@@ -38,6 +39,9 @@ logger = logging.getLogger("cachetally.app")
 
 #: How long one fetch of the upstream's /v1/models may take.
 MODELS_TIMEOUT_S = 10.0
+#: How long the stop waits for the requests uvicorn cancelled to write their records: each
+#: ends within a few loop turns; a slot leaked open is not waited for longer.
+CANCELLED_REQUESTS_S = 1.0
 
 
 class Accounting:
@@ -112,7 +116,20 @@ class Accounting:
                         await task
         finally:
             if self.recorder is not None:
+                await self._cancelled_requests_metered()
                 await asyncio.to_thread(self.recorder.stop, self.settings.otlp_timeout_s + 5)
+
+    async def _cancelled_requests_metered(self) -> None:
+        """Wait, a bounded time, for the requests still open to write their records.
+
+        uvicorn stops the app right after it cancels the requests the drain left running,
+        without waiting for them; each writes its record as its task ends, a few loop turns
+        later (:mod:`proxy.patching.stopped`), and the recorder's final drain must not miss it.
+        A patched request's ledger slot closes just before its record is written.
+        """
+        deadline = time.monotonic() + CANCELLED_REQUESTS_S
+        while len(self.ledger) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
 
     async def _sweep_forever(self) -> None:
         period = max(1.0, self.settings.ledger_ttl_s / 10)

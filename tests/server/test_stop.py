@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import re
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -191,3 +192,30 @@ def test_sigterm_ends_a_passed_through_request_still_running_with_a_503_in_opena
     assert orjson.loads(raised.value.response.content)["error"]["message"] == STOPPED
     text = log.read_text()
     assert "a secret text" not in text and "Traceback" not in text, text[-3000:]
+
+
+def test_a_stream_whose_client_stopped_reading_keeps_its_record_through_the_stop(tmp_path: Path) -> None:
+    """A stream still running when the drain ends, to a client that reads nothing more (its
+    buffers full): no answer can reach it, and its record is written all the same. Found
+    by this test: the SSE error event waited on the client, so the request's record came
+    after the recorder's final drain and was dropped (before that event, it won the race)."""
+    usage, log = tmp_path / "usage", tmp_path / "serve.log"
+    args = ["-m", "proxy.server.cli", "serve", "--usage-dir", str(usage), "--usage-flush-interval", "0.05",
+            "--engine", "sim"]
+    env = {"CACHETALLY_SIM_TOKEN_DELAY_S": "0", "CACHETALLY_SHUTDOWN_TIMEOUT_S": SHUTDOWN_TIMEOUT}
+    rid = uuid.uuid4().hex
+    body = orjson.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 10_000_000, "stream": True})
+    with running_server(args, env=env, log_path=log) as (url, proc):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s" % (rid.encode(), len(body), body))
+            time.sleep(1.0)  # the stream fills the socket buffers: a send now waits on the client
+            proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+            assert proc.wait(timeout=30) == 0  # type: ignore[attr-defined]
+    text = log.read_text()
+    assert _drops_logged(text) == 0, text[-3000:]
+    records = [record for record in _records(usage) if record["request_id"] == rid]
+    assert [record["outcome"] for record in records] == ["error"], records
+    assert records[0]["completion_tokens"] > 0
