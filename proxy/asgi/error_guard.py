@@ -14,7 +14,7 @@ from http import HTTPStatus
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.asgi.errors import STOPPED, ErrorAnswer, send_error
+from proxy.asgi.errors import STOPPED, ErrorAnswer, send_error, server_stop
 from proxy.asgi.paths import logged_path
 
 logger = logging.getLogger("cachetally.app")
@@ -68,8 +68,8 @@ class ErrorGuard:
             await self.app(scope, receive, guarded_send)
         except Exception as exc:
             await self._failed(exc, scope, send, started)
-        except asyncio.CancelledError:  # the server's stop: see proxy.asgi.errors.STOPPED
-            if started:
+        except asyncio.CancelledError as cancelled:  # the server's stop: see proxy.asgi.errors.STOPPED
+            if started or not server_stop(cancelled):
                 raise
             await send_error(send, 503, STOPPED)
             task = asyncio.current_task()

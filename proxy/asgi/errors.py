@@ -27,6 +27,16 @@ _TYPES = {
 #: may serve it). uvicorn cancels the requests still running ``shutdown_timeout_s`` after
 #: SIGTERM; left to it, one whose response had not started gets a plain-text 500.
 STOPPED = "The server stopped before the request finished; retry it"
+#: The message uvicorn cancels those requests with (``uvicorn.Server.shutdown``).
+UVICORN_STOP = "Task cancelled, timeout graceful shutdown exceeded"
+
+
+def server_stop(cancelled: BaseException) -> bool:
+    """Whether ``cancelled`` is the server's stop, which :data:`STOPPED` answers. Any other
+    cancellation (a caller's own, an outer ``asyncio.timeout``) is not the request's to
+    answer: swallowed, it would tell a live client the server stopped, and its caller that
+    nothing was cancelled (an outer timeout would never raise)."""
+    return cancelled.args == (UVICORN_STOP,)
 
 
 class ErrorAnswer(Exception):

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope
 
-from proxy.asgi.errors import send_error
+from proxy.asgi.errors import send_error, server_stop
 from proxy.asgi.paths import route_path
 from proxy.patching.oversized_leg import member_of
 from proxy.patching.pd_leg import DECODE, handed, leg_of
@@ -95,8 +95,8 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
             await r.ctx.app(scope, receive, r.send)
         else:  # r.send rewrites a framework's 404 or 405 itself: one layer less on every message
             await guard.serve(scope, receive, r.send, r.started)
-    except asyncio.CancelledError:  # the server's stop (proxy.patching.stopped)
-        if not await end_stopped(r, scope):
+    except asyncio.CancelledError as cancelled:  # the server's stop (proxy.patching.stopped)
+        if not (server_stop(cancelled) and await end_stopped(r, scope)):
             raise
 
 

@@ -8,6 +8,7 @@ instead: a 503 in OpenAI error JSON while nothing was sent (a JSON body is held 
 patched until it is whole), or one SSE error event that ends a stream already started.
 Its usage record is then written as for any failed request (``outcome`` ``error``). The
 engine's other routes get the same 503 from :class:`~proxy.asgi.error_guard.ErrorGuard`.
+Only uvicorn's cancellation is answered so (:func:`~proxy.asgi.errors.server_stop`).
 
 The answer goes out only if the connection takes it at once. uvicorn does not wait for the
 tasks it cancelled: it stops the app (the recorder's final drain) right after. A stream

@@ -9,6 +9,8 @@ framework) with its plain-text 404 and 405, and FastAPI's ``{"detail": ...}`` (v
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route, Router
@@ -149,3 +151,20 @@ async def test_an_exception_after_a_held_start_is_an_openai_500_and_its_only_sta
                                       "param": None, "code": 500}
     assert client.complete and client.header("x-request-id") == "req-1"
     assert client.header("content-length") == str(len(client.body))
+
+
+@pytest.mark.asyncio
+async def test_a_passed_through_request_cancelled_by_its_caller_is_not_told_the_server_stopped() -> None:
+    """Only the server's stop is answered with a 503 (tests/server/test_stop.py): a caller's
+    own timeout around the app goes on, and the client gets no answer from the guard."""
+
+    async def hangs(scope: Scope, receive: Receive, send: Send) -> None:
+        timeout.reschedule(asyncio.get_running_loop().time())  # the caller's deadline passes now
+        await asyncio.Event().wait()
+
+    mw, ledger = chain(hangs)
+    client = Client(b"")
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(None) as timeout:
+            await mw(http_scope("/v1/completions", method="GET"), client.receive, client.send)
+    assert client.sent == []

@@ -19,7 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 from engine_adapter.events import Scheduled, current_request_key
 from proxy.accounting.metrics import Metrics
 from proxy.accounting.request_id import is_valid_request_id
-from proxy.asgi.errors import STOPPED, error_sse_event
+from proxy.asgi.errors import STOPPED, UVICORN_STOP, error_sse_event
 from proxy.patching.context import PatchConfig
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
@@ -808,7 +808,7 @@ async def test_cancelled_request_leaves_nothing_behind(point: str) -> None:
     task = asyncio.create_task(server())
     await reached.wait()
     assert len(h.ledger) == 1
-    task.cancel()  # as uvicorn cancels the requests still running when a graceful stop's drain ends
+    task.cancel(UVICORN_STOP)  # as uvicorn cancels the requests still running when a graceful stop's drain ends
     await task  # the request's own task ended it (proxy.patching.stopped)
     last = client.sent[-1]
     if point == "before-start":
@@ -816,6 +816,28 @@ async def test_cancelled_request_leaves_nothing_behind(point: str) -> None:
     else:  # a started stream ends with one error event
         assert last["more_body"] is False and last["body"].endswith(error_sse_event(503, STOPPED))
     assert key_after == [None]
+    h.assert_clean()
+    assert h.requests() == {"hit": 1}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("point", list(POINTS))
+async def test_a_cancellation_that_is_not_the_servers_stop_goes_on(point: str) -> None:
+    """A caller's own timeout around the app ends it as it ends anything: the client is not
+    told the server stopped, and the timeout fires. Swallowed, the client got that 503 or
+    error event, and the caller's timeout never fired."""
+    h = Harness()
+    client = Client(STREAM_BODY)
+
+    async def hang(receive: Receive) -> None:
+        timeout.reschedule(asyncio.get_running_loop().time())  # the caller's deadline passes now
+        await asyncio.Event().wait()
+
+    mw = h.middleware(stops_at(point, hang), (64, 48))
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(None) as timeout:
+            await mw(http_scope(), client.receive, client.send)
+    assert STOPPED.encode() not in b"".join(m.get("body", b"") for m in client.sent)
     h.assert_clean()
     assert h.requests() == {"hit": 1}
 
