@@ -96,12 +96,13 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
     Billing as it runs in production: usage records in a directory and OTLP spans to a
     collector (``vllm_otlp``), in an environment whose OpenTelemetry sampler drops every
     trace (which must not drop a span of ours), and a trusted tenant header.
+    ``--enable-prompt-embeds``: completions' ``prompt_embeds`` reach the engine with no token ids.
     """
     log = vllm_server_log
     args = ["-m", "proxy.server.cli", "serve", "--log-level", "debug", "--usage-dir", str(vllm_usage_dir),
             "--usage-flush-interval", "0.2", "--otlp-endpoint", vllm_otlp.url,
             "--tenant-header", VLLM_TENANT_HEADER, "--tenants", ",".join(VLLM_TENANTS),
-            "--", "--api-server-count", "2", *ENGINE_KV_FLAGS]
+            "--", "--api-server-count", "2", "--enable-prompt-embeds", *ENGINE_KV_FLAGS]
     env = {"OTEL_TRACES_SAMPLER": "always_off"}
     with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
         children = psutil.Process(proc.pid).children(recursive=True)

@@ -124,7 +124,7 @@ TOUCH_POINTS: dict[str, TouchPoint] = _table(
     TouchPoint("OutputProcessor._update_stats_from_output", _OUTPUT_PROCESSOR, _NO_TIERS,
                params=("req_state", "engine_core_output")),
     TouchPoint("RequestState", _OUTPUT_PROCESSOR, _NO_TIERS,
-               fields=("is_prefilling", "parent_req", "request_id", "prompt_token_ids",
+               fields=("is_prefilling", "parent_req", "request_id", "prompt_len",
                        "remote_prefill_cached_tokens")),
     TouchPoint("ParentRequest", ("vllm.v1.engine.parallel_sampling",), _NO_TIERS,
                fields=("request_id",)),

@@ -140,9 +140,11 @@ class PrefillTap(Generic[Call]):
         call = self._waiting.pop(key, None) if key is not None else None
         if call is None:
             return  # a later copy (the first one's figures stand), or a call not registered
-        prompt_ids = getattr(req_state, "prompt_token_ids", None)
-        if prompt_ids is None:
-            return  # e.g. prompt embeddings: no exact count to publish
+        # vLLM's own count: the prompt's token ids, or its embeddings' rows (``prompt_embeds``,
+        # whose token ids are None), the figure its counters and its usage add.
+        prompt_tokens = getattr(req_state, "prompt_len", None)
+        if not isinstance(prompt_tokens, int):
+            return
         cached = getattr(stats, "num_cached_tokens", None)
         local = getattr(stats, "num_local_cached_tokens", None)
         external = getattr(stats, "num_external_cached_tokens", None)
@@ -166,7 +168,7 @@ class PrefillTap(Generic[Call]):
             )
         else:
             return
-        self._prefilled(call, first, len(prompt_ids))
+        self._prefilled(call, first, prompt_tokens)
 
     def uninstall(self) -> None:
         """Restore the output processor's own method. Idempotent."""

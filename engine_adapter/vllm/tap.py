@@ -142,7 +142,7 @@ class EngineTap:
         prompt_ids = getattr(output, "prompt_token_ids", None)
         cached = getattr(output, "num_cached_tokens", None)
         if prompt_ids is None or not isinstance(cached, int):
-            return  # e.g. prompt embeddings: no exact count to publish
+            return  # no exact count to publish (vLLM gives prompt embeddings one placeholder id per row)
         creation = getattr(output, "num_cache_creation_tokens", None)
         self._publish(call.key or str(output.request_id), Prefill(cached, None, None, creation), len(prompt_ids))
 

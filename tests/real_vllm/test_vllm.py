@@ -9,6 +9,8 @@ with SIGTERM, and checks the engine core process went with it. vLLM's
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import time
 from collections.abc import Iterator
 
@@ -145,6 +147,41 @@ def test_n2_reports_the_first_copy_the_same_streamed_or_not(client, server, rout
         assert (stream, warm.prompt_tokens_details.cached_tokens) == (stream, full_blocks)
         assert after - middle == 2 * full_blocks  # vLLM: both copies hit
         assert middle - before in (0, full_blocks)  # vLLM: the second cold copy may hit the first
+
+
+def _embeddings(rows: int) -> str:
+    """``rows`` random embeddings for the default model (576 wide), as vLLM reads
+    ``prompt_embeds``: a ``torch.save``d tensor in base64. Random, so no block is cached yet."""
+    import torch  # vLLM's dependency: imported where the real engine runs
+
+    buffer = io.BytesIO()
+    torch.save(torch.randn(rows, 576) * 0.02, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_prompt_embeds_are_billed_like_token_ids(client, server, stream) -> None:
+    """``prompt_embeds`` reach the prefill with no token ids, one token per row: billed there as
+    a text prompt is, so ``n = 2`` reports its first copy, 0 cold, streamed or not (vLLM's JSON
+    output carries the copy that finished last: the second's hit on the first's blocks)."""
+    rows = 300
+    embeds = _embeddings(rows)
+
+    def ask_embeds(n: int):
+        return clients.ask(client, "completions", stream, None, model=model_id(client), max_tokens=2, n=n,
+                           temperature=1.0, extra_body={"prompt_embeds": embeds})
+
+    cold = ask_embeds(2)
+    middle = clients.scrape(server)
+    warm = ask_embeds(1)
+    after = clients.scrape(server)
+
+    full_blocks = ((rows - 1) // BLOCK) * BLOCK
+    assert (cold.prompt_tokens, warm.prompt_tokens) == (rows, rows)
+    assert cold.prompt_tokens_details.cached_tokens == 0
+    assert warm.prompt_tokens_details.cached_tokens == full_blocks
+    assert metric_value(after, VLLM_CACHED) - metric_value(middle, VLLM_CACHED) == full_blocks
+    assert metric_value(after, "vllm:prompt_tokens_total") - metric_value(middle, "vllm:prompt_tokens_total") == rows
 
 
 def test_client_dropping_mid_stream_aborts_the_engine_request(server, client, pace) -> None:

@@ -97,7 +97,7 @@ def test_fields_are_found_in_class_bodies_and_init(fake_vllm) -> None:
                 self.is_prefilling = True
                 self.parent_req = parent_req
                 self.request_id = "x"
-                self.prompt_token_ids = None
+                self.prompt_len = 0
     """)
     assert compat.resolve("PrefillStats") is not None
     assert compat.resolve("RequestState") is None
@@ -240,7 +240,7 @@ def test_prefill_tap_hooks_a_matching_method_and_records_the_first_prefill(fake_
     tap = PrefillTap(_Client(processor), lambda *figures: handed.append(figures))
     assert tap.installed
     tap.expect("r1-0a1b2c3d", "call")
-    state = NS(is_prefilling=True, parent_req=None, request_id="r1-0a1b2c3d", prompt_token_ids=[0] * 500,
+    state = NS(is_prefilling=True, parent_req=None, request_id="r1-0a1b2c3d", prompt_len=500,
                remote_prefill_cached_tokens=None)
     stats = NS(num_cached_tokens=384, num_local_cached_tokens=256, num_external_cached_tokens=128,
                num_cache_creation_tokens=128)
@@ -265,7 +265,7 @@ def test_prefill_tap_hands_an_n_copies_request_its_first_copys_prefill_once(fake
     tap.expect("p-0a1b2c3d", "call")
     for index, cached in enumerate((0, 384, 384)):
         child = NS(is_prefilling=True, parent_req=parent, request_id=f"{index}_p-0a1b2c3d",
-                   prompt_token_ids=[0] * 400, remote_prefill_cached_tokens=None)
+                   prompt_len=400, remote_prefill_cached_tokens=None)
         stats = NS(num_cached_tokens=cached, num_local_cached_tokens=cached, num_external_cached_tokens=0,
                    num_cache_creation_tokens=384 - cached)
         processor._update_stats_from_output(child, NS(prefill_stats=stats), 0.0, None)
@@ -282,7 +282,7 @@ def test_prefill_tap_on_a_disaggregated_decode_reports_the_prefills_hits_and_the
     processor, handed = _Processor(), []
     tap = PrefillTap(_Client(processor), lambda *figures: handed.append(figures), pd_legs=True)
     tap.expect("d1-0a1b2c3d", "call")
-    state = NS(is_prefilling=True, parent_req=None, request_id="d1-0a1b2c3d", prompt_token_ids=[0] * 640,
+    state = NS(is_prefilling=True, parent_req=None, request_id="d1-0a1b2c3d", prompt_len=640,
                remote_prefill_cached_tokens=256)
     stats = NS(num_cached_tokens=639, num_local_cached_tokens=128, num_external_cached_tokens=511,
                num_cache_creation_tokens=1)

@@ -77,7 +77,7 @@ def test_fields_from_class_body_and_init(tmp_path: Path, as_wheel: bool) -> None
                     self.is_prefilling = True
                     self.parent_req = parent_req
                     other.request_id = 1
-                    self.prompt_token_ids = None
+                    self.prompt_len = 0
                     self.remote_prefill_cached_tokens = None
         """}, as_wheel)
     assert locate(sources, TOUCH_POINTS["EngineCoreOutput"]) == ("vllm.v1.engine", "")

@@ -62,7 +62,8 @@ class _AsyncLLM:
         self._suffixes = itertools.count()
         self._make_state = make_state or (lambda internal, external, prompt: NS(
             is_prefilling=True, parent_req=None, request_id=internal, external_req_id=external,
-            prompt_token_ids=list(range(prompt.stats.num_prompt_tokens)), remote_prefill_cached_tokens=None))
+            prompt_token_ids=list(range(prompt.stats.num_prompt_tokens)), prompt_len=prompt.stats.num_prompt_tokens,
+            remote_prefill_cached_tokens=None))
 
     async def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> NS:
         return NS(request_id=f"{request_id}-{next(self._suffixes):08x}")
@@ -212,7 +213,7 @@ def test_figures_that_fail_validation_are_not_published_and_the_request_goes_on(
     async def main() -> list[tuple[int, EngineUsage | None]]:
         state = lambda internal, external, _: NS(  # noqa: E731
             is_prefilling=True, parent_req=None, request_id=internal, external_req_id=external,
-            prompt_token_ids=list(range(1000)), remote_prefill_cached_tokens=5000)
+            prompt_token_ids=list(range(1000)), prompt_len=1000, remote_prefill_cached_tokens=5000)
         client, ledger = _AsyncLLM(state), UsageLedger()
         EngineTap(client, ledger, pd_legs=True)
         return [await _serve(client, ledger, key, _Request(_stats(1000, 0, 896))) for key in "ab"]
@@ -305,11 +306,13 @@ def test_as_many_requests_as_the_cap_wait_for_their_prefill_and_one_more_evicts_
 class _FanOut(_AsyncLLM):
     """``n`` copies of one prompt, as vLLM's ``ParentRequest`` runs them: child requests
     ``{i}_{parent}``, prefilled in order; without streaming, the one output carries the figures
-    of the copy that finished last."""
+    of the copy that finished last. ``embeds``: the prompt is ``prompt_embeds``, which vLLM's
+    request state holds with no token ids (its outputs: one placeholder id per row)."""
 
-    def __init__(self, copies: list[NS]) -> None:
+    def __init__(self, copies: list[NS], embeds: bool = False) -> None:
         super().__init__()
         self.copies = copies
+        self.embeds = embeds
 
     async def generate(self, prompt: _Request, sampling_params: Any, request_id: str, **kwargs: Any):
         queue = await self.add_request(request_id, prompt, sampling_params)
@@ -317,7 +320,8 @@ class _FanOut(_AsyncLLM):
         await prompt.prefill.wait()
         for i, stats in enumerate(self.copies):
             state = NS(is_prefilling=True, parent_req=parent, request_id=f"{i}_{queue.request_id}",
-                       external_req_id=request_id, prompt_token_ids=list(range(stats.num_prompt_tokens)),
+                       external_req_id=request_id, prompt_len=stats.num_prompt_tokens,
+                       prompt_token_ids=None if self.embeds else list(range(stats.num_prompt_tokens)),
                        remote_prefill_cached_tokens=None)
             self.output_processor._update_stats_from_output(state, NS(prefill_stats=stats), 0.0, None)
         await prompt.finish.wait()
@@ -327,12 +331,13 @@ class _FanOut(_AsyncLLM):
                  finished=True)
 
 
-def test_n_copies_of_a_prompt_are_billed_once_with_what_the_first_copy_found() -> None:
+@pytest.mark.parametrize("embeds", [False, True], ids=["token-ids", "prompt-embeds"])
+def test_n_copies_of_a_prompt_are_billed_once_with_what_the_first_copy_found(embeds: bool) -> None:
     """The policy for ``n > 1``: the prompt once, with its first copy's figures (cold: 0 read,
     its blocks written), at the prefill, not the second copy's hit on the first's blocks that
-    vLLM's non-streaming output reports."""
+    vLLM's non-streaming output reports; for ``prompt_embeds`` as for token ids."""
     async def main() -> tuple[tuple | None, tuple | None, int]:
-        client = _FanOut([_stats(2000, 0, 1920), _stats(2000, 1920, 0), _stats(2000, 1920, 0)])
+        client = _FanOut([_stats(2000, 0, 1920), _stats(2000, 1920, 0), _stats(2000, 1920, 0)], embeds)
         ledger = UsageLedger()
         EngineTap(client, ledger)
         request = _Request(_stats(2000, 0, 1920))
