@@ -13,6 +13,7 @@ multiprocess mode), and ``/stats`` agreeing with ``/metrics`` whichever process 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,9 +52,16 @@ def stats_line_pids(log: Path) -> set[str]:
 
 
 def test_each_api_server_process_tapped_its_own_engine_client(vllm_server: str, vllm_server_log: Path) -> None:
-    httpx.get(f"{vllm_server}/health")  # the server is up: both processes have started
-    ready = re.findall(r"cachetally ready on .*API server pid (\d+) of 2", vllm_server_log.read_text(errors="replace"))
-    assert len(set(ready)) == 2, ready
+    # /health answers once one process serves the shared socket; the other may still be
+    # starting (its lifespan taps its engine client), so its ready line may come later.
+    deadline = time.monotonic() + 120
+    while True:
+        text = vllm_server_log.read_text(errors="replace")
+        ready = set(re.findall(r"cachetally ready on .*API server pid (\d+) of 2", text))
+        if len(ready) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(ready) == 2, ready
 
 
 def test_continuous_usage_chunks_carry_cached_tokens(client) -> None:
