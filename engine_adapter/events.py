@@ -46,6 +46,11 @@ class Scheduled:
     #: cache hit, and those this instance found in its own prefix cache instead.
     transferred_tokens: int | None = None
     decode_local_tokens: int | None = None
+    #: Which choices of the HTTP response this engine request makes, when the engine knows:
+    #: ``first_choice`` up to ``first_choice + choices - 1`` (a completions request over
+    #: several prompts runs one engine request per prompt, each with ``n`` choices).
+    first_choice: int | None = None
+    choices: int = 1
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.cached_tokens < 0:

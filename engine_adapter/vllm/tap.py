@@ -51,14 +51,32 @@ class _Call:
     ``output_kind`` of its outputs: ``DELTA`` (a stream's) carry only new tokens, the others
     every token of a choice so far."""
 
-    __slots__ = ("key", "engine_id", "settled", "kind", "tokens")
+    __slots__ = ("key", "engine_id", "settled", "kind", "tokens", "first_choice", "choices")
 
-    def __init__(self, key: str | None, params: Any) -> None:
+    def __init__(self, key: str | None, params: Any, request_id: object) -> None:
         self.key = key
         self.engine_id: str | None = None
         self.settled = False
         self.kind: str | None = getattr(getattr(params, "output_kind", None), "name", None)
         self.tokens: dict[int, int] = {}  # choice index -> tokens handed so far (not DELTA)
+        n = getattr(params, "n", 1)
+        self.choices = n if type(n) is int and n > 0 else 1
+        self.first_choice = _prompt_index(key, request_id)
+        if self.first_choice is not None:
+            self.first_choice *= self.choices
+
+
+def _prompt_index(key: str | None, request_id: object) -> int | None:
+    """Which prompt of its HTTP request this call runs: vLLM's completions run prompt ``i``
+    as engine request ``cmpl-{X-Request-Id}-{i}``, and make its ``n`` choices
+    ``i * n`` to ``i * n + n - 1`` of the response. ``None`` for any other id."""
+    if key is None or type(request_id) is not str:
+        return None
+    prefix = f"cmpl-{key}-"
+    if not request_id.startswith(prefix):
+        return None
+    index = request_id[len(prefix):]
+    return int(index) if index.isascii() and index.isdigit() else None
 
 
 #: Set around a call's first step, in which vLLM's ``generate()`` runs ``add_request()``.
@@ -102,7 +120,8 @@ class EngineTap:
 
     async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         outputs = self._generate(*args, **kwargs)
-        call = _Call(current_request_key.get(), kwargs.get("sampling_params", args[1] if len(args) > 1 else None))
+        call = _Call(current_request_key.get(), kwargs.get("sampling_params", args[1] if len(args) > 1 else None),
+                     kwargs.get("request_id", args[2] if len(args) > 2 else None))
         try:
             token = _adding.set(call)
             try:  # reset in the same step: later steps may run in other tasks' contexts
@@ -134,7 +153,7 @@ class EngineTap:
 
     def _prefilled(self, call: _Call, first: Prefill, prompt_tokens: int) -> None:
         if call.key is not None:  # else outside a metered request: keyed by vLLM's id, from the output
-            self._publish(call.key, first, prompt_tokens)
+            self._publish(call.key, first, prompt_tokens, call)
             call.settled = True
 
     def _publish_output(self, call: _Call, output: Any) -> None:
@@ -144,9 +163,9 @@ class EngineTap:
         if prompt_ids is None or not isinstance(cached, int):
             return  # no exact count to publish (vLLM gives prompt embeddings one placeholder id per row)
         creation = getattr(output, "num_cache_creation_tokens", None)
-        self._publish(call.key or str(output.request_id), Prefill(cached, None, None, creation), len(prompt_ids))
+        self._publish(call.key or str(output.request_id), Prefill(cached, None, None, creation), len(prompt_ids), call)
 
-    def _publish(self, key: str, first: Prefill, prompt_tokens: int) -> None:
+    def _publish(self, key: str, first: Prefill, prompt_tokens: int, call: _Call) -> None:
         try:
             event = Scheduled(
                 request_id=key,
@@ -158,6 +177,8 @@ class EngineTap:
                 source="engine",
                 transferred_tokens=first.transferred_tokens,
                 decode_local_tokens=first.decode_local_tokens,
+                first_choice=call.first_choice,
+                choices=call.choices,
             )
         except ValueError as exc:  # never fail the request over its figures
             if not self._refused_logged:

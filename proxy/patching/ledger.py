@@ -57,8 +57,9 @@ class EngineUsage:
     events: int = 0
     #: Tokens the engine's outputs handed its serving layer, when the engine counts them (vLLM's tap).
     generated_tokens: int | None = None
-    #: (prompt_tokens, cached_tokens) of each engine request, in publication order.
-    per_request: list[tuple[int, int]] = field(default_factory=list)
+    #: (prompt_tokens, cached_tokens, first_choice, choices) of each engine request, in
+    #: publication order (:class:`~engine_adapter.events.Scheduled`).
+    per_request: list[tuple[int, int, int | None, int]] = field(default_factory=list)
 
     def add(self, event: Scheduled) -> None:
         if not self.events:  # the first, and usually the only, event of a request
@@ -77,18 +78,23 @@ class EngineUsage:
             self.transferred_tokens = _add_optional(self.transferred_tokens, event.transferred_tokens)
             self.decode_local_tokens = _add_optional(self.decode_local_tokens, event.decode_local_tokens)
         self.events += 1
-        self.per_request.append((event.prompt_tokens, event.cached_tokens))
+        self.per_request.append((event.prompt_tokens, event.cached_tokens, event.first_choice, event.choices))
 
-    def cached_for(self, prompt_tokens: object) -> int | None:
+    def cached_for(self, prompt_tokens: object, choice: int | None = None) -> int | None:
         """The cached tokens matching a usage object that reports ``prompt_tokens``.
 
         A usage object for the whole request matches the aggregate. A per-prompt one (vLLM's
-        continuous usage chunks of a multi-prompt completions stream) matches the engine
-        request with that prompt length, when that is unambiguous; otherwise ``None``.
+        continuous usage chunks of a multi-prompt completions stream, each of one ``choice``)
+        matches the engine request that makes that choice, where the engine said which,
+        else the one with that prompt length, when that is unambiguous; otherwise ``None``.
         """
         if not isinstance(prompt_tokens, int) or prompt_tokens == self.prompt_tokens:
             return self.cached_tokens
-        matches = {cached for prompt, cached in self.per_request if prompt == prompt_tokens}
+        if choice is not None:
+            for prompt, cached, first, choices in self.per_request:
+                if first is not None and first <= choice < first + choices:
+                    return cached if prompt == prompt_tokens else None
+        matches = {cached for prompt, cached, _, _ in self.per_request if prompt == prompt_tokens}
         return matches.pop() if len(matches) == 1 else None
 
 

@@ -75,7 +75,7 @@ class UsagePatch:
             return None
         prompt = count(usage.get("prompt_tokens"))
         reported = reported_cached_tokens(payload)
-        value, source = self._resolve(prompt, reported)
+        value, source = self._resolve(prompt, reported, payload)
         if self.engine is not None and reported is not None and reported != value:
             in_response.mismatches += 1
         if prompt is not None:
@@ -107,10 +107,12 @@ class UsagePatch:
             return None  # a per-prompt usage chunk: writes are known for the whole request only
         return engine.cache_creation_tokens
 
-    def _resolve(self, prompt_tokens: int | None, reported: int | None) -> tuple[int | None, str | None]:
+    def _resolve(self, prompt_tokens: int | None, reported: int | None,
+                 payload: dict[str, Any]) -> tuple[int | None, str | None]:
         engine = self.engine
         if engine is not None:
-            value = engine.cached_for(prompt_tokens)
+            per_choice = prompt_tokens is not None and prompt_tokens != engine.prompt_tokens
+            value = engine.cached_for(prompt_tokens, _choice(payload) if per_choice else None)
             if value is not None:
                 return value, "engine"
         if (reads := believed(prompt_tokens, reported, None)[0]) is not None:
@@ -125,3 +127,12 @@ class UsagePatch:
             "created": engine.cache_creation_tokens if engine else None,
             "source": source or "unknown",
         }
+
+
+def _choice(payload: dict[str, Any]) -> int | None:
+    """The index of the one choice a stream chunk carries (a per-prompt usage chunk's)."""
+    choices = payload.get("choices")
+    if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict):
+        index = choices[0].get("index")
+        return index if type(index) is int else None
+    return None

@@ -34,12 +34,30 @@ def test_two_events_sum_prompt_and_cached_tokens() -> None:
     usage = ledger.usage("r1")
     assert usage is not None
     assert (usage.prompt_tokens, usage.cached_tokens, usage.events) == (64, 48, 2)
-    assert usage.per_request == [(40, 32), (24, 16)]
+    assert usage.per_request == [(40, 32, None, 1), (24, 16, None, 1)]
 
     closed = ledger.close("r1")
     assert closed is usage
     assert len(ledger) == 0
     assert "r1" not in ledger
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_per_prompt_usage_gets_its_own_prompts_hits_when_prompts_share_a_length(n: int) -> None:
+    """Completions over two prompts of 300 tokens, one warm (256 cached), one cold: a usage
+    chunk of one choice reads the hits of the engine request that makes that choice. By
+    length alone the two are ambiguous, and read ``None`` (the missing policy's 0)."""
+    ledger = UsageLedger()
+    ledger.open("r1")
+    ledger.publish(Scheduled("r1", prompt_tokens=300, cached_tokens=0, first_choice=n, choices=n))  # prefilled first
+    ledger.publish(Scheduled("r1", prompt_tokens=300, cached_tokens=256, first_choice=0, choices=n))
+    usage = ledger.usage("r1")
+    assert usage is not None
+    assert [usage.cached_for(300, choice) for choice in range(2 * n)] == [256] * n + [0] * n
+    assert usage.cached_for(300) is None  # no choice said: ambiguous
+    assert usage.cached_for(600, 0) == 256  # the whole request's usage: the sum
+    ledger.publish(Scheduled("r1", prompt_tokens=40, cached_tokens=32))  # an engine that does not say
+    assert usage.cached_for(40, 2 * n) == 32
 
 
 def test_tiers_sum_and_unknown_tiers_stay_none() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import random
 import time
 from collections.abc import Iterator
 
@@ -123,6 +124,27 @@ def test_batch_of_two_prompts_and_n2_are_aggregated_like_prompt_tokens(client) -
     assert len(n2.choices) == 2
     assert n2.usage.prompt_tokens == single.prompt_tokens  # the prompt counted once
     assert n2.usage.prompt_tokens_details.cached_tokens == ((single.prompt_tokens - 1) // BLOCK) * BLOCK
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_per_prompt_usage_chunks_of_same_length_prompts_carry_each_prompts_own_hits(client, n) -> None:
+    """Completions over two prompts of one length, one warm and one cold, streamed with
+    continuous usage: vLLM sends each choice's usage for its own prompt, and each carries
+    that prompt's hits. Matched by length alone, the two read 0."""
+    rng = random.Random()
+    warm, cold = ([rng.randrange(1000, 40000) for _ in range(300)] for _ in range(2))
+    client.completions.create(model=model_id(client), prompt=warm, max_tokens=1)
+    stream = client.completions.create(
+        model=model_id(client), prompt=[warm, cold], max_tokens=3, n=n, temperature=1.0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    per_prompt: dict[int, set[int]] = {0: set(), 1: set()}
+    for chunk in stream:
+        if chunk.choices:
+            assert chunk.usage is not None and chunk.usage.prompt_tokens == 300
+            per_prompt[chunk.choices[0].index // n].add(chunk.usage.prompt_tokens_details.cached_tokens)
+        else:  # the final usage: both prompts
+            assert (chunk.usage.prompt_tokens, chunk.usage.prompt_tokens_details.cached_tokens) == (600, 256)
+    assert per_prompt == {0: {((300 - 1) // BLOCK) * BLOCK}, 1: {0}}
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])

@@ -81,13 +81,13 @@ class _AsyncLLM:
 
 
 async def _serve(client: _AsyncLLM, ledger: UsageLedger, key: str, request: _Request,
-                 engine_id: str = "chatcmpl-k") -> tuple[int, EngineUsage | None]:
+                 engine_id: str = "chatcmpl-k", params: Any = None) -> tuple[int, EngineUsage | None]:
     """One HTTP request as the middleware and vLLM's handler run it: (outputs seen, usage)."""
     ledger.open(key)
     token = current_request_key.set(key)
     seen = 0
     try:
-        async for _ in client.generate(request, None, engine_id):
+        async for _ in client.generate(request, params, engine_id):
             seen += 1
     finally:
         current_request_key.reset(token)
@@ -458,3 +458,21 @@ def test_cumulative_outputs_are_counted_once_per_token() -> None:
 
     usage = asyncio.run(asyncio.wait_for(main(), 30))
     assert usage is not None and usage.generated_tokens == 3
+
+
+@pytest.mark.parametrize(("engine_id", "n", "choices"), [
+    ("cmpl-k-1", 2, (2, 2)), ("cmpl-k-0", 1, (0, 1)), ("cmpl-k-3", 3, (9, 3)),
+    ("chatcmpl-k", 2, (None, 2)), ("cmpl-k-x", 1, (None, 1)), ("cmpl-kk-1", 1, (None, 1)), ("cmpl-k-\u00b2", 1, (None, 1)),
+])
+def test_an_engine_request_says_which_choices_of_its_response_it_makes(
+        engine_id: str, n: int, choices: tuple[int | None, int]) -> None:
+    """vLLM's completions run prompt i of key k as ``cmpl-k-i``, whose n choices come i*n
+    first in the response: the event says so, so a per-prompt usage chunk finds its prompt."""
+    async def main() -> list[tuple[int, int, int | None, int]]:
+        client, ledger = _AsyncLLM(), UsageLedger()
+        EngineTap(client, ledger)
+        _, usage = await _serve(client, ledger, "k", _Request(_stats(300, 256, 0)), engine_id, NS(n=n))
+        assert usage is not None
+        return usage.per_request
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == [(300, 256, *choices)]
