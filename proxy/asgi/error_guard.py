@@ -14,7 +14,7 @@ from http import HTTPStatus
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.asgi.errors import STOPPED, ErrorAnswer, send_error, server_stop
+from proxy.asgi.errors import STOPPED, ErrorAnswer, send_error, server_stop, stop_answered
 from proxy.asgi.paths import logged_path
 
 logger = logging.getLogger("cachetally.app")
@@ -72,9 +72,7 @@ class ErrorGuard:
             if started or not server_stop(cancelled):
                 raise
             await send_error(send, 503, STOPPED)
-            task = asyncio.current_task()
-            assert task is not None
-            task.uncancel()  # this task ended its request: nothing is left to cancel
+            stop_answered()
 
     def rewrites(self, path: str) -> bool:
         """Whether a 404 or 405 on ``path`` is rewritten as an OpenAI error."""

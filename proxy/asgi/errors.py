@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from http import HTTPStatus
 
 import orjson
@@ -37,6 +39,14 @@ def server_stop(cancelled: BaseException) -> bool:
     answer: swallowed, it would tell a live client the server stopped, and its caller that
     nothing was cancelled (an outer timeout would never raise)."""
     return cancelled.args == (UVICORN_STOP,)
+
+
+def stop_answered() -> None:
+    """The current task answered the server's stop itself: its cancellation is spent, and
+    the task ends as any request that was answered."""
+    task = asyncio.current_task()
+    assert task is not None
+    task.uncancel()
 
 
 class ErrorAnswer(Exception):

@@ -28,6 +28,8 @@ from collections.abc import Iterable
 
 import httpx
 
+from proxy.accounting.records.record import utf8
+
 logger = logging.getLogger("cachetally.models")
 
 OTHER_MODEL = "other"
@@ -63,7 +65,7 @@ class ServedModels:
         if not isinstance(data, list):
             raise ValueError("not a model list")
         ids = [card.get("id") for card in data if isinstance(card, dict)]
-        names = [i for i in ids if isinstance(i, str) and 0 < len(i) <= MAX_NAME_CHARS and _utf8(i)]
+        names = [i for i in ids if isinstance(i, str) and 0 < len(i) <= MAX_NAME_CHARS and utf8(i)]
         if len(names) > MAX_MODELS:
             logger.warning("the upstream lists %d models: only the first %d get a label", len(names), MAX_MODELS)
         self._listed = frozenset(names[:MAX_MODELS])
@@ -104,17 +106,6 @@ class UpstreamModels:
         while True:
             await asyncio.sleep(RETRY_S if self._failing else REFRESH_S)
             await self.refresh()
-
-
-def _utf8(name: str) -> bool:
-    """Whether ``name`` can be a label: httpx reads the listing with Python's ``json``, which
-    takes a lone surrogate (``"\\ud800"``) that no exposition can encode; one such label
-    made every ``/metrics`` scrape fail."""
-    try:
-        name.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _why(exc: Exception) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.asgi.errors import STOPPED, send_error, stream_error_event
+from proxy.asgi.errors import STOPPED, send_error, stop_answered, stream_error_event
 from proxy.asgi.paths import route_path
 from proxy.patching.responder import Mode, Responder
 
@@ -41,7 +41,5 @@ async def end_stopped(r: Responder, scope: dict) -> bool:
                 return False
     except TimeoutError:
         return False
-    task = asyncio.current_task()
-    assert task is not None
-    task.uncancel()  # this task ended its request: nothing is left to cancel
+    stop_answered()
     return True

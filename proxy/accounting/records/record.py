@@ -73,12 +73,21 @@ def peer_text(value: str) -> str:
     attribute). It is kept as its escape, ``\\ud800``, in both."""
     if len(value) > MAX_TEXT_CHARS:
         value = value[:MAX_TEXT_CHARS]
-    if not value.isascii():
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            value = value.encode("utf-8", "backslashreplace").decode()[:MAX_TEXT_CHARS]
+    if not utf8(value):
+        value = value.encode("utf-8", "backslashreplace").decode()[:MAX_TEXT_CHARS]
     return value
+
+
+def utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8: Python's ``json`` reads a lone surrogate
+    (``"\\ud800"``), which orjson cannot write and no Prometheus exposition can encode."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(slots=True)
