@@ -111,8 +111,7 @@ class UsagePatch:
                  payload: dict[str, Any]) -> tuple[int | None, str | None]:
         engine = self.engine
         if engine is not None:
-            per_choice = prompt_tokens is not None and prompt_tokens != engine.prompt_tokens
-            value = engine.cached_for(prompt_tokens, _choice(payload) if per_choice else None)
+            value = engine.cached_for(prompt_tokens, _choice(payload))
             if value is not None:
                 return value, "engine"
         if (reads := believed(prompt_tokens, reported, None)[0]) is not None:
