@@ -196,7 +196,9 @@ class Responder:
         if out:
             self.notes.sse_events(out)
         if self._hold is not None:
-            out = self._hold.filter(out) + (b"" if more else self._hold.release())
+            out = self._hold.filter(out)
+            if not more:
+                out += self._hold.release()
             if self.notes.ended and self._hold.holding:  # a held [DONE] has not reached the client
                 self.notes.ended = False
         if out is body and body:
