@@ -221,9 +221,11 @@ def collector() -> Iterator[Receiver]:
 
 
 #: A collector's answers to an export, over real HTTP: taken (200), refused (400: the SDK
-#: does not retry it), or taken in part (200 with ``partial_success.rejected_spans``).
+#: does not retry it), redirected (307: the SDK follows no redirect, and takes it for a
+#: success), or taken in part (200 with ``partial_success.rejected_spans``).
 answers = st.lists(
-    st.one_of(st.just((200, 0)), st.just((400, 0)), st.tuples(st.just(200), st.integers(1, 9))), max_size=12
+    st.one_of(st.just((200, 0)), st.just((400, 0)), st.just((307, 0)), st.tuples(st.just(200), st.integers(1, 9))),
+    max_size=12,
 )
 
 

@@ -29,7 +29,9 @@ trace sample:
 - The collector's answer is read, which the SDK's exporter does not do: OTLP/HTTP lets a
   collector take part of a request and say so in a ``200`` whose body is a
   ``partial_success`` with the number of spans it rejected (and the client must not send
-  them again). Those are counted dropped as ``export_failed``, not written.
+  them again). Those are counted dropped as ``export_failed``, not written. So is a chunk
+  the collector answered with a redirect: the SDK takes any status below 400 for a
+  success, but follows no redirect, so a ``3xx`` delivered nothing.
 
 The exporter's own per-failure log lines are silenced: the recorder's once-a-minute line
 says the same.
@@ -100,7 +102,7 @@ class OtlpSink:
 
         logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.CRITICAL)
         # The SDK reads only the status of the collector's answer: the session keeps the
-        # answer itself (the last one, after the SDK's retries) for _rejected to read.
+        # answer itself (the last one, after the SDK's retries) for write to read.
         session = requests.Session()
         session.hooks["response"].append(self._keep_answer)
         self._answer: Any = None
@@ -145,11 +147,10 @@ class OtlpSink:
     def _keep_answer(self, response: Any, *args: Any, **kwargs: Any) -> None:
         self._answer = response
 
-    def _rejected(self, sent: int) -> tuple[int, str]:
-        """How many of the ``sent`` spans the collector's last answer says it rejected (a
+    def _rejected(self, answer: Any, sent: int) -> tuple[int, str]:
+        """How many of the ``sent`` spans the collector's 2xx ``answer`` says it rejected (a
         partial success), and its message. An answer that is not an OTLP response rejects
-        nothing: the collector said 2xx."""
-        answer, self._answer = self._answer, None
+        nothing."""
         if answer is None:
             return 0, ""
         try:
@@ -172,10 +173,14 @@ class OtlpSink:
             except Exception as exc:  # the exporter's own errors: this chunk is not delivered
                 detail = f"export raised {type(exc).__name__}"
                 break
+            answer, self._answer = self._answer, None  # the last one, after the SDK's retries
             if result is not self._success:
                 detail = "export failed"
                 break
-            refused, message = self._rejected(len(spans))
+            if answer is not None and not 200 <= answer.status_code < 300:
+                detail = f"the collector answered {answer.status_code}"  # a redirect: none delivered
+                break
+            refused, message = self._rejected(answer, len(spans))
             if refused:
                 detail = f"the collector rejected {refused} of {len(spans)} spans: {message!r}"
             exported += len(spans) - refused
