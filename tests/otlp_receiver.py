@@ -7,13 +7,19 @@ kept, as a collector that refuses a request (4xx) or fails it (5xx) has not take
 ``reject`` spans of the request (all, if it has fewer) are not kept, and the answer's
 ``partial_success.rejected_spans`` says ``reject``. ``script`` holds one ``(status,
 reject)`` for each of the next requests, answered in turn before those defaults apply.
-``requests`` counts every request, whatever the answer."""
+A status of :data:`RESET` keeps the request's spans and resets the connection without an
+answer; ``delay_s`` keeps them and waits that long before answering: a collector that took
+the spans, as far as the exporter can tell, or not. ``requests`` counts every request,
+whatever the answer."""
 
 from __future__ import annotations
 
 import contextlib
 import gzip
+import socket
+import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +32,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+#: The status that answers nothing: the spans are kept, the connection reset.
+RESET = 0
 
 
 @dataclass
@@ -49,6 +58,7 @@ class Receiver:
     requests: int = 0
     status: int = 200
     reject: int = 0
+    delay_s: float = 0.0
     script: list[tuple[int, int]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -86,7 +96,7 @@ def otlp_receiver() -> Iterator[Receiver]:
                 receiver.requests += 1
                 status, reject = receiver.script.pop(0) if receiver.script else (receiver.status, receiver.reject)
                 received = []
-                for resource_spans in request.resource_spans if status == 200 else ():
+                for resource_spans in request.resource_spans if status in (200, RESET) else ():
                     resource = _attributes(resource_spans.resource.attributes)
                     for scope_spans in resource_spans.scope_spans:
                         for span in scope_spans.spans:
@@ -96,13 +106,19 @@ def otlp_receiver() -> Iterator[Receiver]:
                                 span.trace_id.hex(), span.parent_span_id.hex(), span.span_id.hex(),
                             ))
                 receiver.spans.extend(received[: max(len(received) - reject, 0)])
+            if status == RESET:
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True  # closed with a linger of 0: a reset
+                return
+            time.sleep(receiver.delay_s)
             partial = ExportTracePartialSuccess(rejected_spans=reject, error_message="span too large")
             answer = ExportTraceServiceResponse(partial_success=partial if reject else None).SerializeToString()
-            self.send_response(status)
-            self.send_header("content-type", "application/x-protobuf")
-            self.send_header("content-length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
+            with contextlib.suppress(OSError):  # an exporter that stopped waiting has left
+                self.send_response(status)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
 
         def log_message(self, *args: Any) -> None:
             pass

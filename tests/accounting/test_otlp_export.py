@@ -10,6 +10,7 @@ join its trace.
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 
@@ -19,7 +20,7 @@ import pytest
 from proxy.accounting.records.otlp import MAX_BATCH, OtlpSink
 from proxy.accounting.records.record import UsageRecord
 from proxy.accounting.records.recorder import Recorder
-from tests.otlp_receiver import Receiver, otlp_receiver
+from tests.otlp_receiver import RESET, Receiver, otlp_receiver
 from tests.servers import metric_value, running_server
 from tests.sink_counts import counters, watched
 
@@ -112,6 +113,32 @@ def test_a_collector_that_refuses_gets_each_flush_once_and_every_record_is_count
         assert receiver.requests == 1
     else:  # retried within the timeout, then the rest of the flush is not tried
         assert receiver.requests >= 1
+
+
+@pytest.mark.parametrize("collector", ["takes the spans, then resets", "answers after the timeout", "is not there"])
+def test_records_a_collector_may_hold_are_unconfirmed_and_only_those_it_cannot_are_export_failed(
+    collector: str,
+) -> None:
+    """An export that got no answer after its request went out may be at the collector: it
+    was counted export_failed (certainly not delivered), so a pipeline reconciling the
+    collector's spans with the counters would take them for records to send again."""
+    records = [usage(n) for n in range(5)]
+    with otlp_receiver() as receiver:
+        if collector == "takes the spans, then resets":
+            receiver.status = RESET
+        elif collector == "answers after the timeout":
+            receiver.delay_s = 2.0
+        else:
+            with socket.socket() as unused:  # a port nothing listens on: the connection is refused
+                unused.bind(("127.0.0.1", 0))
+                receiver.url = f"http://127.0.0.1:{unused.getsockname()[1]}/v1/traces"
+        written, dropped = export(receiver, records, timeout_s=0.5)
+    held = {s.span_id: s.attributes["cachetally.request_id"] for s in receiver.snapshot()}  # resends deduplicated
+    if collector == "is not there":
+        assert (written, dropped, held) == (0, {"export_failed": 5}, {})
+    else:
+        assert sorted(held.values()) == [f"r{n}" for n in range(5)]
+        assert (written, dropped) == (0, {"unconfirmed": 5})
 
 
 @pytest.mark.parametrize(("count", "reject"), [(25, 3), (25, 25), (3, 7), (2 * MAX_BATCH + 10, 4)])

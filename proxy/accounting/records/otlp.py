@@ -32,6 +32,10 @@ trace sample:
   them again). Those are counted dropped as ``export_failed``, not written. So is a chunk
   the collector answered with a redirect: the SDK takes any status below 400 for a
   success, but follows no redirect, so a ``3xx`` delivered nothing.
+- A chunk not taken after an attempt at it went unanswered (a read timeout, a connection
+  reset after the request went out) may be at the collector all the same: it is counted
+  ``unconfirmed``, not ``export_failed``, the reason for records that may or may not
+  have been delivered (:mod:`proxy.accounting.records.otlp_session`).
 
 The exporter's own per-failure log lines are silenced: the recorder's once-a-minute line
 says the same.
@@ -96,18 +100,15 @@ class OtlpSink:
         from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, get_current_span
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        import requests  # the exporter's own HTTP client
         from google.protobuf.message import DecodeError
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+        from proxy.accounting.records.otlp_session import ExportSession
+
         logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.CRITICAL)
-        # The SDK reads only the status of the collector's answer: the session keeps the
-        # answer itself (the last one, after the SDK's retries) for write to read.
-        session = requests.Session()
-        session.hooks["response"].append(self._keep_answer)
-        self._answer: Any = None
+        self._session = ExportSession()  # what the SDK does not pass on: the answer, an attempt's fate
         self._parse_answer, self._not_protobuf = ExportTraceServiceResponse.FromString, DecodeError
-        self._exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s, session=session)
+        self._exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s, session=self._session)
         self._span, self._context = ReadableSpan, SpanContext
         self._resource = Resource.create({"service.name": "cachetally"})
         self._scope = InstrumentationScope("cachetally", _package_version())
@@ -144,9 +145,6 @@ class OtlpSink:
             end_time=int(record.end_unix * 1e9),
         )
 
-    def _keep_answer(self, response: Any, *args: Any, **kwargs: Any) -> None:
-        self._answer = response
-
     def _rejected(self, answer: Any, sent: int) -> tuple[int, str]:
         """How many of the ``sent`` spans the collector's 2xx ``answer`` says it rejected (a
         partial success), and its message. An answer that is not an OTLP response rejects
@@ -159,32 +157,44 @@ class OtlpSink:
             return 0, ""
         return min(max(partial.rejected_spans, 0), sent), partial.error_message[:200]
 
+    def _export(self, chunk: list[UsageRecord]) -> tuple[int, str]:
+        """Export one chunk: how many of its spans the collector took, and why not the rest."""
+        try:
+            result = self._exporter.export([self.span(record) for record in chunk])
+        except Exception as exc:  # the exporter's own errors: this chunk is not delivered
+            return 0, f"export raised {type(exc).__name__}"
+        answer = self._session.answer  # the last one, after the SDK's retries
+        if result is not self._success:
+            return 0, "export failed"
+        if answer is not None and not 200 <= answer.status_code < 300:
+            return 0, f"the collector answered {answer.status_code}"  # a redirect: none delivered
+        refused, message = self._rejected(answer, len(chunk))
+        return len(chunk) - refused, f"the collector rejected {refused} of {len(chunk)} spans: {message!r}"
+
     def write(self, batch: list[UsageRecord]) -> Delivery:
-        """Export ``batch`` in chunks of :data:`MAX_BATCH`; what the exporter did not confirm
-        (it retried within its timeout already, or raised) and what the collector rejected
-        are lost. After a failed chunk the rest is not tried, so a dead collector costs one
-        timeout per flush, not one per chunk."""
-        exported, detail = 0, ""
+        """Export ``batch`` in chunks of :data:`MAX_BATCH`. What the collector did not take
+        (the exporter failed after its retries within the timeout, or raised; a redirect;
+        a partial success) is lost, or ``unconfirmed`` when an attempt at its chunk went
+        unanswered (:mod:`proxy.accounting.records.otlp_session`). After a failed chunk
+        the rest is not tried, so a dead collector costs one timeout per flush, not one
+        per chunk."""
+        done, detail = Delivery(), ""
         for start in range(0, len(batch), MAX_BATCH):
-            self._answer = None
-            try:
-                spans = [self.span(record) for record in batch[start : start + MAX_BATCH]]
-                result = self._exporter.export(spans)
-            except Exception as exc:  # the exporter's own errors: this chunk is not delivered
-                detail = f"export raised {type(exc).__name__}"
+            chunk = batch[start : start + MAX_BATCH]
+            self._session.forget()
+            taken, why = self._export(chunk)
+            done.written += taken
+            if taken == len(chunk):
+                continue
+            detail = why
+            if self._session.unanswered:  # the collector may hold what it did not confirm
+                done.unconfirmed += len(chunk) - taken
+                detail += "; an attempt went unanswered"
+            if not taken:
                 break
-            answer, self._answer = self._answer, None  # the last one, after the SDK's retries
-            if result is not self._success:
-                detail = "export failed"
-                break
-            if answer is not None and not 200 <= answer.status_code < 300:
-                detail = f"the collector answered {answer.status_code}"  # a redirect: none delivered
-                break
-            refused, message = self._rejected(answer, len(spans))
-            if refused:
-                detail = f"the collector rejected {refused} of {len(spans)} spans: {message!r}"
-            exported += len(spans) - refused
-        return Delivery(written=exported, lost=len(batch) - exported, detail=detail)
+        done.lost = len(batch) - done.written - done.unconfirmed  # the chunks not tried included
+        done.detail = detail
+        return done
 
     def close(self) -> None:
         self._exporter.shutdown()

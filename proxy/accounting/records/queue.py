@@ -15,7 +15,8 @@ Every record submitted ends counted exactly once, in
   bound, until the next interval; dropped with the sink's ``failure`` reason at the final
   drain); records certainly not delivered and not to be retried (``failure``); and records
   whose fate the sink cannot know (``unconfirmed``: an ``fsync`` that failed after the
-  bytes were written, when they could not be cut back), which are never offered again;
+  bytes were written, when they could not be cut back; an export a collector left
+  unanswered), which are never offered again;
 - a record submitted while the final drain runs or after it is taken back by ``submit``
   itself and dropped as ``stopped`` if the drain did not take it: the deque's ``popleft``
   gives each record to exactly one of them;
