@@ -9,8 +9,9 @@ kept, as a collector that refuses a request (4xx) or fails it (5xx) has not take
 reject)`` for each of the next requests, answered in turn before those defaults apply.
 A status of :data:`RESET` keeps the request's spans and resets the connection without an
 answer; ``delay_s`` keeps them and waits that long before answering: a collector that took
-the spans, as far as the exporter can tell, or not. ``requests`` counts every request,
-whatever the answer."""
+the spans, as far as the exporter can tell, or not. ``max_body`` (bytes) answers 413 to a
+larger request, as a proxy in front of a collector does (nginx's default: 1 MiB).
+``requests`` counts every request, whatever the answer."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class Receiver:
     status: int = 200
     reject: int = 0
     delay_s: float = 0.0
+    max_body: int | None = None
     script: list[tuple[int, int]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -95,6 +97,8 @@ def otlp_receiver() -> Iterator[Receiver]:
             with receiver.lock:
                 receiver.requests += 1
                 status, reject = receiver.script.pop(0) if receiver.script else (receiver.status, receiver.reject)
+                if receiver.max_body is not None and len(body) > receiver.max_body:
+                    status, reject = 413, 0
                 received = []
                 for resource_spans in request.resource_spans if status in (200, RESET) else ():
                     resource = _attributes(resource_spans.resource.attributes)

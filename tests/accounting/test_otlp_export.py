@@ -141,6 +141,34 @@ def test_records_a_collector_may_hold_are_unconfirmed_and_only_those_it_cannot_a
         assert (written, dropped) == (0, {"unconfirmed": 5})
 
 
+def test_a_chunk_too_large_for_the_collector_is_sent_in_parts_and_one_clients_long_names_lose_no_other_record() -> None:
+    """A collector, or a proxy in front of it, refuses a request over its size limit with
+    413, which the SDK does not retry. A chunk of 512 fair spans is under 300 KB here; a
+    client sending 128-character request ids and asking for models named with 256 emoji
+    (each such request has a record, a 404 included) makes its spans 1.6 KB each, and every
+    tenant's records flushed with its own were dropped under a 512 KiB limit."""
+    hostile = [UsageRecord(request_id=f"h{n}".ljust(128, "x"), tenant="hostile", route="chat", stream=False,
+                           start_unix=1.7e9, end_unix=1.7e9 + 1, request_model="\U0001f600" * 256, status=404)
+               for n in range(400)]
+    fair = [usage(n) for n in range(MAX_BATCH + 100 - len(hostile))]
+    with otlp_receiver() as receiver:
+        receiver.max_body = 512 << 10
+        written, dropped = export(receiver, [*hostile[:350], *fair, *hostile[350:]])
+    held = [s.attributes["cachetally.request_id"] for s in receiver.snapshot()]
+    assert sorted(held) == sorted(r.request_id for r in [*hostile, *fair])
+    assert (written, dropped) == (MAX_BATCH + 100, {})
+
+
+def test_a_span_larger_than_the_collector_takes_is_dropped_alone_and_the_flush_goes_on() -> None:
+    hostile = UsageRecord(request_id="h".ljust(128, "x"), tenant="hostile", route="chat", stream=False,
+                          start_unix=1.7e9, end_unix=1.7e9 + 1, request_model="\U0001f600" * 256, status=404)
+    with otlp_receiver() as receiver:
+        receiver.max_body = 1200  # one fair span, not the hostile one
+        written, dropped = export(receiver, [hostile, *(usage(n) for n in range(5))])
+    assert sorted(s.attributes["cachetally.request_id"] for s in receiver.snapshot()) == [f"r{n}" for n in range(5)]
+    assert (written, dropped) == (5, {"export_failed": 1})
+
+
 @pytest.mark.parametrize(("count", "reject"), [(25, 3), (25, 25), (3, 7), (2 * MAX_BATCH + 10, 4)])
 def test_spans_a_collector_rejects_in_a_partial_success_are_counted_dropped_not_written(
     count: int, reject: int

@@ -222,10 +222,11 @@ def collector() -> Iterator[Receiver]:
 
 #: A collector's answers to an export, over real HTTP: taken (200), refused (400: the SDK
 #: does not retry it), redirected (307: the SDK follows no redirect, and takes it for a
-#: success), taken with no answer (a reset: the SDK sends again at once), or taken in part
-#: (200 with ``partial_success.rejected_spans``).
+#: success), too large (413: the sink sends it again in halves), taken with no answer (a
+#: reset: the SDK sends again at once), or taken in part (200 with
+#: ``partial_success.rejected_spans``).
 answers = st.lists(
-    st.one_of(st.just((200, 0)), st.just((400, 0)), st.just((307, 0)), st.just((RESET, 0)),
+    st.one_of(st.just((200, 0)), st.just((400, 0)), st.just((307, 0)), st.just((413, 0)), st.just((RESET, 0)),
               st.tuples(st.just(200), st.integers(1, 9))),
     max_size=12,
 )

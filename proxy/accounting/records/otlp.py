@@ -165,7 +165,7 @@ class OtlpSink:
             return 0, f"export raised {type(exc).__name__}"
         answer = self._session.answer  # the last one, after the SDK's retries
         if result is not self._success:
-            return 0, "export failed"
+            return 0, "export failed" + ("" if answer is None else f": the collector answered {answer.status_code}")
         if answer is not None and not 200 <= answer.status_code < 300:
             return 0, f"the collector answered {answer.status_code}"  # a redirect: none delivered
         refused, message = self._rejected(answer, len(chunk))
@@ -175,14 +175,21 @@ class OtlpSink:
         """Export ``batch`` in chunks of :data:`MAX_BATCH`. What the collector did not take
         (the exporter failed after its retries within the timeout, or raised; a redirect;
         a partial success) is lost, or ``unconfirmed`` when an attempt at its chunk went
-        unanswered (:mod:`proxy.accounting.records.otlp_session`). After a failed chunk
-        the rest is not tried, so a dead collector costs one timeout per flush, not one
-        per chunk."""
+        unanswered (:mod:`proxy.accounting.records.otlp_session`). A chunk refused as too
+        large (413) is sent again in halves, down to single spans, so the long names in
+        one client's records cost no other record. After any other failed chunk the rest
+        is not tried, so a dead collector costs one timeout per flush, not one per chunk."""
         done, detail = Delivery(), ""
-        for start in range(0, len(batch), MAX_BATCH):
-            chunk = batch[start : start + MAX_BATCH]
+        chunks = [batch[start : start + MAX_BATCH] for start in range(0, len(batch), MAX_BATCH)]
+        while chunks:
+            chunk = chunks.pop(0)
             self._session.forget()
             taken, why = self._export(chunk)
+            too_large = not taken and self._too_large()
+            if too_large and len(chunk) > 1:
+                half = len(chunk) // 2
+                chunks[:0] = [chunk[:half], chunk[half:]]
+                continue
             done.written += taken
             if taken == len(chunk):
                 continue
@@ -190,11 +197,17 @@ class OtlpSink:
             if self._session.unanswered:  # the collector may hold what it did not confirm
                 done.unconfirmed += len(chunk) - taken
                 detail += "; an attempt went unanswered"
-            if not taken:
+            if not taken and not too_large:  # a span too large alone is lost alone
                 break
         done.lost = len(batch) - done.written - done.unconfirmed  # the chunks not tried included
         done.detail = detail
         return done
+
+    def _too_large(self) -> bool:
+        """Whether the collector answered the last export 413 (a request over its size
+        limit, which the SDK does not retry), and no attempt at it went unanswered."""
+        answer = self._session.answer
+        return not self._session.unanswered and answer is not None and answer.status_code == 413
 
     def close(self) -> None:
         self._exporter.shutdown()
