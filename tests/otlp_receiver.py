@@ -11,7 +11,9 @@ A status of :data:`RESET` keeps the request's spans and resets the connection wi
 answer; ``delay_s`` keeps them and waits that long before answering: a collector that took
 the spans, as far as the exporter can tell, or not. ``max_body`` (bytes) answers 413 to a
 larger request, as a proxy in front of a collector does (nginx's default: 1 MiB).
-``requests`` counts every request, whatever the answer."""
+``drip`` keeps the spans of the next that many requests and answers each a byte every
+0.2 s, with no end: a collector slower than any deadline, though each byte comes well
+within a read timeout. ``requests`` counts every request, whatever the answer."""
 
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ class Receiver:
     reject: int = 0
     delay_s: float = 0.0
     max_body: int | None = None
+    drip: int = 0
     script: list[tuple[int, int]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -99,6 +102,7 @@ def otlp_receiver() -> Iterator[Receiver]:
                 status, reject = receiver.script.pop(0) if receiver.script else (receiver.status, receiver.reject)
                 if receiver.max_body is not None and len(body) > receiver.max_body:
                     status, reject = 413, 0
+                dripping, receiver.drip = receiver.drip > 0, max(receiver.drip - 1, 0)
                 received = []
                 for resource_spans in request.resource_spans if status in (200, RESET) else ():
                     resource = _attributes(resource_spans.resource.attributes)
@@ -115,6 +119,12 @@ def otlp_receiver() -> Iterator[Receiver]:
                 self.close_connection = True  # closed with a linger of 0: a reset
                 return
             time.sleep(receiver.delay_s)
+            if dripping:
+                with contextlib.suppress(OSError):  # until the exporter hangs up
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nx-padding: ")
+                    while True:
+                        self.wfile.write(b"x")
+                        time.sleep(0.2)
             partial = ExportTracePartialSuccess(rejected_spans=reject, error_message="span too large")
             answer = ExportTraceServiceResponse(partial_success=partial if reject else None).SerializeToString()
             with contextlib.suppress(OSError):  # an exporter that stopped waiting has left

@@ -169,6 +169,30 @@ def test_a_span_larger_than_the_collector_takes_is_dropped_alone_and_the_flush_g
     assert (written, dropped) == (5, {"export_failed": 1})
 
 
+def test_a_collector_answering_a_byte_at_a_time_is_given_up_on_at_the_timeout_and_the_next_flush_exported() -> None:
+    """The SDK's timeout bounds each read of the socket, not the answer: a collector
+    sending a byte now and then held the sink's thread past any timeout (an export with a
+    2 s timeout took 18 s for a 38-byte answer; a longer one without end), so every later
+    record was dropped as ``queue_full`` or at the stop, not exported."""
+    with otlp_receiver() as receiver:
+        receiver.drip = 1
+        recorder = Recorder([OtlpSink(receiver.url, timeout_s=1.0)], interval_s=0.05)
+        metrics = watched(recorder)
+        recorder.start()
+        for n in range(3):
+            recorder.submit(usage(n))
+        deadline = time.monotonic() + 30
+        while len(receiver.snapshot()) < 3 and time.monotonic() < deadline:  # the first flush meets the drip
+            time.sleep(0.01)
+        for n in range(3, 6):
+            recorder.submit(usage(n))
+        recorder.stop(timeout_s=10)
+        written, dropped = counters(metrics, "otlp")
+    held = sorted(s.attributes["cachetally.request_id"] for s in receiver.snapshot())
+    assert held == [f"r{n}" for n in range(6)]  # the first flush's spans were taken, then not answered
+    assert (written, dropped) == (3, {"unconfirmed": 3})
+
+
 @pytest.mark.parametrize(("count", "reject"), [(25, 3), (25, 25), (3, 7), (2 * MAX_BATCH + 10, 4)])
 def test_spans_a_collector_rejects_in_a_partial_success_are_counted_dropped_not_written(
     count: int, reject: int
