@@ -8,6 +8,8 @@ the middleware puts in :data:`current_request_key` for the duration of the HTTP 
 engine code reads it there instead of parsing its own request ids. An engine whose outputs
 may carry several tokens each also tells the sink how many tokens each output handed its
 serving layer (:meth:`EventSink.generated`), so that a stream is billed in tokens, not events.
+An engine that knows a request's prompt length before its prefill ends announces it
+(:meth:`EventSink.added`), so that a request cut before then still has its prompt billed.
 """
 
 from __future__ import annotations
@@ -63,9 +65,16 @@ class Scheduled:
 
 @runtime_checkable
 class EventSink(Protocol):
-    """Where engines publish. Both methods are synchronous and must never block."""
+    """Where engines publish. Every method is synchronous and must never block."""
 
     def publish(self, event: Scheduled) -> None: ...
 
     def generated(self, request_id: str, tokens: int) -> None:
         """``tokens`` more tokens of ``request_id`` reached the engine's serving layer."""
+
+    def added(self, request_id: str, prompt_tokens: int) -> None:
+        """An engine request of ``request_id`` was added, its prompt ``prompt_tokens`` tokens
+        long as the engine counts it. Its :class:`Scheduled` follows; if none does (the request
+        was cut before its prefill ended, or its figures were refused), its prompt stands with
+        its cache figures unknown. The sink pairs them by count: an engine that announces one
+        engine request of an HTTP request announces each, before publishing its ``Scheduled``."""

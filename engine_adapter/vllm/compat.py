@@ -46,6 +46,7 @@ _NO_TIERS = ("no prefill hook: totals from RequestOutput, no tiers, "
              "n > 1 may report a later copy's hit")
 _NO_SERVE = "cannot run vLLM's serve entry"
 _BY_EVENTS = "a stream without a usage chunk is billed by its events, which may hold several tokens"
+_NO_CUT = "a request cut before its prefill ended has prompt_tokens null"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +127,10 @@ TOUCH_POINTS: dict[str, TouchPoint] = _table(
     TouchPoint("RequestState", _OUTPUT_PROCESSOR, _NO_TIERS,
                fields=("is_prefilling", "parent_req", "request_id", "prompt_len",
                        "remote_prefill_cached_tokens")),
-    TouchPoint("ParentRequest", ("vllm.v1.engine.parallel_sampling",), _NO_TIERS,
-               fields=("request_id",)),
+    TouchPoint("ParentRequest", ("vllm.v1.engine.parallel_sampling",), f"{_NO_TIERS}; {_NO_CUT} with n > 1",
+               fields=("request_id", "child_requests")),
+    # Each added request's prompt length, before its prefill (tap.py).
+    TouchPoint("OutputProcessor", _OUTPUT_PROCESSOR, _NO_CUT, fields=("request_states", "parent_requests")),
     TouchPoint("EngineCoreOutput", ("vllm.v1.engine",), _NO_TIERS, fields=("prefill_stats",)),
     TouchPoint("PrefillStats", ("vllm.v1.metrics.stats",), "no tiers",
                fields=("num_cached_tokens", "num_local_cached_tokens",

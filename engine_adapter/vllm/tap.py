@@ -23,6 +23,11 @@ on the same instance): the tap wraps that method too, finds the call through a c
 variable set around that step, and registers it with the prefill hook. A figure that
 fails ``Scheduled``'s checks is logged (once) and not published: the request goes on.
 
+A request cut before its prefill ends has neither prefill figures nor an output, but vLLM
+holds its prompt from ``add_request`` on: the tap announces its length then
+(:meth:`~engine_adapter.events.EventSink.added`, vLLM's ``prompt_len``, the figure its usage
+reports), so the prompt is billed with its cache figures unknown where no ``Scheduled`` follows.
+
 Each output ``generate()`` hands the serving layer is counted too, in tokens
 (:meth:`~engine_adapter.events.EventSink.generated`): a stream without a usage chunk cannot be
 billed by its events, which may each carry many tokens: vLLM merges a stream's outputs that
@@ -79,6 +84,20 @@ def _prompt_index(key: str | None, request_id: object) -> int | None:
     return int(index) if index.isascii() and index.isdigit() else None
 
 
+def _prompt_len(processor: Any, engine_id: str) -> int | None:
+    """The ``prompt_len`` of vLLM's request state for internal id ``engine_id`` (its token ids,
+    or its embeddings' rows: the figure vLLM's usage reports); with ``n > 1``, of a child
+    (each holds the same prompt). ``None`` where vLLM holds no such state."""
+    states = getattr(processor, "request_states", None)
+    if not isinstance(states, dict):
+        return None
+    state = states.get(engine_id)
+    if state is None and (parent := getattr(processor, "parent_requests", {}).get(engine_id)) is not None:
+        state = next((states[child] for child in parent.child_requests if child in states), None)
+    prompt_len = getattr(state, "prompt_len", None)
+    return prompt_len if isinstance(prompt_len, int) else None
+
+
 #: Set around a call's first step, in which vLLM's ``generate()`` runs ``add_request()``.
 _adding: ContextVar[_Call | None] = ContextVar("cachetally_adding", default=None)
 
@@ -116,7 +135,17 @@ class EngineTap:
             call.engine_id = getattr(queue, "request_id", None)  # vLLM's internal id
             if call.engine_id is not None:
                 self._prefill.expect(call.engine_id, call)
+                self._announce(call.key, call.engine_id)
         return queue
+
+    def _announce(self, key: str | None, engine_id: str) -> None:
+        """Tell the sink the prompt's length as vLLM counts it, now that vLLM holds the request:
+        one cut before its prefill ends gets no output and no prefill figures, only this."""
+        if key is None:
+            return  # outside a metered request: no slot to bill it to
+        prompt_tokens = _prompt_len(getattr(self._client, "output_processor", None), engine_id)
+        if prompt_tokens is not None:
+            self._sink.added(key, prompt_tokens)
 
     async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         outputs = self._generate(*args, **kwargs)

@@ -9,7 +9,9 @@ A slot aggregates every engine request of one HTTP request (a batch of prompts, 
 request with ``n > 1``) the way the engine counts ``prompt_tokens``: each prompt once. A
 beam search (vLLM's ``use_beam_search``) runs one engine request per beam per step, each
 on the prompt and the tokens chosen so far: its slot keeps the first, the client's prompt
-(:meth:`UsageLedger.first_event_only`).
+(:meth:`UsageLedger.first_event_only`). An engine request announced before its prefill
+(``EventSink.added``) whose ``Scheduled`` never comes leaves its prompt in the slot, its cache
+unknown: it was cut before its prefill ended.
 
 Events for keys that are not open are counted and dropped, never stored. A TTL sweep and
 a size cap are a second line of defence against a slot that outlives its request; each
@@ -60,8 +62,16 @@ class EngineUsage:
     #: (prompt_tokens, cached_tokens, first_choice, choices) of each engine request, in
     #: publication order (:class:`~engine_adapter.events.Scheduled`).
     per_request: list[tuple[int, int, int | None, int]] = field(default_factory=list)
+    #: Engine requests announced (:meth:`~engine_adapter.events.EventSink.added`) whose
+    #: ``Scheduled`` has not come, and their prompt tokens: at the close, those cut before
+    #: their prefill's figures, whose prompt is known and whose cache is not.
+    unscheduled: int = 0
+    unscheduled_tokens: int = 0
 
     def add(self, event: Scheduled) -> None:
+        if self.unscheduled:  # the announced request it settles: both are the engine's count of its prompt
+            self.unscheduled -= 1
+            self.unscheduled_tokens -= event.prompt_tokens
         if not self.events:  # the first, and usually the only, event of a request
             self.prompt_tokens, self.cached_tokens = event.prompt_tokens, event.cached_tokens
             self.local_cached_tokens = event.local_cached_tokens
@@ -209,13 +219,14 @@ class UsageLedger:
             notify(len(self._slots))
 
     def close(self, key: str) -> EngineUsage | None:
-        """Drop the slot; return its usage if any event arrived. No await: safe in ``finally``."""
+        """Drop the slot; return its usage if any event or announcement arrived. No await:
+        safe in ``finally``."""
         slot = self._slots.pop(key, None)
         if slot is None:
             self._evicted.pop(key, None)
         if (notify := self.observer.open_slots) is not None:
             notify(len(self._slots))
-        return None if slot is None or slot.usage.events == 0 else slot.usage
+        return None if slot is None or not (slot.usage.events or slot.usage.unscheduled) else slot.usage
 
     @contextmanager
     def slot(self, key: str) -> Iterator[str]:
@@ -248,6 +259,17 @@ class UsageLedger:
         if slot.first_only and slot.usage.events:
             return
         slot.usage.add(event)
+
+    def added(self, request_id: str, prompt_tokens: int) -> None:
+        """:class:`EventSink`: an engine request of ``request_id`` awaits its ``Scheduled`` (for
+        no open slot: dropped). A beam search keeps its first request only, as its events."""
+        if (slot := self._slots.get(request_id)) is None:
+            return
+        usage = slot.usage
+        if slot.first_only and (usage.events or usage.unscheduled):
+            return
+        usage.unscheduled += 1
+        usage.unscheduled_tokens += prompt_tokens
 
     def generated(self, request_id: str, tokens: int) -> None:
         """:class:`EventSink`: ``tokens`` more reached the serving layer (for no open slot: dropped).

@@ -35,10 +35,14 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
         # Tokens, not events: vLLM merges the outputs a slow reader has not taken into one event.
         completion, completion_source = engine.generated_tokens, "engine"
     local = external = writes = None
-    if engine is not None:
+    if engine is not None and not engine.unscheduled:
         prompt, cached, source = engine.prompt_tokens, engine.cached_tokens, "engine"
         local, external = engine.local_cached_tokens, engine.external_cached_tokens
         writes = engine.cache_creation_tokens
+    elif engine is not None and (engine.events or r.handed is None):
+        # An engine request cut before its prefill ended: its prompt as the engine counted it,
+        # the cache it found unknown (vLLM reports nothing for it), so never 0.
+        prompt, cached, source = engine.prompt_tokens + engine.unscheduled_tokens, None, "engine"
     elif in_response.source == "upstream":
         prompt, cached, source = in_response.prompt_tokens, in_response.cached_tokens, "upstream"
         writes = in_response.cache_creation_tokens

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_adapter.events import Scheduled, current_request_key
 from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.jsonl import JsonlSink
 from proxy.accounting.records.queue import Delivery, DropCounts, SinkWorker
@@ -155,6 +156,39 @@ async def test_a_json_request_whose_client_leaves_while_it_decodes_is_disconnect
     assert (record["outcome"], record["completion_tokens"], record["completion_source"]) == (
         "disconnected", 0, "none")
     assert record["prompt_tokens"] > 0 and record["source"] == "engine"
+
+
+@pytest.mark.parametrize(("first_prefilled", "prompt"), [(False, 927), (True, 300 + 927)])
+def test_a_request_cut_before_its_prefill_ended_is_billed_its_prompt_with_its_cache_unknown(
+        first_prefilled: bool, prompt: int) -> None:
+    """vLLM reports nothing for a request aborted before its prefill ended; its tap announced
+    the prompt when vLLM added it (``EventSink.added``). The client leaves before any byte: the
+    record bills that prompt (with any other prompt of the request, prefilled before, once),
+    its cache unknown, never 0; the counters count it as its record says, one request of
+    unknown cache, whose prompt stays out of the hit rate's terms."""
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        key = current_request_key.get()
+        assert key is not None
+        await receive()  # the body
+        if first_prefilled:
+            ledger.added(key, 300)
+            ledger.publish(Scheduled(key, prompt_tokens=300, cached_tokens=256))
+        ledger.added(key, 927)  # added, its prefill not ended
+        await receive()  # the client leaves: vLLM aborts the request
+
+    kept, ledger = _Kept(), UsageLedger()
+    metrics = Metrics(ledger)
+    mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=metrics, recorder=kept)  # type: ignore[arg-type]
+    exchange = Exchange({"messages": [{"role": "user", "content": "hi"}], "stream": True}, leave_after_s=0.01)
+    asyncio.run(mw(exchange.scope(), exchange.receive, exchange.send))
+    [record] = kept.records
+    assert (record.outcome, record.prompt_tokens, record.cached_tokens, record.source) == (
+        "disconnected", prompt, None, "engine")
+    text = metrics.exposition().decode()
+    assert metric_value(text, "cachetally_requests_total", cache="unknown") == 1
+    assert metric_value(text, "cachetally_requests_total") == 1
+    assert metric_value(text, "cachetally_prompt_tokens_total") == 0
+    assert metric_value(text, "cachetally_cached_tokens_total") == 0
 
 
 @pytest.mark.parametrize(("steps", "outcome"), [

@@ -338,3 +338,21 @@ def test_a_beam_searchs_engine_steps_are_no_tokens_of_its_answer() -> None:
     ledger.publish(Scheduled(request_id="plain", prompt_tokens=10, cached_tokens=0))
     usage = ledger.close("plain")
     assert usage is not None and usage.generated_tokens == 3
+
+
+@pytest.mark.parametrize(("steps_prefilled", "billed"), [(5, (64, 0, 0)), (0, (0, 0, 1))])
+def test_a_beam_search_cut_is_billed_its_first_steps_prompt_once(steps_prefilled: int, billed: tuple) -> None:
+    """Each beam-search step is an engine request the tap announces (``added``) on the prompt
+    and the tokens chosen so far: the slot keeps the first, settled by the first ``Scheduled``,
+    or left unscheduled (its cache unknown) when the search was cut before any prefill ended."""
+    ledger = UsageLedger()
+    ledger.open("k")
+    ledger.first_event_only("k")
+    for step in range(5):
+        ledger.added("k", 64 + step)
+        if step < steps_prefilled:
+            ledger.publish(Scheduled(request_id="k", prompt_tokens=64 + step, cached_tokens=step))
+    usage = ledger.close("k")
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.unscheduled) == billed
+    assert usage.unscheduled_tokens == (64 if steps_prefilled == 0 else 0)

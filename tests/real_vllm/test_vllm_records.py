@@ -2,8 +2,9 @@
 writes them to a session directory. Each request's record matches what its client got;
 a stream without a usage chunk counts the same completion tokens as the same request
 answered as JSON (temperature 0), which checks the tokens the tap counted against vLLM's
-own numbers; a client that leaves mid-stream gets a `disconnected` record, and one that leaves a JSON
-request while it is decoding is billed the prefill vLLM counted."""
+own numbers; a client that leaves mid-stream gets a `disconnected` record, one that leaves a JSON
+request while it is decoding is billed the prefill vLLM counted, and one that leaves while its
+prompt is prefilled is billed that prompt with its cache unknown."""
 
 from __future__ import annotations
 
@@ -136,3 +137,61 @@ def test_a_json_request_cut_during_decode_is_billed_the_prompt_vllm_prefilled(
     assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == (
         "disconnected", prefilled, cached)
     assert (record["completion_tokens"], record["completion_source"]) == (0, "none")  # the client got nothing
+
+
+def test_a_stream_cut_before_its_prefill_ended_is_billed_its_prompt_with_its_cache_unknown(
+    vllm_server: str, vllm_usage_dir: Path, vllm_pace: Pace
+) -> None:
+    """A client that hangs up while vLLM prefills its prompt, in several engine steps: vLLM
+    reports no figure for the request (its counters leave it out), yet may have cached part of
+    the prompt. The record bills the prompt as vLLM counts it (its usage for the same prompt,
+    answered), with its cached tokens unknown, never 0.
+
+    The prompt is over one engine step (2,048 tokens on a CPU); the hang-up comes once vLLM
+    runs the request, and vLLM's prompt counter, which counts a prompt when its prefill ends,
+    shows it never did (else there is no cut to check: skipped)."""
+    prompt = fresh_prompt(960)  # about 2,800 tokens: two steps
+    request_id = uuid.uuid4().hex
+    model = httpx.get(f"{vllm_server}/v1/models", timeout=None).json()["data"][0]["id"]
+    messages = [{"role": "user", "content": prompt}]
+    body = orjson.dumps({"model": model, "messages": messages, "max_tokens": 16, "stream": True})
+    port = int(vllm_server.rsplit(":", 1)[1])
+
+    async def cut() -> tuple[dict[str, float], dict[str, float]]:
+        async def counters() -> dict[str, float]:
+            async with httpx.AsyncClient(timeout=vllm_pace.timeout()) as http:
+                text = (await http.get(f"{vllm_server}/metrics")).text
+            return {name: metric_value(text, name) for name in (
+                "vllm:prompt_tokens_total", "vllm:num_requests_running", "vllm:num_requests_waiting")}
+
+        deadline = time.monotonic() + vllm_pace.timeout(4)
+        while (before := await counters())["vllm:num_requests_running"] + before["vllm:num_requests_waiting"]:
+            assert time.monotonic() < deadline, "vLLM is still running an earlier request"
+            await asyncio.sleep(0.05)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                     b"content-type: application/json\r\nx-request-id: %s\r\ncontent-length: %d\r\n\r\n%s"
+                     % (request_id.encode(), len(body), body))
+        await writer.drain()
+        while (await counters())["vllm:num_requests_running"] < 1:
+            assert time.monotonic() < deadline, "vLLM never ran the request"
+            await asyncio.sleep(0.02)
+        writer.transport.abort()  # hang up while it prefills, with no byte of the answer received
+        while (after := await counters())["vllm:num_requests_running"] + after["vllm:num_requests_waiting"]:
+            assert time.monotonic() < deadline, "vLLM kept running the request after its client left"
+            await asyncio.sleep(0.05)
+        return before, after
+
+    before, after = asyncio.run(cut())
+    if after["vllm:prompt_tokens_total"] != before["vllm:prompt_tokens_total"]:
+        # A faster engine, or one whose step holds the whole prompt: there is no cut to check.
+        pytest.skip("the prefill ended before the hang-up")
+    with openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", max_retries=0) as client:
+        answered = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert answered.usage is not None and answered.usage.prompt_tokens > 2048
+    found = records_for(vllm_usage_dir, {request_id})
+    assert len(found.get(request_id, [])) == 1
+    record = found[request_id][0]
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"], record["source"]) == (
+        "disconnected", answered.usage.prompt_tokens, None, "engine")
+    assert (record["completion_tokens"], record["local_cached_tokens"]) == (0, None)

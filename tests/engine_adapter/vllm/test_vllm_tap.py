@@ -3,7 +3,8 @@ request's ``Scheduled`` puts in a real :class:`UsageLedger`, without an engine.
 
 The fake does what vLLM 0.32's ``AsyncLLM.generate`` does that the tap relies on:
 ``add_request()`` on the same instance mints the internal request id (the external one plus a
-random suffix) and returns a queue named by it; the output processor sees the request's first
+random suffix), registers the request's state with the output processor (``request_states``,
+its children's with ``n > 1``) and returns a queue named by it; the output processor sees the request's first
 prefill (``_update_stats_from_output``, with the scheduler's ``PrefillStats``); then the
 outputs come, with the request's totals as vLLM computes them (``num_cached_tokens`` is
 ``remote_prefill_cached_tokens`` when the request carries one). A non-streaming request
@@ -36,6 +37,10 @@ def _no_startup_checks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class _Processor:
+    def __init__(self) -> None:
+        self.request_states: dict[str, Any] = {}
+        self.parent_requests: dict[str, Any] = {}
+
     def _update_stats_from_output(self, req_state, engine_core_output, timestamp, iteration_stats):
         pass
 
@@ -66,18 +71,23 @@ class _AsyncLLM:
             remote_prefill_cached_tokens=None))
 
     async def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> NS:
-        return NS(request_id=f"{request_id}-{next(self._suffixes):08x}")
+        internal = f"{request_id}-{next(self._suffixes):08x}"
+        self.output_processor.request_states[internal] = self._make_state(internal, request_id, prompt)
+        return NS(request_id=internal)
 
     async def generate(self, prompt: _Request, sampling_params: Any, request_id: str, **kwargs: Any):
         queue = await self.add_request(request_id, prompt, sampling_params)
-        state = self._make_state(queue.request_id, request_id, prompt)
-        await prompt.prefill.wait()
-        self.output_processor._update_stats_from_output(state, NS(prefill_stats=prompt.stats), 0.0, None)
-        remote = state.remote_prefill_cached_tokens
-        await prompt.finish.wait()  # FINAL_ONLY: nothing reaches generate() before this
-        yield NS(request_id=request_id, prompt_token_ids=list(range(prompt.stats.num_prompt_tokens)),
-                 num_cached_tokens=prompt.stats.num_cached_tokens if remote is None else remote,
-                 num_cache_creation_tokens=prompt.stats.num_cache_creation_tokens, finished=True)
+        try:  # vLLM drops the state when the request finishes or is aborted
+            state = self.output_processor.request_states[queue.request_id]
+            await prompt.prefill.wait()
+            self.output_processor._update_stats_from_output(state, NS(prefill_stats=prompt.stats), 0.0, None)
+            remote = state.remote_prefill_cached_tokens
+            await prompt.finish.wait()  # FINAL_ONLY: nothing reaches generate() before this
+            yield NS(request_id=request_id, prompt_token_ids=list(range(prompt.stats.num_prompt_tokens)),
+                     num_cached_tokens=prompt.stats.num_cached_tokens if remote is None else remote,
+                     num_cache_creation_tokens=prompt.stats.num_cache_creation_tokens, finished=True)
+        finally:
+            self.output_processor.request_states.pop(queue.request_id, None)
 
 
 async def _serve(client: _AsyncLLM, ledger: UsageLedger, key: str, request: _Request,
@@ -113,6 +123,61 @@ def test_a_request_is_billed_at_its_prefill_before_any_output() -> None:
     during, after, still_open = asyncio.run(asyncio.wait_for(main(), 30))
     assert during == (2000, 1920, 1920, 0)
     assert (after, still_open) == (None, False)  # the slot closed with its request
+
+
+async def _cut(client: _AsyncLLM, ledger: UsageLedger, requests: dict[str, _Request]) -> EngineUsage | None:
+    """One HTTP request running one engine request per ``requests`` item (its engine id: its
+    script), cut once each was added: the handler is cancelled and the slot closed at once,
+    as vLLM's ``with_cancellation`` does for a JSON request (it does not wait for the
+    cancelled handler) and vLLM's ``merge_async_iterators`` for a request over several prompts."""
+    async def handler(engine_id: str, request: _Request) -> None:
+        async for _ in client.generate(request, None, engine_id):
+            pass
+
+    ledger.open("k")
+    token = current_request_key.set("k")
+    handlers = [asyncio.create_task(handler(engine_id, r)) for engine_id, r in requests.items()]
+    current_request_key.reset(token)
+    await asyncio.sleep(0.01)
+    for task in handlers:
+        task.cancel()  # the client left
+    usage = ledger.close("k")
+    await asyncio.gather(*handlers, return_exceptions=True)
+    return usage
+
+
+@pytest.mark.parametrize("copies", [1, 3], ids=["n=1", "n=3"])
+def test_a_request_cut_before_its_prefill_ended_is_billed_its_prompt_with_its_cache_unknown(copies: int) -> None:
+    """vLLM reports nothing for a request aborted before its prefill ended (no prefill figures,
+    no output), though it may have cached part of the prompt for nothing: the prompt vLLM
+    counted stands, once however many copies it runs, and its cached tokens are unknown, never 0."""
+    async def main() -> EngineUsage | None:
+        client = _AsyncLLM() if copies == 1 else _FanOut([_stats(2000, 1920, 0)] * copies)
+        ledger = UsageLedger()
+        EngineTap(client, ledger)
+        request = _Request(_stats(2000, 1920, 0))
+        request.prefill.clear()  # queued, or prefilling in several engine steps
+        return await _cut(client, ledger, {"chatcmpl-k": request})
+
+    assert _billed(asyncio.run(asyncio.wait_for(main(), 30))) == (2000, None)
+
+
+@pytest.mark.parametrize(("second_prefilled", "billed"), [(False, (2500, None)), (True, (2500, 2020))])
+def test_a_request_over_two_prompts_cut_is_billed_each_prompt_once(second_prefilled: bool, billed: tuple) -> None:
+    """A completions request over two prompts, cut while the first decodes: the first was
+    billed at its prefill and is not billed again; the second is billed its prompt, its
+    cache known only if its prefill ended."""
+    async def main() -> EngineUsage | None:
+        client, ledger = _AsyncLLM(), UsageLedger()
+        EngineTap(client, ledger)
+        first, second = _Request(_stats(2000, 1920, 0)), _Request(_stats(500, 100, 0))
+        for request in (first, second):
+            request.finish.clear()
+        if not second_prefilled:
+            second.prefill.clear()
+        return await _cut(client, ledger, {"cmpl-k-0": first, "cmpl-k-1": second})
+
+    assert _billed(asyncio.run(asyncio.wait_for(main(), 30))) == billed
 
 
 def test_a_sink_that_fails_at_the_prefill_never_reaches_vllms_output_handler(caplog) -> None:
@@ -172,6 +237,14 @@ def _figures(usage: EngineUsage | None) -> tuple | None:
             usage.cache_creation_tokens)
 
 
+def _billed(usage: EngineUsage | None) -> tuple[int, int | None] | None:
+    """What a closed slot bills (proxy.patching.metering): every engine request's prompt, and
+    the cached tokens unless one of them never had its figures published (then unknown)."""
+    if usage is None:
+        return None
+    return usage.prompt_tokens + usage.unscheduled_tokens, None if usage.unscheduled else usage.cached_tokens
+
+
 def _vllm_request_state(claim: int) -> Callable[[str, str, Any], Any]:
     """vLLM's own RequestState for a chat body carrying a decode leg's ``kv_transfer_params``."""
     protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
@@ -220,7 +293,8 @@ def test_figures_that_fail_validation_are_not_published_and_the_request_goes_on(
 
     with caplog.at_level(logging.WARNING, logger="cachetally.engine.vllm"):
         served = asyncio.run(asyncio.wait_for(main(), 30))
-    assert served == [(1, None), (1, None)]  # every output reached the client, nothing billed
+    # every output reached the client; the prompt vLLM counted stands, its cache unknown
+    assert [(seen, _billed(usage)) for seen, usage in served] == [(1, (1000, None)), (1, (1000, None))]
     assert [r.getMessage() for r in caplog.records if "not published" in r.getMessage()] == [
         "engine figures not published (this is logged once): "
         "cached_tokens (5000) exceeds prompt_tokens (1000)"]
@@ -314,15 +388,24 @@ class _FanOut(_AsyncLLM):
         self.copies = copies
         self.embeds = embeds
 
+    async def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> NS:
+        internal = f"{request_id}-{next(self._suffixes):08x}"
+        parent = NS(request_id=internal, child_requests={f"{i}_{internal}" for i in range(len(self.copies))})
+        processor = self.output_processor
+        processor.parent_requests[internal] = parent
+        for i, stats in enumerate(self.copies):
+            processor.request_states[f"{i}_{internal}"] = NS(
+                is_prefilling=True, parent_req=parent, request_id=f"{i}_{internal}", external_req_id=request_id,
+                prompt_len=stats.num_prompt_tokens, remote_prefill_cached_tokens=None,
+                prompt_token_ids=None if self.embeds else list(range(stats.num_prompt_tokens)))
+        return NS(request_id=internal)
+
     async def generate(self, prompt: _Request, sampling_params: Any, request_id: str, **kwargs: Any):
         queue = await self.add_request(request_id, prompt, sampling_params)
-        parent = NS(request_id=queue.request_id)
+        states = self.output_processor.request_states
         await prompt.prefill.wait()
         for i, stats in enumerate(self.copies):
-            state = NS(is_prefilling=True, parent_req=parent, request_id=f"{i}_{queue.request_id}",
-                       external_req_id=request_id, prompt_len=stats.num_prompt_tokens,
-                       prompt_token_ids=None if self.embeds else list(range(stats.num_prompt_tokens)),
-                       remote_prefill_cached_tokens=None)
+            state = states[f"{i}_{queue.request_id}"]
             self.output_processor._update_stats_from_output(state, NS(prefill_stats=stats), 0.0, None)
         await prompt.finish.wait()
         last = self.copies[-1]
@@ -386,7 +469,7 @@ class _Stream(_AsyncLLM):
         outputs = pytest.importorskip("vllm.outputs")
         collector_class = pytest.importorskip("vllm.v1.engine.output_processor").RequestOutputCollector
         queue = await self.add_request(request_id, prompt, sampling_params)
-        state = self._make_state(queue.request_id, request_id, prompt)
+        state = self.output_processor.request_states[queue.request_id]
         self.output_processor._update_stats_from_output(state, NS(prefill_stats=prompt.stats), 0.0, None)
         collector = collector_class(sampling_params.output_kind, queue.request_id)
 
