@@ -8,8 +8,9 @@ vLLM adds the class with ``app.add_middleware`` after its own middlewares, so it
 outermost layer of each API server's app. Starlette builds that stack on the first ASGI
 call, the lifespan, by which time vLLM has bound the app to its engine client
 (``init_app_state`` sets ``app.state.engine_client``). At ``lifespan.startup`` the
-middleware taps that client (:class:`engine_adapter.vllm.tap.EngineTap`); at shutdown it
-removes the tap and drains the usage records. Each API server process of
+middleware taps that client (:class:`engine_adapter.vllm.tap.EngineTap`) and bounds how
+long a stop waits for the requests vLLM's engine left (:data:`REQUESTS_LEFT_S`); at
+shutdown it removes the tap and drains the usage records. Each API server process of
 ``--api-server-count N`` builds its own app, so each taps its own client.
 
 Being outermost, it also runs before vLLM's own ``--api-key`` check. So the first thing
@@ -41,6 +42,7 @@ import os
 import time
 from typing import Any
 
+from starlette.datastructures import State
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.vllm import compat
@@ -105,6 +107,7 @@ class CachetallyMiddleware:
                 if message["type"] == "lifespan.startup":
                     await stack.enter_async_context(self.accounting.running())
                     self._tap_engine(app, stack)
+                    _bound_the_wait_for_requests_left(app)
                     if _pooling_only(app):  # /invocations runs only pooling handlers, which the tap never sees
                         self._patched.refuse_route(INVOCATIONS)
                     self._front = behind_vllm_auth(app, self._route)
@@ -114,6 +117,7 @@ class CachetallyMiddleware:
                 if message["type"] == "lifespan.startup.complete":
                     logger.info(ready_line(*_describe(app)))
                 elif message["type"].startswith("lifespan.shutdown."):
+                    _state_for_tasks_left(app)
                     await stack.aclose()  # tap removed, records drained, before vLLM says done
                 await send(message)
 
@@ -141,6 +145,38 @@ class CachetallyMiddleware:
 
     async def _stats(self, send: Send) -> None:
         await send_stats(send, self.accounting.metrics.stats_dict())  # every process's, as /metrics
+
+
+#: How long vLLM's HTTP server waits, once a stop has shut its engine client, for the
+#: requests still in flight (uvicorn's ``timeout_graceful_shutdown``). vLLM's
+#: ``--shutdown-timeout`` has already drained the engine by then (one API server; with
+#: several, each API server's client stops at once and the engines after them), and vLLM
+#: cancels its output handler without failing the requests it served: one still running
+#: never gets another token. vLLM sets no limit, so uvicorn waited for them until the
+#: process was killed, each client cut off and its usage record never written. Past this,
+#: uvicorn cancels them and each is answered with the 503 or SSE error of a stopped request
+#: (:mod:`proxy.patching.stopped`); a response that was whole needs no more than this to go out.
+REQUESTS_LEFT_S = 1.0
+
+
+def _bound_the_wait_for_requests_left(app: Any) -> None:
+    """Set :data:`REQUESTS_LEFT_S` on the uvicorn server vLLM runs ``app`` in (``app.state.server``,
+    set before it serves), unless the server already has a limit of its own."""
+    config = getattr(getattr(getattr(app, "state", None), "server", None), "config", None)
+    if config is not None and config.timeout_graceful_shutdown is None:
+        config.timeout_graceful_shutdown = REQUESTS_LEFT_S
+
+
+def _state_for_tasks_left(app: Any) -> None:
+    """An empty ``app.state`` where vLLM's shutdown deleted it (to drop its engine client).
+
+    vLLM's ``with_cancellation`` handlers leave their disconnect listener running when the
+    server's stop cancels them (:data:`REQUESTS_LEFT_S`); the listener ends by reading
+    ``request.app.state``, which may be after that ``del``: without a state it fails (a
+    traceback in the log); in the empty one it finds nothing to count and ends. The ``del``
+    is the last step of vLLM's lifespan, so none runs in between."""
+    if app is not None and "state" not in vars(app):
+        app.state = State()
 
 
 #: SageMaker's route: vLLM validates its body against chat and completions first, then the pooling requests.

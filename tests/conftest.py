@@ -24,6 +24,7 @@ import openai
 import psutil
 import pytest
 
+from tests.in_flight import RequestsInFlight
 from tests.load import report
 from tests.otlp_receiver import Receiver, otlp_receiver
 from tests.servers import ENGINE_KV_FLAGS, Pace, assert_no_traceback_in_vllm_log, measure_pace, running_server
@@ -97,6 +98,7 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
     collector (``vllm_otlp``), in an environment whose OpenTelemetry sampler drops every
     trace (which must not drop a span of ours), and a trusted tenant header.
     ``--enable-prompt-embeds``: completions' ``prompt_embeds`` reach the engine with no token ids.
+    Its stop comes with a JSON request and a stream in flight (:mod:`tests.in_flight`).
     """
     log = vllm_server_log
     args = ["-m", "proxy.server.cli", "serve", "--log-level", "debug", "--usage-dir", str(vllm_usage_dir),
@@ -108,8 +110,11 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "the engine core runs in a child process"
         yield url
+        in_flight = RequestsInFlight(url, timeout_s=60)
+        in_flight.start()  # stopped with them in flight (RELIABILITY §14)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal it captured.
     assert proc.returncode in (0, -signal.SIGTERM), f"unclean exit {proc.returncode}"
+    in_flight.check(vllm_usage_dir)
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes left behind: {alive}"
     assert_no_traceback_in_vllm_log(log)

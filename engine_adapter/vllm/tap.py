@@ -38,6 +38,7 @@ steps), so the ledger counts none for it and the middleware asks for its usage c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from contextvars import ContextVar
@@ -121,12 +122,22 @@ class EngineTap:
         client.generate = self.generate
         if self._add_request is not None:
             client.add_request = self.add_request
+        self._shutdown = getattr(client, "shutdown", None)
+        self._stopping = False
+        if self._shutdown is not None:
+            client.shutdown = self.shutdown
 
     def uninstall(self) -> None:
-        """Give the client its own ``generate``, ``add_request`` and output processor back. Idempotent."""
-        self._client.__dict__.pop("generate", None)
-        self._client.__dict__.pop("add_request", None)
+        """Give the client its own methods and output processor back. Idempotent."""
+        for name in ("generate", "add_request", "shutdown"):
+            self._client.__dict__.pop(name, None)
         self._prefill.uninstall()
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's stop (from a worker thread): from now on, a request the client fails is the stop's."""
+        self._stopping = True
+        assert self._shutdown is not None
+        return self._shutdown(*args, **kwargs)
 
     async def add_request(self, *args: Any, **kwargs: Any) -> Any:
         queue = await self._add_request(*args, **kwargs)
@@ -154,7 +165,7 @@ class EngineTap:
         try:
             token = _adding.set(call)
             try:  # reset in the same step: later steps may run in other tasks' contexts
-                output = await anext(outputs, None)
+                output = await self._next(outputs)
             finally:
                 _adding.reset(token)
             if output is not None and not call.settled:  # the first, before the serving layer sees it
@@ -162,10 +173,25 @@ class EngineTap:
             while output is not None:
                 self._count(call, output)
                 yield output
-                output = await anext(outputs, None)
+                output = await self._next(outputs)
         finally:
             self._prefill.forget(call.engine_id)  # one cut before its prefill: nothing to hand it
             await outputs.aclose()  # on disconnect: vLLM's generate() aborts the request
+
+    async def _next(self, outputs: AsyncGenerator[Any, None]) -> Any:
+        """The next output. While vLLM stops, it closes this client and then cancels the task
+        that reads the engine's outputs: a request still running waits forever, until the
+        server's stop cancels it and answers it (:mod:`proxy.patching.stopped`), unless that
+        task read the closed socket first and failed every request with ``EngineDeadError``
+        (vllm-project/vllm#48745), which the client would get as a 500 saying the engine
+        failed. Such a failure waits for the same cancellation, so every request the stop
+        left gets the same answer."""
+        try:
+            return await anext(outputs, None)
+        except Exception:
+            if not self._stopping:
+                raise
+        await asyncio.Event().wait()  # until cancelled
 
     def _count(self, call: _Call, output: Any) -> None:
         """The tokens ``output`` hands the serving layer, to the sink under the call's key."""

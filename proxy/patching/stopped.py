@@ -1,9 +1,10 @@
 """A patched request that the server's stop cancels, ended in the API's own error shape.
 
 ``cachetally serve`` (sim and upstream engines) waits ``shutdown_timeout_s`` after SIGTERM
-for the requests in flight, then uvicorn cancels their tasks. Left to uvicorn, a request
-whose response had not reached the client gets a plain-text 500 and a stream is cut off
-mid-body (an incomplete chunked body, no error). Here the request's own task ends it
+for the requests in flight, then uvicorn cancels their tasks (in vLLM's server,
+:data:`~proxy.vllm_middleware.REQUESTS_LEFT_S` after vLLM stopped its engine client). Left
+to uvicorn, a request whose response had not reached the client gets a plain-text 500 and
+a stream is cut off mid-body (an incomplete chunked body, no error). Here the request's own task ends it
 instead: a 503 in OpenAI error JSON while nothing was sent (a JSON body is held to be
 patched until it is whole), or one SSE error event that ends a stream already started.
 Its usage record is then written as for any failed request (``outcome`` ``error``). The

@@ -180,6 +180,52 @@ def test_a_request_over_two_prompts_cut_is_billed_each_prompt_once(second_prefil
     assert _billed(asyncio.run(asyncio.wait_for(main(), 30))) == billed
 
 
+class _EngineDead(Exception):
+    """vLLM's ``EngineDeadError``."""
+
+
+class _Stopping(_AsyncLLM):
+    """What vLLM 0.32's stop does to a request in flight, at worst: ``shutdown()`` closes the
+    client, and its output handler, reading the closed socket before it is cancelled, fails
+    every request with ``EngineDeadError`` (vllm-project/vllm#48745)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = asyncio.Event()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.closed.set()
+
+    async def generate(self, prompt: _Request, sampling_params: Any, request_id: str, **kwargs: Any):
+        await self.add_request(request_id, prompt, sampling_params)
+        await self.closed.wait()
+        raise _EngineDead("EngineCore encountered an issue")
+        yield  # an async generator, as vLLM's
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_a_request_failed_by_vllms_stop_ends_by_the_stops_cancellation(stopped: bool) -> None:
+    """During vLLM's stop, a request the client fails waits, as those it leaves waiting, for
+    the server to cancel it, which answers it as a stopped request (503 or SSE error), not a
+    500 saying the engine failed. Without a stop, the engine's failure is the request's."""
+    async def main() -> str:
+        client, ledger = _Stopping(), UsageLedger()
+        EngineTap(client, ledger)
+        served = asyncio.create_task(_serve(client, ledger, "k", _Request(_stats(10, 0, 0))))
+        await asyncio.sleep(0)  # the request reaches the engine
+        if stopped:
+            client.shutdown()  # as vLLM's stop calls it
+        else:
+            client.closed.set()  # the engine died on its own
+        for _ in range(20):  # loop turns enough for the failure to reach the handler
+            await asyncio.sleep(0)
+        served.cancel()  # the server's stop: uvicorn cancels what is left
+        (ended,) = await asyncio.gather(served, return_exceptions=True)
+        return type(ended).__name__
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == ("CancelledError" if stopped else "_EngineDead")
+
+
 def test_a_sink_that_fails_at_the_prefill_never_reaches_vllms_output_handler(caplog) -> None:
     """The hook runs in vLLM's output handler, which serves every request: an exception there
     would stop the engine for all. It is logged once, and the first output publishes instead."""
