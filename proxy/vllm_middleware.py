@@ -47,7 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.vllm import compat
 from engine_adapter.vllm.tap import EngineTap
-from proxy.asgi.errors import send_error
+from proxy.asgi.errors import STOPPED, send_error
 from proxy.asgi.paths import route_path
 from proxy.patching.context import DEFAULT_ROUTES
 from proxy.server.instance import Accounting
@@ -70,6 +70,7 @@ class CachetallyMiddleware:
         self.accounting = Accounting(settings, registry=REGISTRY)
         self._patched = self.accounting.patch(app)
         self._client: Any = None
+        self._tap: EngineTap | None = None
         #: :meth:`_route`, behind vLLM's own API-key check once the lifespan found one.
         self._front: ASGIApp = self._route
 
@@ -89,6 +90,11 @@ class CachetallyMiddleware:
         path = route_path(scope) if kind == "http" else None
         if path == "/stats":
             await read_only(scope, send, self._stats)
+        elif path in DEFAULT_ROUTES and self._tap is not None and self._tap.stopping:
+            # vLLM's stop closed the engine client, and with one API server drains the engine
+            # for --shutdown-timeout while it still accepts: vLLM would fail the request with a
+            # 500 (its tokenizer pool is shut). It never runs, so it has no record.
+            await send_error(send, 503, STOPPED)
         elif path in DEFAULT_ROUTES and getattr(self._client, "errored", False):
             await send_error(send, 503, "the vllm engine is not healthy")
         else:
@@ -139,9 +145,10 @@ class CachetallyMiddleware:
         if client is None:
             raise RuntimeError("no vLLM engine client on app.state: is this vLLM's OpenAI server?")
         tap = EngineTap(client, self.accounting.ledger, pd_legs=self.accounting.settings.pd_legs)
-        self._client = client
+        self._client, self._tap = client, tap
         stack.callback(tap.uninstall)
         stack.callback(setattr, self, "_client", None)
+        stack.callback(setattr, self, "_tap", None)
 
     async def _stats(self, send: Send) -> None:
         await send_stats(send, self.accounting.metrics.stats_dict())  # every process's, as /metrics

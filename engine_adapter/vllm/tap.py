@@ -133,6 +133,11 @@ class EngineTap:
             self._client.__dict__.pop(name, None)
         self._prefill.uninstall()
 
+    @property
+    def stopping(self) -> bool:
+        """Whether vLLM's stop has begun to close the client: a request can no longer run."""
+        return self._stopping
+
     def shutdown(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's stop (from a worker thread): from now on, a request the client fails is the stop's."""
         self._stopping = True
