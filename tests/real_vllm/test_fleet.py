@@ -3,8 +3,8 @@ cachetally middleware, behind ``vllm-router`` (vLLM's Rust router, ``--policy ca
 
 Every response that comes back through the router must carry the exact ``cached_tokens``
 of the replica that served it: 0 for a prompt no replica has seen, and for a repeat the
-whole blocks that replica's scheduler found (0 again where the router sent the repeat to
-a replica that never saw the prompt: cache_aware is a heuristic, the count is not).
+whole blocks that replica's scheduler found, in its own prefix cache or through the KV
+connector below (cache_aware is a heuristic, the count is not).
 Requests go one at a time (but for one pair), and both replicas' ``/metrics`` are read
 directly around each, so the test knows which replica served it (its ``vllm:prompt_tokens_total`` moved by the response's ``prompt_tokens``)
 and what that replica's scheduler counted. Over the whole run, the reported sum equals
@@ -25,16 +25,26 @@ both replicas serve.
 
 The replicas start at once, each engine's OpenMP threads bound to a core of its own
 (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's ``auto`` would bind both to the same core).
+
+Both replicas share a KV store on disk (vLLM's ``ExampleConnector``, the reference KV
+connector, which runs on CPU), as a fleet shares LMCache or an offload tier: a prompt one
+replica computed is a KV connector hit on the other, vLLM's ``external`` tier. So a repeat
+the router sends to the replica that never saw the prompt is not necessarily 0: that
+replica's scheduler counts the connector's tokens as cached, and so does the test. The last
+test checks the tiers themselves: cold, a connector hit and a local hit, against each
+replica's own counters, in the response, on ``/metrics`` and in the usage records.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -84,20 +94,27 @@ class Fleet:
     router: str
     replicas: tuple[str, str]
     pace: Pace
+    usage: tuple[Path, Path]  # each replica's usage records
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("fleet")
-    # What an operator types: `vllm serve MODEL --middleware ...`, plus the CPU flags and
-    # the tests' KV cache size.
+    shared_kv = tmp_path_factory.mktemp("fleet-kv")
+    usage = (tmp_path_factory.mktemp("fleet-usage-0"), tmp_path_factory.mktemp("fleet-usage-1"))
+    # What an operator types: `vllm serve MODEL --middleware ...` with a KV connector, plus
+    # the CPU flags and the tests' KV cache size.
+    connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"shared_storage_path": str(shared_kv)}}
     replica = [
         "-m", "engine_adapter.vllm.serve", str(ensure_default_model()), "--served-model-name", MODEL,
         "--middleware", MIDDLEWARE, "--enable-prefix-caching", "--host", "127.0.0.1",
+        "--kv-transfer-config", orjson.dumps(connector).decode(),
         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning", *ENGINE_KV_FLAGS, *machine_flags(ENGINE_KV_FLAGS),
     ]
     specs = [
-        (replica, {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else None, logs / f"replica-{i}.log")
+        (replica, {"CACHETALLY_USAGE_DIR": str(usage[i]), "CACHETALLY_USAGE_FLUSH_INTERVAL_S": "0.2"}
+         | ({"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}), logs / f"replica-{i}.log")
         for i, bind in enumerate(core_binds())
     ]
     began = time.monotonic()
@@ -114,7 +131,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         with running_servers([(router, None, logs / "router.log")], timeout_s=120) as ((router_url, _),):
             pace = measure_pace(router_url, MODEL)
             report("fleet-pace", request_s=round(pace.request_s, 3))
-            yield Fleet(router_url, urls, pace)  # type: ignore[arg-type]
+            yield Fleet(router_url, urls, pace, usage)  # type: ignore[arg-type]
     for log in logs.glob("replica-*.log"):  # the whole run, the stop included
         assert_no_traceback_in_vllm_log(log)
     for (_, proc), children in zip(replicas, engines, strict=True):
@@ -290,3 +307,64 @@ def test_a_responses_request_through_the_router_is_exact(fleet: Fleet) -> None:
     # cache_aware sends a repeat where the document was served: the router's own promise,
     # checked here so that a warm 0 is known to be the router's choice, not a lost count.
     assert work.served_by[1:] == work.served_by[:1] * 2 and all(warm), (work.served_by, warm)
+
+
+TIER_COUNTERS = {  # vLLM's own count of each tier, and cachetally's
+    "local": ("vllm:prefix_cache_hits_total", {}), "external": ("vllm:external_prefix_cache_hits_total", {}),
+    "ours_local": (OURS, {"tier": "local"}), "ours_external": (OURS, {"tier": "external"}),
+    "ours_all": (OURS, {"tier": "all"}),
+}
+
+
+def tier_counters(url: str) -> dict[str, float]:
+    text = clients.scrape(url)
+    return {key: metric_value(text, name, **labels) for key, (name, labels) in TIER_COUNTERS.items()}
+
+
+def recorded(usage: Path, response_id: str, timeout_s: float) -> dict:
+    """The usage record of the response ``response_id``, once its replica has flushed it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for path in usage.glob("*.jsonl"):
+            for line in path.read_bytes().splitlines():
+                record = orjson.loads(line)
+                if record.get("response_id") == response_id:
+                    return record
+        assert time.monotonic() < deadline, f"no record of {response_id}"
+        time.sleep(0.1)
+
+
+def test_a_prompt_one_replica_computed_is_a_kv_connector_hit_on_the_other(fleet: Fleet) -> None:
+    """Cold on replica 0, then on replica 1 from the shared KV store (external), then from
+    replica 1's own prefix cache (local): the response, its tiers, ``/metrics`` and the
+    record each say what that replica's scheduler counted, tier by tier."""
+    # Token ids: a length whose whole blocks the reference connector finds (it looks up
+    # the prompt less its last token, so a length of 128k + 1 would find nothing).
+    size = 300
+    prompt = random.Random(uuid.uuid4().int).sample(range(1000, 40000), size)
+    blocks = (size - 1) // BLOCK * BLOCK
+    seen = []
+    for step, replica in (("cold", 0), ("external", 1), ("local", 1)):
+        url = fleet.replicas[replica]
+        before = tier_counters(url)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=fleet.pace.timeout(2)) as client:
+            response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                                 extra_body={"return_cached_tokens_details": True})
+        after = tier_counters(url)
+        moved = {key: after[key] - before[key] for key in after}
+        cached = response.usage.prompt_tokens_details.cached_tokens
+        details = response.model_extra["cached_tokens_details"]
+        record = recorded(fleet.usage[replica], response.id, fleet.pace.timeout())
+        where = (step, cached, details, moved)
+        assert response.usage.prompt_tokens == size, where
+        expected = {"cold": (0, 0), "external": (0, blocks), "local": (blocks, 0)}[step]
+        assert (details["local"], details["external"]) == expected, where
+        assert (moved["local"], moved["external"]) == expected, where  # what vLLM counted
+        assert (moved["ours_local"], moved["ours_external"]) == expected, where
+        assert cached == sum(expected) == moved["ours_all"], where
+        assert (record["cached_tokens"], record["local_cached_tokens"], record["external_cached_tokens"]) == (
+            cached, *expected), (where, record)
+        assert details["created"] == record["cache_creation_tokens"], (where, record)
+        seen.append(details["created"])
+    # The cold prefill wrote its whole blocks; the hits wrote nothing.
+    assert seen == [blocks, 0, 0], seen
