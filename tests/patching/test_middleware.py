@@ -8,6 +8,7 @@ and a list-collecting ``send``. Inner apps are small ASGI functions that publish
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -840,6 +841,98 @@ async def test_a_cancellation_that_is_not_the_servers_stop_goes_on(point: str) -
     assert STOPPED.encode() not in b"".join(m.get("body", b"") for m in client.sent)
     h.assert_clean()
     assert h.requests() == {"hit": 1}
+
+
+class _Records:
+    """A recorder that keeps what it is handed."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def submit(self, record: Any) -> None:
+        self.records.append(record)
+
+
+def sse_events(body: bytes) -> list[tuple[bytes | None, bytes]]:
+    """(event name, data) of each event, as an SSE client splits the bytes it got."""
+    events = []
+    for block in body.split(b"\n\n"):
+        if block:
+            name, data = None, []
+            for line in block.split(b"\n"):
+                field, _, value = line.partition(b":")
+                if field == b"event":
+                    name = value.removeprefix(b" ")
+                elif field == b"data":
+                    data.append(value.removeprefix(b" "))
+            events.append((name, b"\n".join(data)))
+    return events
+
+
+async def _stopped_once(messages: list[Message], body: bytes, *, path: str = CHAT,
+                        config: PatchConfig = PatchConfig(), recorder: _Records | None = None) -> Client:
+    """A stream that sends ``messages`` and hangs, cancelled there as the server's stop does."""
+    reached = asyncio.Event()
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        await start(send, b"text/event-stream")
+        for message in messages:
+            await send(message)
+        reached.set()
+        await asyncio.Event().wait()
+
+    h = Harness(config)
+    client = Client(body)
+    mw = UsagePatchMiddleware(h.middleware(respond, (64, 48)).app, ledger=h.ledger, metrics=h.metrics,
+                              config=config, recorder=recorder)  # type: ignore[arg-type]
+    task = asyncio.create_task(mw(http_scope(path), client.receive, client.send))
+    await reached.wait()
+    task.cancel(UVICORN_STOP)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    h.assert_clean()
+    return client
+
+
+def _body(*parts: bytes, more: bool = True) -> list[Message]:
+    return [{"type": "http.response.body", "body": part, "more_body": more} for part in parts]
+
+
+@pytest.mark.asyncio
+async def test_a_messages_stream_the_stop_cuts_ends_with_anthropics_error_event() -> None:
+    """The anthropic SDK reads a Messages stream's error in Anthropic's shape; an OpenAI error
+    object there is no error it can name."""
+    opening = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","type":"message",'
+               b'"role":"assistant","model":"m","content":[],"usage":{"input_tokens":64,"output_tokens":0}}}\n\n')
+    body = b'{"model":"m","max_tokens":2,"stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    client = await _stopped_once(_body(opening), body, path="/v1/messages")
+    name, data = sse_events(client.body)[-1]
+    assert (name, orjson.loads(data)) == (b"error", {"type": "error", "error": {"type": "api_error", "message": STOPPED}})
+    assert client.complete
+
+
+@pytest.mark.asyncio
+async def test_a_stream_cut_by_the_stop_inside_an_event_that_went_out_in_part_ends_with_a_whole_error_event() -> None:
+    """An event over ``max_event_bytes`` goes out in parts: the stop's error event must still
+    be an event of its own to the client, not more of the cut one's data."""
+    part = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","note":"' + b"a" * 1000
+    client = await _stopped_once(_body(ROLE, part), STREAM_BODY, config=PatchConfig(max_event_bytes=256))
+    assert part in client.body  # it did go out, unended
+    name, data = sse_events(client.body)[-1]
+    assert (name, orjson.loads(data)["error"]["message"]) == (b"error", STOPPED)
+
+
+@pytest.mark.asyncio
+async def test_a_stream_already_whole_when_the_stop_comes_is_recorded_completed_and_sent_nothing_more() -> None:
+    """An app may still run after its last body message; the stop then has nothing to tell
+    the client, whose stream ended whole, and the record says so."""
+    records = _Records()
+    client = await _stopped_once([*_body(ROLE, TOKEN, USAGE, DONE), *_body(b"", more=False)], STREAM_BODY,
+                                 recorder=records)
+    assert client.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert STOPPED.encode() not in client.body
+    [record] = records.records
+    assert (record.outcome, record.completion_tokens) == ("completed", 2)
 
 
 @pytest.mark.asyncio
