@@ -60,3 +60,14 @@ def test_a_member_after_values_nested_deeper_than_the_fast_path_is_found_at_ever
         member.feed(body[:cut])
         member.feed(body[cut:])
         assert member.value is not None and json.loads(member.value) == {"do_remote_prefill": True, "t": "},"}
+
+
+def test_a_member_exactly_as_long_as_the_cap_is_kept_at_every_cut() -> None:
+    """``cap`` is the most a member may hold: one of exactly that length is the leg's."""
+    value = b'{"do_remote_prefill": true, "remote_block_ids": [1, 2, 3]}'
+    body = b'{"model": "m", "kv_transfer_params":' + value + b', "max_tokens": 4}'
+    for cut in range(len(body) + 1):
+        member = TopLevelMember(NAME, cap=len(value))
+        member.feed(body[:cut])
+        member.feed(body[cut:])
+        assert member.value == value
