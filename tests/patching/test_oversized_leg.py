@@ -71,3 +71,15 @@ def test_a_member_exactly_as_long_as_the_cap_is_kept_at_every_cut() -> None:
         member.feed(body[:cut])
         member.feed(body[cut:])
         assert member.value == value
+
+
+def test_a_key_spelt_with_an_escape_is_the_member_wherever_the_cut_falls_in_it() -> None:
+    """The engine's json.loads reads ``"kv_transfer_param\\u0073"`` as the member's name; a cut
+    right after its backslash leaves the escaped byte to the next chunk."""
+    body = b'{"kv_transfer_param\\u0073":{"do_remote_prefill":true}}'
+    assert json.loads(body) == {NAME: {"do_remote_prefill": True}}
+    for cut in range(len(body) + 1):
+        member = TopLevelMember(NAME, cap=len(body))
+        member.feed(body[:cut])
+        member.feed(body[cut:])
+        assert member.value == b'{"do_remote_prefill":true}', cut
