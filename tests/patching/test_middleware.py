@@ -935,6 +935,49 @@ async def test_a_stream_already_whole_when_the_stop_comes_is_recorded_completed_
     assert (record.outcome, record.completion_tokens) == ("completed", 2)
 
 
+LEG_CONFIG = PatchConfig(pd_legs=True, max_request_bytes=256)
+#: A decode leg's kv_transfer_params, with the figures its prefill leg handed over.
+HANDED = b'{"do_remote_prefill": true, "cachetally_prefill": {"prompt_tokens": 300, "cached_tokens": 256, "source": "engine"}'
+
+
+async def _oversized_leg(chunks: list[bytes], *, leaves: bool = False) -> tuple[Client, Any]:
+    """A decode leg over ``max_request_bytes`` sent in ``chunks``; ``leaves``: the client goes
+    after them, the body unfinished. The client, and the request's record."""
+    h, records = Harness(LEG_CONFIG), _Records()
+    client = Client(chunks)
+    if leaves:
+        client.pending[-1]["more_body"] = True
+        client.leave()
+    mw = UsagePatchMiddleware(h.middleware(json_response(chat_completion())).app, ledger=h.ledger,
+                              metrics=h.metrics, config=LEG_CONFIG, recorder=records)  # type: ignore[arg-type]
+    await h.call(mw, client)
+    [record] = records.records
+    return client, record
+
+
+def _leg_body(params: bytes) -> list[bytes]:
+    body = b'{"model": "m", "user": "' + b"u" * 300 + b'", "kv_transfer_params": ' + params + b"}"
+    return [body[i : i + 16] for i in range(0, len(body), 16)]  # many receive messages past the limit
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("extra", [b"", b', "t": NaN', b', "t": 123456789012345678901234567890'],
+                         ids=["plain", "nan", "wide-int"])
+async def test_a_decode_leg_over_the_limit_is_refused_and_bills_its_handed_prefill(extra: bytes) -> None:
+    """Read to its end, however many messages it takes, and read as the engine's json.loads
+    reads it (NaN and integers past 64 bits are no reason to bill nothing)."""
+    client, record = await _oversized_leg(_leg_body(HANDED + extra + b"}"))
+    assert client.status == 413
+    assert (record.status, record.outcome, record.prompt_tokens, record.cached_tokens) == (413, "error", 300, 256)
+
+
+@pytest.mark.asyncio
+async def test_a_decode_leg_over_the_limit_whose_client_leaves_is_recorded_disconnected_and_not_answered() -> None:
+    client, record = await _oversized_leg(_leg_body(HANDED + b"}")[:-1], leaves=True)
+    assert client.sent == []
+    assert (record.status, record.outcome) == (None, "disconnected")
+
+
 @pytest.mark.asyncio
 async def test_disconnect_while_the_body_is_being_read() -> None:
     h = Harness()
