@@ -27,7 +27,7 @@ from engine_adapter.events import Scheduled, current_request_key
 from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.jsonl import JsonlSink
 from proxy.accounting.records.queue import Delivery, DropCounts, SinkWorker
-from proxy.accounting.records.record import UsageRecord, dumps
+from proxy.accounting.records.record import MAX_TEXT_CHARS, UsageRecord, dumps
 from proxy.asgi.errors import error_sse_event
 from proxy.patching.context import PatchConfig
 from proxy.patching.ledger import UsageLedger
@@ -690,3 +690,15 @@ def test_a_json_body_too_large_to_hold_is_recorded_as_unknown_completion_not_zer
     assert b"".join(m.get("body", b"") for m in exchange.messages if m["type"] == "http.response.body") == body
     [record] = kept.records
     assert (record.completion_tokens, record.completion_source, record.outcome) == (0, "unknown", "completed")
+
+
+@pytest.mark.parametrize("text", ["\ud800" * 300, "m" * 255 + "\ud800"], ids=["surrogates", "one-at-the-end"])
+def test_a_peer_string_with_lone_surrogates_is_kept_escaped_within_the_records_bound(text: str) -> None:
+    """Kept as its escape, and still at most MAX_TEXT_CHARS: the escape is longer than what it
+    stands for, and no client may make a record (or its OTLP span) larger than the bound."""
+    record = UsageRecord(request_id="r", tenant="t", route="chat", stream=False, start_unix=0.0,
+                         request_model=text, response_id=text)
+    line = orjson.loads(dumps(record))
+    escaped = text.encode("utf-8", "backslashreplace").decode()
+    for field in ("request_model", "response_id"):
+        assert line[field] == escaped[:MAX_TEXT_CHARS], field
