@@ -274,3 +274,20 @@ def test_a_record_json_cannot_hold_is_dropped_alone_and_the_rest_of_its_flush_wr
     recorder.stop(timeout_s=60)
     assert ids_in_files(tmp_path) == Counter({"r0": 1, "r2": 1})
     assert counters(metrics, "jsonl") == (2, {"write_failed": 1})
+
+
+def test_a_flush_of_only_records_json_cannot_hold_makes_no_file_and_the_log_says_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing to write is no reason for an empty usage file; the operator reads why the
+    record is counted dropped."""
+    recorder = Recorder([JsonlSink(tmp_path)], interval_s=3600)
+    metrics = watched(recorder)
+    poison = usage(1)
+    poison.request_model = "m\ud800"
+    recorder.start()
+    recorder.submit(poison)
+    with caplog.at_level("WARNING", logger="cachetally.records"):
+        recorder.stop(timeout_s=60)
+    assert list(tmp_path.iterdir()) == []
+    assert counters(metrics, "jsonl") == (0, {"write_failed": 1})
+    assert "last error: a record JSON cannot hold" in caplog.text
