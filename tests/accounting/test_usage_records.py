@@ -702,3 +702,41 @@ def test_a_peer_string_with_lone_surrogates_is_kept_escaped_within_the_records_b
     escaped = text.encode("utf-8", "backslashreplace").decode()
     for field in ("request_model", "response_id"):
         assert line[field] == escaped[:MAX_TEXT_CHARS], field
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["an-event-a-message", "one-message"])
+def test_a_named_responses_stream_counts_its_delta_events_by_name_whatever_its_datas_key_order(together: bool) -> None:
+    """A server that writes its data's keys sorted puts ``type`` last: its ``event:`` lines
+    name the token events, in a body message of one event as in one of many."""
+    def event(name: str, payload: dict[str, Any]) -> bytes:
+        data = orjson.dumps({**payload, "type": name}, option=orjson.OPT_SORT_KEYS)
+        return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+
+    delta = {"content_index": 0, "delta": "hi", "item_id": "msg_1", "output_index": 0}
+    stream = [event("response.created", {"response": {"id": "resp_1", "object": "response", "model": "m"}}),
+              *(event("response.output_text.delta", delta | {"sequence_number": i}) for i in range(3))]
+    record = _record_of([b"".join(stream)] if together else stream, include_usage=False, ghost=False,
+                        path="/v1/responses")
+    assert (record.completion_tokens, record.completion_source) == (3, "stream")
+
+
+def test_a_stream_whose_client_hangs_up_at_a_done_sent_alone_is_completed() -> None:
+    """vLLM sends ``data: [DONE]`` as a body message of its own, and the openai SDK hangs up
+    there, before the HTTP body ends: the stream was whole for the client."""
+    pieces = _cut(_chat_stream(3, 1, include_usage=True, crlf=False), None)
+    assert pieces[-1] == b"data: [DONE]\n\n"
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        assert (await receive())["type"] == "http.disconnect"
+
+    kept, ledger = _Kept(), UsageLedger()
+    mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger), recorder=kept)  # type: ignore[arg-type]
+    exchange = Exchange({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                         "stream_options": {"include_usage": True}}, hang_up_after=len(pieces))
+    asyncio.run(mw(exchange.scope(), exchange.receive, exchange.send))
+    [record] = kept.records
+    assert (record.outcome, record.completion_tokens) == ("completed", 3)
