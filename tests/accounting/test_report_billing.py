@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -169,3 +170,33 @@ def test_a_price_that_is_not_a_finite_number_is_refused(tmp_path: Path, value: s
         return
     with pytest.raises(ValueError, match="input must be a number >= 0"):
         PriceList.load(path)
+
+
+def _bill(tmp_path: Path, capsys: pytest.CaptureFixture[str], prices: str, records: list[dict]) -> str:
+    (tmp_path / "usage.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    (tmp_path / "prices.toml").write_text(prices)
+    assert main(["report", str(tmp_path / "usage.jsonl"), "--prices", str(tmp_path / "prices.toml"), "--json"]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_cost_of_more_digits_than_a_float_holds_is_billed_to_the_last_digit_in_plain_digits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The largest figure a record holds at a price with nine decimals is a cost of 28
+    significant digits: a float (17) or a fixed precision would round it, and a round cost is
+    written 100, not 1E+2, to the billing team's tools."""
+    prices = '[default]\ninput = 0.123456789\ncached_input = 0\noutput = 0\n[models."r"]\ninput = 2\ncached_input = 0\noutput = 0\n'
+    out = _bill(tmp_path, capsys, prices, [
+        {"record_id": "a", "tenant": "big", "model": "m", "prompt_tokens": MAX_COUNT, "completion_tokens": 0},
+        {"record_id": "b", "tenant": "round", "model": "r", "prompt_tokens": 50_000_000, "completion_tokens": 0}])
+    report = json.loads(out, parse_float=Decimal)
+    exact = Decimal(MAX_COUNT) * Decimal("0.123456789") / 10**6
+    assert report["tenants"]["big"]["cost"] == exact and len(exact.as_tuple().digits) == 28
+    assert report["tenants"]["round"]["cost"] == 100
+    assert report["total"]["cost"] == exact + 100
+    assert all(re.fullmatch(r"\d+(\.\d+)?", cost) for cost in re.findall(r'"cost": ([^,\n]+)', out)), out
+
+
+def test_a_price_of_minus_zero_bills_zero_not_minus_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _bill(tmp_path, capsys, "[default]\ninput = -0.0\ncached_input = -0.0\noutput = -0.0\n",
+                [{"record_id": "a", "tenant": "t", "model": "m", "prompt_tokens": 5, "completion_tokens": 2}])
+    assert set(re.findall(r'"cost": ([^,\n]+)', out)) == {"0"}, out
