@@ -1,0 +1,50 @@
+"""The Messages shape's figures at their bounds, payload by payload as the responder hands
+them over: what the client reads in the patched usage, and what the record takes
+(:class:`~proxy.patching.usage.ResponseUsage`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.accounting.records.record import MAX_COUNT
+from proxy.patching.ledger import EngineUsage
+from proxy.patching.shapes.messages import SHAPE
+from proxy.patching.usage import ResponseUsage
+
+
+def _start(usage: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+                                                  "model": "m", "content": [], "usage": usage}}
+
+
+def _delta(usage: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": usage}
+
+
+def test_a_message_deltas_own_figures_win_over_message_starts() -> None:
+    """The anthropic SDK merges a delta's figures over message_start's: a figure the delta
+    sends is the one the client reads, and the record bills."""
+    seen = ResponseUsage()
+    SHAPE.patch(_start({"input_tokens": 64, "output_tokens": 0}), None, "zero", seen)
+    delta = _delta({"input_tokens": 16, "cache_read_input_tokens": 48, "output_tokens": 2})
+    SHAPE.patch(delta, None, "zero", seen)
+    assert (seen.prompt_tokens, seen.cached_tokens, seen.source) == (64, 48, "upstream")
+    assert delta["usage"] == {"input_tokens": 16, "cache_read_input_tokens": 48, "output_tokens": 2}
+
+
+def test_input_figures_that_add_up_past_int64_are_no_prompt_count() -> None:
+    seen = ResponseUsage()
+    SHAPE.patch({"type": "message", "usage": {"input_tokens": MAX_COUNT, "cache_read_input_tokens": 1}},
+                None, "zero", seen)
+    assert seen.prompt_tokens is None
+
+
+def test_a_prompt_the_engine_found_whole_in_its_cache_reads_zero_fresh_input() -> None:
+    """Anthropic's ``input_tokens`` excludes the cache reads: a prompt read whole from the
+    cache is 0 fresh tokens, else the client adds the prompt twice."""
+    engine = EngineUsage(prompt_tokens=64, cached_tokens=64, events=1)
+    body = {"type": "message", "usage": {"input_tokens": 64, "output_tokens": 2}}
+    seen = ResponseUsage()
+    SHAPE.patch(body, engine, "zero", seen)
+    assert body["usage"] == {"input_tokens": 0, "output_tokens": 2, "cache_read_input_tokens": 64}
+    assert (seen.prompt_tokens, seen.cached_tokens) == (64, 64)
