@@ -740,3 +740,44 @@ def test_a_stream_whose_client_hangs_up_at_a_done_sent_alone_is_completed() -> N
     asyncio.run(mw(exchange.scope(), exchange.receive, exchange.send))
     [record] = kept.records
     assert (record.outcome, record.completion_tokens) == ("completed", 3)
+
+
+def test_a_llama_cpp_role_event_with_null_content_is_not_billed_as_a_token() -> None:
+    """llama.cpp opens a chat stream with ``"content": null`` beside the role: no token."""
+    def event(delta: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps({"id": "chatcmpl-1", "model": "m", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": None}]}) + b"\n\n"
+
+    stream = [event({"role": "assistant", "content": None}), *(event({"content": "hi"}) for _ in range(3)),
+              b"data: [DONE]\n\n"]
+    record = _record_of(stream, include_usage=False, ghost=False)
+    assert (record.completion_tokens, record.completion_source) == (3, "stream")
+
+
+@pytest.mark.parametrize("body", [{"prompt": ["a", "b"]}, {"prompt": "a", "prompt_embeds": "AAAA"}],
+                         ids=["two-prompts", "a-prompt-and-an-embedding"])
+def test_a_choices_continuous_usage_is_not_billed_for_a_stream_of_two_prompts(body: dict[str, Any]) -> None:
+    """vLLM's continuous usage on a choice's chunk covers that choice's prompt alone when the
+    stream makes several: cut before its whole-request usage, the record counts the events."""
+    def event(index: int, completion: int) -> bytes:
+        return b"data: " + orjson.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [
+            {"index": index, "text": "x", "finish_reason": None}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": completion, "total_tokens": 5 + completion}}) + b"\n\n"
+
+    pieces = [event(0, 1), event(1, 1), event(0, 2), event(1, 2)]
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    kept, ledger = _Kept(), UsageLedger()
+    mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger), recorder=kept)  # type: ignore[arg-type]
+    exchange = Exchange({"model": "m", **body, "stream": True,
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                        path="/v1/completions")
+    asyncio.run(mw(exchange.scope(), exchange.receive, exchange.send))
+    [record] = kept.records
+    assert (record.completion_tokens, record.completion_source) == (4, "stream")
