@@ -356,3 +356,15 @@ def test_a_beam_search_cut_is_billed_its_first_steps_prompt_once(steps_prefilled
     assert usage is not None
     assert (usage.prompt_tokens, usage.cached_tokens, usage.unscheduled) == billed
     assert usage.unscheduled_tokens == (64 if steps_prefilled == 0 else 0)
+
+
+def test_a_choices_usage_whose_prompt_is_not_its_engine_requests_reads_no_hits() -> None:
+    """The engine request that makes a choice had another prompt length than the chunk says:
+    the figures do not describe the same prompt, so neither request's hits are written."""
+    ledger = UsageLedger()
+    ledger.open("r1")
+    ledger.publish(Scheduled("r1", prompt_tokens=300, cached_tokens=256, first_choice=0, choices=1))
+    ledger.publish(Scheduled("r1", prompt_tokens=200, cached_tokens=0, first_choice=1, choices=1))
+    usage = ledger.usage("r1")
+    assert usage is not None
+    assert (usage.cached_for(300, 0), usage.cached_for(250, 0), usage.cached_for(300, 1)) == (256, None, None)

@@ -286,3 +286,32 @@ def test_a_responses_upstreams_writes_past_its_prompt_are_not_recorded() -> None
         shape.patch(holder, None, "zero", seen)
         assert (seen.prompt_tokens, seen.cached_tokens, seen.cache_creation_tokens) == (10, 4, recorded)
         assert holder["usage"]["input_tokens_details"]["cache_write_tokens"] == writes  # the client's answer is the upstream's
+
+
+def test_a_choices_usage_chunk_reads_its_own_prompts_hits_when_prompts_share_a_length() -> None:
+    """Two 300-token prompts, the first cold, the second warm (vLLM says which choices each
+    engine request makes): each choice's chunk carries its own prompt's hits. A chunk of two
+    choices is no one prompt's: by length they are ambiguous, and the policy's 0 is written."""
+    twins = engine(Scheduled("k", 300, 0, first_choice=0, choices=1), Scheduled("k", 300, 256, first_choice=1, choices=1))
+    chunks = [{"choices": [{"index": i, "text": "x"}], "usage": {"prompt_tokens": 300}} for i in (0, 1)]
+    for chunk in chunks:
+        UsagePatch(twins).apply(chunk, ResponseUsage())
+    assert [c["usage"]["prompt_tokens_details"] for c in chunks] == [{"cached_tokens": 0}, {"cached_tokens": 256}]
+    both = {"choices": [{"index": 1, "text": "x"}, {"index": 0, "text": "y"}], "usage": {"prompt_tokens": 300}}
+    seen = ResponseUsage()
+    UsagePatch(twins).apply(both, seen)
+    assert (both["usage"]["prompt_tokens_details"], seen.source) == ({"cached_tokens": 0}, None)
+
+
+@pytest.mark.parametrize(("reads", "writes", "believed"), [
+    (64, None, (64, None)),  # the whole prompt read from the cache
+    (40, 24, (40, 24)),  # reads and writes that are the whole prompt
+    (48, 24, (48, None)),  # writes past what the reads leave of the prompt
+])
+def test_an_upstreams_reads_and_writes_are_believed_up_to_the_prompt_and_no_further(
+        reads: int, writes: int | None, believed: tuple[int, int | None]) -> None:
+    details: dict[str, Any] = {"cached_tokens": reads} | ({} if writes is None else {"created_cache_tokens": writes})
+    payload = {"choices": [], "usage": {"prompt_tokens": 64, "completion_tokens": 1, "prompt_tokens_details": details}}
+    seen = ResponseUsage()
+    UsagePatch(None).apply(payload, seen)
+    assert (seen.cached_tokens, seen.cache_creation_tokens, seen.source) == (*believed, "upstream")
