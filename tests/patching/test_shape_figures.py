@@ -48,3 +48,13 @@ def test_a_prompt_the_engine_found_whole_in_its_cache_reads_zero_fresh_input() -
     SHAPE.patch(body, engine, "zero", seen)
     assert body["usage"] == {"input_tokens": 0, "output_tokens": 2, "cache_read_input_tokens": 64}
     assert (seen.prompt_tokens, seen.cached_tokens) == (64, 64)
+
+
+def test_cache_reads_without_a_prompt_count_are_not_believed_and_the_policy_is_written() -> None:
+    """Reads are believed as figures of a prompt (:func:`~proxy.patching.usage.believed`):
+    with no ``input_tokens`` they are none, and the ``zero`` policy writes its 0 for them."""
+    body = {"type": "message", "usage": {"cache_read_input_tokens": 5, "output_tokens": 2}}
+    seen = ResponseUsage()
+    SHAPE.patch(body, None, "zero", seen)
+    assert body["usage"] == {"cache_read_input_tokens": 0, "output_tokens": 2}
+    assert (seen.prompt_tokens, seen.cached_tokens, seen.source) == (None, 0, None)
