@@ -58,3 +58,16 @@ def test_cache_reads_without_a_prompt_count_are_not_believed_and_the_policy_is_w
     SHAPE.patch(body, None, "zero", seen)
     assert body["usage"] == {"cache_read_input_tokens": 0, "output_tokens": 2}
     assert (seen.prompt_tokens, seen.cached_tokens, seen.source) == (None, 0, None)
+
+
+def test_the_upstreams_cache_writes_stand_where_the_engine_counts_none() -> None:
+    """An engine event without a count of writes (an older vLLM) leaves the response's own:
+    the client's three figures still add up to the prompt, and the record keeps them."""
+    engine = EngineUsage(prompt_tokens=64, cached_tokens=16, cache_creation_tokens=None, events=1)
+    body = {"type": "message", "usage": {"input_tokens": 24, "cache_read_input_tokens": 16,
+                                         "cache_creation_input_tokens": 24, "output_tokens": 2}}
+    seen = ResponseUsage()
+    SHAPE.patch(body, engine, "zero", seen)
+    assert body["usage"] == {"input_tokens": 24, "cache_read_input_tokens": 16, "cache_creation_input_tokens": 24,
+                             "output_tokens": 2}
+    assert (seen.prompt_tokens, seen.cached_tokens, seen.cache_creation_tokens, seen.source) == (64, 16, 24, "engine")
