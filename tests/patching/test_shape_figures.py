@@ -71,3 +71,14 @@ def test_the_upstreams_cache_writes_stand_where_the_engine_counts_none() -> None
     assert body["usage"] == {"input_tokens": 24, "cache_read_input_tokens": 16, "cache_creation_input_tokens": 24,
                              "output_tokens": 2}
     assert (seen.prompt_tokens, seen.cached_tokens, seen.cache_creation_tokens, seen.source) == (64, 16, 24, "engine")
+
+
+def test_a_reported_read_the_engine_overwrites_is_a_mismatch_and_an_equal_one_is_not() -> None:
+    engine = EngineUsage(prompt_tokens=64, cached_tokens=48, events=1)
+    mismatches = []
+    for reported in (48, 5):
+        seen = ResponseUsage()
+        SHAPE.patch({"type": "message", "usage": {"input_tokens": 64 - reported, "cache_read_input_tokens": reported}},
+                    engine, "zero", seen)
+        mismatches.append(seen.mismatches)
+    assert mismatches == [0, 1]
