@@ -62,7 +62,7 @@ class RequestsInFlight:
             # A record's id is the client's, then the API server's tag (.p<pid>).
             mine = [record for record in records if record["request_id"].split(".")[0] == rid]
             assert len(mine) == 1, (rid, mine)
-            assert mine[0]["outcome"] == ("ok" if outcome == "whole" else "error"), mine[0]
+            assert mine[0]["outcome"] == ("completed" if outcome == "whole" else "error"), mine[0]
 
     def _ask(self, model: str, stream: bool, rid: str) -> None:
         try:

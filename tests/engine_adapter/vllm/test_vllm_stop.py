@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import orjson
+import pytest
 
 from proxy.asgi.errors import STOPPED
 
@@ -70,3 +71,21 @@ def test_a_request_sent_while_vllm_stops_gets_the_stops_503_and_no_record(tmp_pa
     assert (status, orjson.loads(body)["error"]["message"]) == ("503", STOPPED)
     records = [line for path in (tmp_path / "usage").glob("*.jsonl") for line in path.read_text().splitlines()]
     assert not [line for line in records if rid in line]  # it never ran
+
+
+def test_the_stop_check_takes_a_request_that_finished_before_the_stop_as_whole(tmp_path: Path) -> None:
+    """tests/in_flight.py, which the shared vLLM server's stop runs: a request whose answer was
+    whole before the stop (a fast engine) has a ``completed`` record, one the stop ended an
+    ``error`` record; the check must pass both and fail a record that says otherwise."""
+    from tests.in_flight import RequestsInFlight
+
+    def check(outcomes: dict[str, str]) -> None:
+        (tmp_path / "usage.jsonl").write_bytes(b"".join(
+            orjson.dumps({"request_id": f"{rid}.p1", "outcome": outcome}) + b"\n" for rid, outcome in outcomes.items()))
+        in_flight = RequestsInFlight("http://127.0.0.1:1", timeout_s=1)
+        in_flight.got = {"json": "whole", "stream": "error"}
+        in_flight.check(tmp_path)
+
+    check({"json": "completed", "stream": "error"})
+    with pytest.raises(AssertionError):
+        check({"json": "error", "stream": "error"})
