@@ -263,3 +263,13 @@ def test_a_client_sending_an_unsampled_traceparent_is_still_billed_in_its_trace(
         assert span.attributes["gen_ai.usage.output_tokens"] == 3 + i
     assert metric_value(metrics, "cachetally_usage_records_written_total", sink="otlp") == 3
     assert metric_value(metrics, "cachetally_usage_records_dropped_total") == 0
+
+
+def test_a_flush_whose_last_attempt_went_unanswered_is_not_logged_as_an_earlier_attempts_answer() -> None:
+    """The collector answers 503, then takes the retry and resets: the reason logged for the
+    unconfirmed records is the unanswered attempt, not the 503 that came before it."""
+    with otlp_receiver() as receiver:
+        receiver.script, receiver.status = [(503, 0)], RESET
+        delivery = OtlpSink(receiver.url, timeout_s=2.5).write([usage(n) for n in range(3)])
+    assert (delivery.written, delivery.unconfirmed, delivery.lost) == (0, 3, 0)
+    assert delivery.detail == "export failed; an attempt went unanswered"

@@ -122,6 +122,7 @@ class ExportSession(requests.Session):
         timeout = kwargs.get("timeout")
         deadline = _Deadline(timeout) if isinstance(timeout, int | float) else None
         _attempt.connections = None if deadline is None else deadline.connections
+        self.answer = None  # this attempt's, not an earlier retry's
         try:
             answer = super().send(request, **kwargs)
             if deadline is not None and deadline.end():  # what came is cut short: no answer
