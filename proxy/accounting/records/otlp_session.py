@@ -82,9 +82,10 @@ class _Deadline:
                 return
             self.passed = True
             for connection in self.connections:
-                if connection.sock is not None:
+                sock = connection.sock  # once: the sink's thread may close it meanwhile
+                if sock is not None:
                     with contextlib.suppress(OSError):
-                        connection.sock.shutdown(socket.SHUT_RDWR)
+                        sock.shutdown(socket.SHUT_RDWR)
 
     def end(self) -> bool:
         """Stop the timer; whether it had already shut the attempt's connections down."""
