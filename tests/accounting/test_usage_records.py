@@ -528,17 +528,22 @@ class _Kept:
         self.records.append(record)
 
 
-def _record_of(pieces: list[bytes], include_usage: bool, ghost: bool, path: str = "/v1/chat/completions") -> UsageRecord:
-    async def inner(scope: Any, receive: Any, send: Any) -> None:
+def _streaming(pieces: list[bytes]) -> Any:
+    """An app that streams ``pieces`` as one SSE response."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for piece in pieces:
             await send({"type": "http.response.body", "body": piece, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    return app
+
+
+def _record_of(pieces: list[bytes], include_usage: bool, ghost: bool, path: str = "/v1/chat/completions") -> UsageRecord:
     kept, ledger = _Kept(), UsageLedger()
     config = PatchConfig(ghost_usage=ghost)
-    mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger), config=config, recorder=kept)  # type: ignore[arg-type]
+    mw = UsagePatchMiddleware(_streaming(pieces), ledger=ledger, metrics=Metrics(ledger), config=config, recorder=kept)  # type: ignore[arg-type]
     exchange = Exchange({"messages": [{"role": "user", "content": "hi"}], "stream": True,
                          "stream_options": {"include_usage": include_usage}}, path=path)
     asyncio.run(mw(exchange.scope(), exchange.receive, exchange.send))
@@ -766,15 +771,8 @@ def test_a_choices_continuous_usage_is_not_billed_for_a_stream_of_two_prompts(bo
 
     pieces = [event(0, 1), event(1, 1), event(0, 2), event(1, 2)]
 
-    async def inner(scope: Any, receive: Any, send: Any) -> None:
-        await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        for piece in pieces:
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
     kept, ledger = _Kept(), UsageLedger()
-    mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger), recorder=kept)  # type: ignore[arg-type]
+    mw = UsagePatchMiddleware(_streaming(pieces), ledger=ledger, metrics=Metrics(ledger), recorder=kept)  # type: ignore[arg-type]
     exchange = Exchange({"model": "m", **body, "stream": True,
                          "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
                         path="/v1/completions")

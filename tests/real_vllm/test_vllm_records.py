@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,13 @@ def records_for(usage: Path, ids: set[str], timeout_s: float = 10.0) -> dict[str
         if set(found) == ids or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
+
+
+async def _vllm_counters(server: str, pace: Pace, *names: str) -> dict[str, float]:
+    """vLLM's own metrics ``names``, as the server's /metrics shows them now."""
+    async with httpx.AsyncClient(timeout=pace.timeout()) as http:
+        text = (await http.get(f"{server}/metrics")).text
+    return {name: metric_value(text, name) for name in names}
 
 
 def test_each_request_leaves_one_record_matching_its_usage(vllm_server: str, vllm_usage_dir: Path) -> None:
@@ -103,12 +111,9 @@ def test_a_json_request_cut_during_decode_is_billed_the_prompt_vllm_prefilled(
     port = int(vllm_server.rsplit(":", 1)[1])
 
     async def cut() -> tuple[dict[str, float], dict[str, float]]:
-        async def counters() -> dict[str, float]:
-            async with httpx.AsyncClient(timeout=vllm_pace.timeout()) as http:
-                text = (await http.get(f"{vllm_server}/metrics")).text
-            return {name: metric_value(text, name) for name in (
-                "vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
-                "vllm:generation_tokens_total", "vllm:num_requests_running")}
+        def counters() -> Awaitable[dict[str, float]]:
+            return _vllm_counters(vllm_server, vllm_pace, "vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
+                                  "vllm:generation_tokens_total", "vllm:num_requests_running")
 
         before = await counters()
         _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -158,11 +163,9 @@ def test_a_stream_cut_before_its_prefill_ended_is_billed_its_prompt_with_its_cac
     port = int(vllm_server.rsplit(":", 1)[1])
 
     async def cut() -> tuple[dict[str, float], dict[str, float]]:
-        async def counters() -> dict[str, float]:
-            async with httpx.AsyncClient(timeout=vllm_pace.timeout()) as http:
-                text = (await http.get(f"{vllm_server}/metrics")).text
-            return {name: metric_value(text, name) for name in (
-                "vllm:prompt_tokens_total", "vllm:num_requests_running", "vllm:num_requests_waiting")}
+        def counters() -> Awaitable[dict[str, float]]:
+            return _vllm_counters(vllm_server, vllm_pace, "vllm:prompt_tokens_total", "vllm:num_requests_running",
+                                  "vllm:num_requests_waiting")
 
         deadline = time.monotonic() + vllm_pace.timeout(4)
         while (before := await counters())["vllm:num_requests_running"] + before["vllm:num_requests_waiting"]:
