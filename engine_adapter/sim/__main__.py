@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--capacity-blocks", type=int, default=defaults.capacity_blocks)
     parser.add_argument("--token-delay-s", type=float, default=defaults.token_delay_s)
+    parser.add_argument("--prefill-delay-s", type=float, default=defaults.prefill_delay_s,
+                        help="delay from a request's arrival to its prefill's end")
     parser.add_argument("--max-tokens", type=int, default=defaults.default_max_tokens,
                         help="default max_tokens when a request sets none")
     parser.add_argument("--report-cached-tokens", action="store_true",
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.block_size,
         capacity_blocks=args.capacity_blocks,
         token_delay_s=args.token_delay_s,
+        prefill_delay_s=args.prefill_delay_s,
         default_max_tokens=args.max_tokens,
         report_cached_tokens=args.report_cached_tokens,
     )

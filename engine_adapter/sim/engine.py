@@ -4,9 +4,13 @@ No model: prompts are tokenized deterministically (:mod:`engine_adapter.sim.toke
 block-hash prefix cache with vLLM's counting rules (:mod:`engine_adapter.sim.prefix_cache`), and answered with
 ``max_tokens`` deterministic tokens (`` tok0 tok1 …``, ``finish_reason: length``).
 
-Each engine request (each prompt of a request; ``n`` choices share one) is scheduled
-before the handler returns, so its :class:`~engine_adapter.events.Scheduled` is published
-before the first byte of the response exists. It is keyed by the proxy's
+Each engine request (each prompt of a request; ``n`` choices share one) is announced
+(:meth:`~engine_adapter.events.EventSink.added`) when the request arrives and scheduled
+after ``prefill_delay_s``, before the handler returns, so its
+:class:`~engine_adapter.events.Scheduled` is published before the first byte of the
+response exists. One whose client leaves during the prefill publishes nothing more, as
+vLLM reports nothing for it, and is answered ``null``, as vLLM's ``with_cancellation``
+answers it. It is keyed by the proxy's
 :data:`~engine_adapter.events.current_request_key`, or by the response id when the sim
 is served alone. Like engines that drop the number, responses carry no
 ``prompt_tokens_details`` unless ``report_cached_tokens`` is set (vLLM's
@@ -53,6 +57,9 @@ class SimConfig:
     capacity_blocks: int = 4096
     #: Delay per generation step (all choices of a request decode together).
     token_delay_s: float = 0.0
+    #: Delay between a request's arrival (its prompts announced) and its prefill's end (its
+    #: ``Scheduled``): a client may hang up in between, as it may before vLLM's prefill ends.
+    prefill_delay_s: float = 0.0
     default_max_tokens: int = 16
     #: Put ``usage.prompt_tokens_details.cached_tokens`` in responses, like vLLM with
     #: ``--enable-prompt-tokens-details`` (the sum over a request's prompts).
@@ -108,6 +115,12 @@ class SimEngine:
             lines.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name} {value}\n")
         return "".join(lines).encode()
 
+    def announce(self, prompts: list[list[int]], key: str) -> None:
+        """Tell the sink each engine request's prompt length before its prefill, as vLLM's tap does."""
+        if self.sink is not None:
+            for token_ids in prompts:
+                self.sink.added(key, len(token_ids))
+
     def schedule(self, token_ids: list[int], key: str) -> tuple[int, int]:
         """Look the prompt up, cache it, publish its ``Scheduled``; return the cached tokens
         and the tokens written to the cache."""
@@ -152,12 +165,16 @@ class SimEngine:
         except RequestError as exc:
             return Response(exc.body(), exc.status, media_type="application/json")
         rid = apis.new_id()
-        figures = self.schedule(req.prompt, current_request_key.get() or rid)
+        key = current_request_key.get() or rid
+        self.announce([req.prompt], key)
+        if not await _client_stays(request, cfg.prefill_delay_s):
+            return _client_left()
+        figures = self.schedule(req.prompt, key)
         reported = figures if cfg.report_cached_tokens or api == "responses" else None
         if req.stream:
             stream = apis.responses_stream if api == "responses" else apis.messages_stream
             return StreamingResponse(stream(req, rid, reported, self._step), media_type="text/event-stream")
-        if not await _decode(request, cfg.token_delay_s * req.max_tokens):
+        if not await _client_stays(request, cfg.token_delay_s * req.max_tokens):
             return _client_left()
         whole = apis.responses_json if api == "responses" else apis.messages_json
         return Response(orjson.dumps(whole(req, rid, reported)), media_type="application/json")
@@ -176,6 +193,9 @@ class SimEngine:
             return Response(exc.body(), exc.status, media_type="application/json")
         response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         key = current_request_key.get() or response_id
+        self.announce(req.prompts, key)
+        if not await _client_stays(request, cfg.prefill_delay_s):  # the prompts prefill together
+            return _client_left()
         figures = [self.schedule(ids, key) for ids in req.prompts]
         reported = (sum(c for c, _ in figures), sum(w for _, w in figures)) if cfg.report_cached_tokens else None
         created = int(time.time())
@@ -183,7 +203,7 @@ class SimEngine:
             return StreamingResponse(
                 self._stream(req, response_id, created, reported), media_type="text/event-stream"
             )
-        if not await _decode(request, cfg.token_delay_s * req.max_tokens):
+        if not await _client_stays(request, cfg.token_delay_s * req.max_tokens):
             return _client_left()
         body = orjson.dumps(full_response(req, response_id, created, reported))
         return Response(body, media_type="application/json")
@@ -236,13 +256,14 @@ class SimEngine:
 
 
 def _client_left() -> Response:
-    """What vLLM's ``with_cancellation`` answers a non-streaming request whose client left."""
+    """What vLLM's ``with_cancellation`` answers a request whose client left before its
+    response began (a non-streaming one's decode, or any one's prefill)."""
     return Response(b"null", media_type="application/json")
 
 
-async def _decode(request: Request, seconds: float) -> bool:
-    """A non-streaming request's decode time, cut short when its client leaves, as vLLM's
-    ``with_cancellation`` cuts it; whether the client stayed."""
+async def _client_stays(request: Request, seconds: float) -> bool:
+    """Wait ``seconds`` (a prefill, or a non-streaming request's decode), cut short when the
+    client leaves, as vLLM's ``with_cancellation`` cuts it; whether the client stayed."""
     if seconds <= 0:
         return True
 

@@ -48,9 +48,8 @@ def make_engine(settings: Settings, sink: EventSink) -> Engine:
     if settings.engine == "sim":
         from engine_adapter.sim import SimConfig, SimEngine
 
-        return SimEngine(
-            sink, SimConfig(block_size=settings.sim_block_size, token_delay_s=settings.sim_token_delay_s)
-        )
+        return SimEngine(sink, SimConfig(block_size=settings.sim_block_size, token_delay_s=settings.sim_token_delay_s,
+                                         prefill_delay_s=settings.sim_prefill_delay_s))
     if settings.engine == "upstream":
         from proxy.upstream.engine import UpstreamEngine
 

@@ -86,6 +86,7 @@ class Settings:
     # simulator
     sim_block_size: int = 16
     sim_token_delay_s: float = 0.0
+    sim_prefill_delay_s: float = 0.0
 
     def validate(self) -> Settings:
         if self.engine not in ("vllm", "sim", "upstream"):
@@ -128,8 +129,9 @@ class Settings:
                 raise SettingsError(f"{name} must be >= 1")
         if not self.ledger_ttl_s > 0:
             raise SettingsError("ledger_ttl_s must be > 0")
-        if not self.sim_token_delay_s >= 0:
-            raise SettingsError("sim_token_delay_s must be >= 0")
+        for name in ("sim_token_delay_s", "sim_prefill_delay_s"):
+            if not getattr(self, name) >= 0:
+                raise SettingsError(f"{name} must be >= 0")
         if self.missing not in ("zero", "omit"):
             raise SettingsError(f"missing must be 'zero' or 'omit', not {self.missing!r}")
         self._validate_accounting()

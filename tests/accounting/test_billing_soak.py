@@ -5,18 +5,25 @@ an OTLP collector on loopback, under an environment whose sampler samples nothin
 
 Hostile in the mix: half the requests carry an unsampled ``traceparent`` (flags ``00``),
 one in five reuses an earlier request's ``X-Request-Id`` (some while it is still in
-flight), and a third write ``stream`` and ``include_usage`` as vLLM's lax booleans
-(``"true"``, ``1``, ``"off"``...). Each request has a trace id of its own, which is how the
-oracle finds its record: a reused request id cannot tell two requests apart.
+flight), a third write ``stream`` and ``include_usage`` as vLLM's lax booleans
+(``"true"``, ``1``, ``"off"``...), and the clients that hang up before the headers hang up
+during the sim's prefill time (its prompt announced, not yet scheduled). Each request has a
+trace id of its own, which is how the oracle finds its record: a reused request id cannot
+tell two requests apart.
 
 After the run and a graceful stop:
 
+- each request cut during the prefill is recorded ``disconnected`` with its cache unknown
+  (``null``) and, in sim mode, the prompt the sim counts for its body (upstream mode: the
+  upstream never answered, so ``null``); there are some in each mode;
 - no ``record_id`` twice, in the files or at the collector; each request's record found
   exactly once in each, with the ``stream`` the lax value meant, the client's request id
   (a reused one suffixed only while the earlier is in flight), and the tenant its header
   asked for (unknown values: ``other``; none: ``default``);
 - the records' prompt, cached and completion tokens per tenant, in the files and in the
-  spans, equal the ``cachetally_*`` counters per tenant, scraped before the stop;
+  spans, equal the ``cachetally_*`` counters per tenant, scraped before the stop, but for
+  the prompts whose cache is unknown, which the counters keep out of the token counters and
+  count in ``cachetally_requests_total{cache="unknown"}`` (docs/ACCOUNTING.md);
 - the counters' tenant labels stay within the configured three, ``other`` and ``default``;
 - ``cachetally report --json`` on the records prints the same totals, and ``--plot``
   writes a PNG.
@@ -42,6 +49,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_adapter.sim import apis
+from engine_adapter.sim.protocol import parse_request
 from tests.load import DROP_POINTS, count, gauge_reader, log_failures, prepend, report, request_body, run_mix, settle
 from tests.otlp_receiver import ReceivedSpan, otlp_receiver
 from tests.servers import ROOT, metric_value, running_server
@@ -52,6 +61,9 @@ REQUESTS = count(300, 10_000)
 TENANTS = ("alpha", "beta", "gamma")
 LABELS = {*TENANTS, "other", "default"}
 TOKEN_DELAY = "0.002"
+#: Long beside the moment a client takes to hang up after its body (the "before-headers" point),
+#: short enough to leave the run's length about as it was.
+PREFILL_DELAY = "0.02"
 ACCOUNTING = ["--tenant-header", "x-tenant", "--tenants", ",".join(TENANTS), "--usage-flush-interval", "0.2"]
 
 
@@ -122,18 +134,26 @@ def accounting_server(mode: str, usage: Path, logs: Path, otlp: str) -> Iterator
         env = {"OTEL_TRACES_SAMPLER": "parentbased_always_off"}
         if mode == "sim":
             args += ["--engine", "sim"]
-            env["CACHETALLY_SIM_TOKEN_DELAY_S"] = TOKEN_DELAY
+            env |= {"CACHETALLY_SIM_TOKEN_DELAY_S": TOKEN_DELAY, "CACHETALLY_SIM_PREFILL_DELAY_S": PREFILL_DELAY}
         else:
             # An upstream that reports cached_tokens, as vLLM with --enable-prompt-tokens-details:
             # without a number from anywhere a request's cache is unknown, and its prompt
             # tokens stay out of the counters (the hit rate is not diluted) but not out of
             # its record.
             sim = ["-m", "engine_adapter.sim", "--log-level", "warning", "--token-delay-s", TOKEN_DELAY,
-                   "--report-cached-tokens"]
+                   "--prefill-delay-s", PREFILL_DELAY, "--report-cached-tokens"]
             sim_url, _ = stack.enter_context(running_server(sim, log_path=logs / "upstream-sim.log"))
             args += ["--upstream", sim_url]
         url, _ = stack.enter_context(running_server(args, env=env, log_path=logs / f"{mode}.log", timeout_s=30))
         yield url
+
+
+def sim_prompt_tokens(route: str, raw: bytes) -> int:
+    """The prompt tokens the sim counts for a body (every prompt of it), by its own parser."""
+    if route in ("responses", "messages"):
+        return len(apis.parse(raw, route, "sim-model", 16).prompt)
+    request = parse_request(raw, "chat" if route == "chat" else "completion", "sim-model", 16)
+    return sum(len(prompt) for prompt in request.prompts)
 
 
 def per_tenant(metrics: str) -> dict[str, dict[str, float]]:
@@ -148,6 +168,8 @@ def per_tenant(metrics: str) -> dict[str, dict[str, float]]:
         for s in family.samples:
             if s.name in names and s.labels.get("tier", "all") == "all":
                 out[s.labels["tenant"]][names[s.name]] += s.value
+            if s.name == "cachetally_requests_total" and s.labels["cache"] == "unknown":
+                out[s.labels["tenant"]]["unknown_cache_requests"] += s.value
     return out
 
 
@@ -178,6 +200,7 @@ def span_sums(spans: list[ReceivedSpan]) -> dict[str, dict[str, float]]:
 async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: Path, mode: str) -> None:
     usage = tmp_path / "usage"
     sent: dict[int, bytes] = {}
+    routes: dict[int, str] = {}
 
     def headers_for(i: int) -> dict[str, str]:
         value = tenant_header(i)
@@ -185,6 +208,7 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
                 **({"x-tenant": value} if value is not None else {})}
 
     def recording_body(rng: random.Random, route: str, stream: bool) -> bytes:
+        routes[len(sent)] = route
         sent[len(sent)] = raw = body(rng, route, stream)  # run_mix draws the bodies in order
         return raw
 
@@ -202,6 +226,7 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
 
     records = [orjson.loads(line) for path in sorted(usage.glob("*.jsonl")) for line in path.read_bytes().splitlines()]
     in_files = one_per_request([(r["record_id"], r["traceparent"].split("-")[1]) for r in records])
+    cut_in_prefill = 0
     for i, position in in_files.items():
         record = records[position]
         assert record["traceparent"] == traceparent(i)
@@ -211,6 +236,15 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
         assert record["stream"] == (False if half_body else stream_meant(sent[i])), (i, sent[i], record)
         # The client's id; a reused one gets a suffix only while another request holds it.
         assert record["request_id"] == request_id(i) or record["request_id"].startswith(f"{request_id(i)}.")
+        if result.dropped_at.get(i) == "before-headers":
+            # Gone during the prefill: announced, never scheduled, so the cache is unknown and
+            # the prompt the sim's (upstream mode: nothing answered, so unknown). A server
+            # stalled past the prefill time sees it leave later: then its figures stand.
+            unscheduled = record["cached_tokens"] is None
+            prompt = None if unscheduled and mode == "upstream" else sim_prompt_tokens(routes[i], sent[i])
+            assert (record["outcome"], record["prompt_tokens"]) == ("disconnected", prompt), (i, record)
+            cut_in_prefill += unscheduled
+    assert cut_in_prefill > 0
     assert sum(r["request_id"] != request_id(i) for i, r in ((i, records[p]) for i, p in in_files.items())) < REQUESTS / 5
     at_collector = one_per_request([(s.attributes["cachetally.record_id"], s.trace_id) for s in spans])
     assert {s.attributes["cachetally.record_id"] for s in spans} == {r["record_id"] for r in records}
@@ -227,13 +261,19 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
     assert metric_value(metrics, "cachetally_usage_records_dropped_total") == 0
     from_spans = span_sums(spans)
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    # A prompt whose cache nobody knows is billed in its record, outside the token counters.
+    unknown: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in records:
         for field in ("prompt_tokens", "cached_tokens", "completion_tokens"):
-            sums[r["tenant"]][field] += r[field] or 0
+            known = field != "prompt_tokens" or r["cached_tokens"] is not None
+            (sums if known else unknown)[r["tenant"]][field] += r[field] or 0
+        unknown[r["tenant"]]["requests"] += r["cached_tokens"] is None and r["prompt_tokens"] is not None
     for tenant in LABELS:
+        assert unknown[tenant]["requests"] == counters[tenant]["unknown_cache_requests"], tenant
         for field in ("prompt_tokens", "cached_tokens", "completion_tokens"):
             assert sums[tenant][field] == counters[tenant][field], (tenant, field, dict(sums[tenant]), dict(counters[tenant]))
-            assert from_spans[tenant][field] == counters[tenant][field], (tenant, field)
+            in_spans = counters[tenant][field] + unknown[tenant][field]
+            assert from_spans[tenant][field] == in_spans, (tenant, field)
     outcomes: dict[str, int] = defaultdict(int)
     for r in records:
         outcomes[r["outcome"]] += 1
@@ -248,10 +288,10 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
     price = tomllib.loads(prices.read_text())["default"]  # read here, not by the report's own loader
     for tenant, totals in printed["tenants"].items():
         for field in ("prompt_tokens", "cached_tokens", "completion_tokens"):
-            assert totals[field] == counters[tenant][field], (tenant, field)
+            assert totals[field] == counters[tenant][field] + unknown[tenant][field], (tenant, field)
         c = counters[tenant]
-        from_counters = (
-            (c["prompt_tokens"] - c["cached_tokens"]) * price["input"]
+        from_counters = (  # a prompt whose cache is unknown: all of it uncached input
+            (c["prompt_tokens"] + unknown[tenant]["prompt_tokens"] - c["cached_tokens"]) * price["input"]
             + c["cached_tokens"] * price["cached_input"]
             + c["completion_tokens"] * price["output"]
         ) / 1e6
@@ -270,6 +310,9 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
         lax_stream=sum(not isinstance(orjson.loads(raw)["stream"], bool) for raw in sent.values()),
         outcomes=dict(outcomes),
         drops=sum(result.drops.values()),
+        before_headers=sum(point == "before-headers" for point in result.dropped_at.values()),
+        cut_in_prefill=cut_in_prefill,
+        unknown_cache={t: int(unknown[t]["requests"]) for t in sorted(unknown)},
         tenants={t: {k: int(v) for k, v in counters[t].items()} for t in sorted(counters)},
         total=printed["total"],
     )

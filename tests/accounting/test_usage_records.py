@@ -191,6 +191,29 @@ def test_a_request_cut_before_its_prefill_ended_is_billed_its_prompt_with_its_ca
     assert metric_value(text, "cachetally_cached_tokens_total") == 0
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {**CHAT, "n": 2}),
+    ("/v1/completions", {"prompt": ["one prompt", "and another one"], "max_tokens": 5}),
+    ("/v1/responses", {"input": "hi there", "max_output_tokens": 5}),
+    ("/v1/messages", {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                      "stream": True}),
+])
+async def test_a_request_whose_client_leaves_during_the_sims_prefill_bills_its_prompt_with_its_cache_unknown(
+        tmp_path: Path, path: str, body: dict[str, Any]) -> None:
+    """The sim announces each prompt on arrival and schedules it after its prefill time, as
+    vLLM's tap: a client gone in between leaves the prompt the same request bills when it
+    completes (every prompt of it, once), its cache unknown, and its prompt out of the counters."""
+    cut = Exchange(body, path=path, leave_after_s=0.01)
+    whole = Exchange(body, path=path)
+    records, metrics = await serve(tmp_path, cut, whole, sim_prefill_delay_s=0.3)
+    assert [(r["outcome"], r["cached_tokens"], r["completion_tokens"]) for r in records] == [
+        ("disconnected", None, 0), ("completed", 0, records[1]["completion_tokens"])]
+    assert records[0]["prompt_tokens"] == records[1]["prompt_tokens"] > 0
+    assert metric_value(metrics, "cachetally_requests_total", cache="unknown") == 1
+    assert metric_value(metrics, "cachetally_prompt_tokens_total") == records[1]["prompt_tokens"]
+
+
 @pytest.mark.parametrize(("steps", "outcome"), [
     (["whole", "left"], "completed"),  # the app read the ordinary disconnect after its answer
     (["left", "whole"], "disconnected"),  # vLLM's 200 null after the client left

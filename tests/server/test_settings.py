@@ -199,6 +199,7 @@ def test_engine_args_from_the_environment_are_read_as_a_shell_reads_them(tmp_pat
         ("env", "max_event_bytes", "0", "max_event_bytes must be >= 1"),
         ("toml", "ledger_ttl_s", "-5", "ledger_ttl_s must be > 0"),
         ("env", "sim_token_delay_s", "-1", "sim_token_delay_s must be >= 0"),
+        ("toml", "sim_prefill_delay_s", "-0.5", "sim_prefill_delay_s must be >= 0"),
     ],
 )
 def test_a_value_of_the_wrong_type_or_range_is_refused_with_its_name(

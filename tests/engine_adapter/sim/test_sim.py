@@ -28,9 +28,15 @@ ROOT = Path(__file__).resolve().parents[3]
 class ListSink:
     def __init__(self) -> None:
         self.events: list[Scheduled] = []
+        #: What the sink was told, in order: ("added", key, prompt) and ("scheduled", key, prompt).
+        self.told: list[tuple[str, str, int]] = []
 
     def publish(self, event: Scheduled) -> None:
         self.events.append(event)
+        self.told.append(("scheduled", event.request_id, event.prompt_tokens))
+
+    def added(self, request_id: str, prompt_tokens: int) -> None:
+        self.told.append(("added", request_id, prompt_tokens))
 
 
 def words(prefix: str, count: int) -> str:
@@ -406,6 +412,22 @@ async def test_token_delay_applies_per_step(sink: ListSink) -> None:
         await complete(c, "hi", max_tokens=5)
         assert time.perf_counter() - start >= 0.1
     await engine.stop()
+
+
+@pytest.mark.asyncio
+async def test_each_prompt_is_announced_on_arrival_and_scheduled_after_the_prefill(sink: ListSink) -> None:
+    """As vLLM's tap: every engine request's prompt is announced before any is scheduled, so
+    that one cut during the prefill still has its prompt billed."""
+    engine = SimEngine(sink, SimConfig(prefill_delay_s=0.01, default_max_tokens=1))
+    app = await engine.start()
+    token = current_request_key.set("k")
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+            await complete(c, [words("a", 40), words("b", 7)], n=2)
+    finally:
+        current_request_key.reset(token)
+    await engine.stop()
+    assert sink.told == [("added", "k", 40), ("added", "k", 7), ("scheduled", "k", 40), ("scheduled", "k", 7)]
 
 
 @pytest.fixture
