@@ -130,6 +130,9 @@ class _Slot:
     owner: Owner = None
     usage: EngineUsage = field(default_factory=EngineUsage)
     first_only: bool = False  # a beam search: later events are its steps, not prompts
+    #: A beam search's later step was announced: vLLM starts it after the first step's prefill,
+    #: so a first step still unscheduled never will be (its figures were refused).
+    later_steps: bool = False
 
     def ended(self) -> bool:
         """The request that opened it is over (or unknown): its ``finally`` cannot close it now."""
@@ -238,7 +241,8 @@ class UsageLedger:
             self.close(key)
 
     def first_event_only(self, key: str) -> None:
-        """The slot of ``key`` keeps its first event and drops the rest (a beam search)."""
+        """The slot of ``key`` keeps its first engine request, announced or scheduled, and drops
+        the rest (a beam search's later steps)."""
         if (slot := self._slots.get(key)) is not None:
             slot.first_only = True
 
@@ -256,8 +260,8 @@ class UsageLedger:
             self.counters.unmatched_events += 1
             self.observer.unmatched()
             return
-        if slot.first_only and slot.usage.events:
-            return
+        if slot.first_only and (slot.usage.events or slot.later_steps):
+            return  # a later step's: it must not settle the first step's announcement
         slot.usage.add(event)
 
     def added(self, request_id: str, prompt_tokens: int) -> None:
@@ -267,6 +271,7 @@ class UsageLedger:
             return
         usage = slot.usage
         if slot.first_only and (usage.events or usage.unscheduled):
+            slot.later_steps = True
             return
         usage.unscheduled += 1
         usage.unscheduled_tokens += prompt_tokens

@@ -358,6 +358,28 @@ def test_a_beam_search_cut_is_billed_its_first_steps_prompt_once(steps_prefilled
     assert usage.unscheduled_tokens == (64 if steps_prefilled == 0 else 0)
 
 
+def test_a_beam_search_whose_first_steps_figures_were_refused_is_billed_its_prompt_with_its_cache_unknown() -> None:
+    """The tap publishes nothing for a step whose figures fail ``Scheduled``'s checks, and vLLM
+    starts the next step after that prefill: the next step's ``Scheduled`` (its prompt one
+    token longer, its cache its own) must not settle the first step's announcement. Found by
+    tests/patching/test_ledger_interleavings.py."""
+    ledger = UsageLedger()
+    ledger.open("k")
+    ledger.first_event_only("k")
+    ledger.added("k", 64)  # step 1, its figures refused: no Scheduled
+    for _ in range(2):  # step 2, two beams, each on the prompt and the token chosen
+        ledger.added("k", 65)
+        ledger.publish(Scheduled(request_id="k", prompt_tokens=65, cached_tokens=64))
+    usage = ledger.close("k")
+    assert usage is not None
+    # what its record bills (proxy.patching.metering): the client's prompt, its cache unknown
+    if usage.unscheduled:
+        billed = usage.prompt_tokens + usage.unscheduled_tokens, None
+    else:
+        billed = usage.prompt_tokens, usage.cached_tokens
+    assert billed == (64, None)
+
+
 def test_a_choices_usage_whose_prompt_is_not_its_engine_requests_reads_no_hits() -> None:
     """The engine request that makes a choice had another prompt length than the chunk says:
     the figures do not describe the same prompt, so neither request's hits are written."""
