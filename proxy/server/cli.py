@@ -159,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         from proxy.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    # argparse would report an unknown flag with the top-level usage, not the subcommand's.
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        command = f"cachetally {args.command}"
+        hint = '; `vllm serve` flags go after "--"' if args.command == "serve" else ""
+        print(f"{command}: unrecognized arguments: {' '.join(unknown)}{hint} (see {command} --help)", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return _serve(args)
     if args.command == "report":

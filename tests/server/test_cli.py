@@ -92,6 +92,24 @@ def test_help_explains_each_command(argv: list[str], says: str) -> None:
     assert says in out.stdout
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["serve", "--max-model-len", "4096"], 'cachetally serve: unrecognized arguments: --max-model-len; '
+                                               '`vllm serve` flags go after "--"'),
+        (["serve", "--engine", "sim", "--usagedir", "x"], "cachetally serve: unrecognized arguments: --usagedir"),
+        (["report", "x.jsonl", "--bogus"], "cachetally report: unrecognized arguments: --bogus"),
+    ],
+)
+def test_an_unknown_flag_is_one_line_naming_the_command_it_was_given_to(argv: list[str], says: str) -> None:
+    """argparse reported it with the top-level usage ("cachetally [-h] {serve,model,...}"), not the
+    subcommand's, and a `vllm serve` flag given before "--" got no word on where it goes."""
+    out = subprocess.run([sys.executable, "-m", "proxy.server.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(says), out.stderr
+
+
 def test_serve_help_names_every_metered_route() -> None:
     from proxy.patching.routes import PATCHED
 
