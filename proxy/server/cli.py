@@ -130,6 +130,10 @@ def _serve_vllm(settings: Settings) -> int:
     except ValueError as exc:
         print(f"cachetally: {exc}", file=sys.stderr)
         return 2
+    if settings.model and settings.model.startswith(("/", ".", "~")) and not Path(settings.model).expanduser().exists():
+        # A hub name never starts so; vLLM would take the path for one and fail on a traceback.
+        print(f"cachetally: model: no such file or folder: {settings.model}", file=sys.stderr)
+        return 2
     os.environ.update(settings_environment(settings))
     # Read by vLLM when it is first imported, and inherited by its engine processes.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if settings.log_level == "debug" else "WARNING")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -45,12 +46,13 @@ def test_vllm_engine_runs_vllm_serve_with_the_middleware_and_the_users_flags_las
     for name in [k for k in os.environ if k.startswith("CACHETALLY_")]:
         monkeypatch.delenv(name)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the exports stay in this test
-    usage = tmp_path / "usage"
-    argv = ["serve", "--model", "./m", "--port", "8123", "--tenant-header", "X-Team", "--tenants", "red,blue",
+    usage, model = tmp_path / "usage", tmp_path / "m"
+    model.mkdir()  # a local folder must exist: a missing one is refused before vLLM starts
+    argv = ["serve", "--model", str(model), "--port", "8123", "--tenant-header", "X-Team", "--tenants", "red,blue",
             "--usage-dir", str(usage), "--", "--api-server-count", "2", "--dtype", "bfloat16"]
     assert main(argv) == 0
     (vllm_argv,) = calls
-    assert vllm_argv[0] == "./m"
+    assert vllm_argv[0] == str(model)
     middleware = vllm_argv.index("--middleware")
     assert vllm_argv[middleware + 1] == "proxy.vllm_middleware.CachetallyMiddleware"
     assert vllm_argv[-4:] == ["--api-server-count", "2", "--dtype", "bfloat16"]  # the user's, last: they win
@@ -263,3 +265,14 @@ def test_ctrl_c_stops_the_server_quietly_with_exit_code_0() -> None:
     output = "".join(lines) + rest
     assert proc.returncode == 0, output[-2000:]
     assert "Traceback" not in output
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/SmolLM2", "./no-such-model", "~/no-such-model"])
+def test_a_model_path_that_does_not_exist_fails_the_start_in_one_line(model: str, tmp_path) -> None:
+    """vLLM took such a path for a hub name and died on a 70-line transformers traceback
+    ("Repo id must be in the form 'repo_name' or 'namespace/repo_name'"), exit status 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETALLY_")} | {"HOME": str(tmp_path)}
+    argv = [sys.executable, "-m", "proxy.server.cli", "serve", "--model", model, "--port", str(free_port())]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr == f"cachetally: model: no such file or folder: {model}\n"
