@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -134,6 +135,10 @@ def _serve_vllm(settings: Settings) -> int:
         # A hub name never starts so; vLLM would take the path for one and fail on a traceback.
         print(f"cachetally: model: no such file or folder: {settings.model}", file=sys.stderr)
         return 2
+    taken = _port_taken(settings.host, settings.port)
+    if taken:
+        print(f"cachetally: cannot listen on {settings.host}:{settings.port}: {taken}", file=sys.stderr)
+        return 3  # uvicorn's code for a start that failed, as with the sim
     os.environ.update(settings_environment(settings))
     # Read by vLLM when it is first imported, and inherited by its engine processes.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if settings.log_level == "debug" else "WARNING")
@@ -148,6 +153,21 @@ def _serve_vllm(settings: Settings) -> int:
     uvicorn_level = ["--uvicorn-log-level", settings.log_level]
     vllm_serve(serve_argv(model, [*uvicorn_level, *user], VLLM_MIDDLEWARE, settings.host, settings.port))
     return 0
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why vLLM could not bind ``host:port``, tried as its ``create_server_socket`` binds, or None.
+
+    vLLM binds only after seconds of imports, and a taken port ends there in its traceback.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _model(args: argparse.Namespace) -> int:

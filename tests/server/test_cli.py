@@ -276,3 +276,18 @@ def test_a_model_path_that_does_not_exist_fails_the_start_in_one_line(model: str
     out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2
     assert out.stderr == f"cachetally: model: no such file or folder: {model}\n"
+
+
+def test_a_port_in_use_fails_a_vllm_start_in_one_line() -> None:
+    """With vLLM (the default engine) a taken port was a 40-line traceback from vLLM's
+    create_server_socket and exit status 1; now one line and uvicorn's 3, as with the sim."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "proxy.server.cli", "serve", "--port", str(port)]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3
+    assert out.stderr == f"cachetally: cannot listen on 127.0.0.1:{port}: Address already in use\n"
