@@ -47,7 +47,10 @@ def main(argv: list[str]) -> int:
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cachetally bench", description="Measure a running OpenAI-compatible server.")
+    p = argparse.ArgumentParser(
+        prog="cachetally bench",
+        description="Measure a running OpenAI-compatible server (cache), or what the proxy itself costs (proxy).",
+    )
     bsub = p.add_subparsers(dest="bench_command", required=True)
     cache = bsub.add_parser(
         "cache",

