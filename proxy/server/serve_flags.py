@@ -126,8 +126,8 @@ def _accounting_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--usage-dir",
         metavar="DIR",
-        help="write one JSON line per chat/completions request to append-only files in DIR "
-        "(never prompt or completion text)",
+        help="write one JSON line per metered request (chat, completions, Responses, Messages, "
+        "/invocations) to append-only files in DIR (never prompt or completion text)",
     )
     g.add_argument(
         "--usage-flush-interval",
