@@ -1,0 +1,128 @@
+"""What the docs cite exists: the tests named as holding a promise, and the module layout.
+
+An auditor reads docs/ACCOUNTING.md's "which test holds each promise" and opens the test
+named there; a test renamed or moved leaves the doc citing nothing. A module added without
+a line in docs/ARCHITECTURE.md's layout, or a line left behind for a module gone, misleads
+whoever reads the layout to find their way in.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from tests.servers import ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+
+#: ``tests/accounting/test_x.py::test_y``, ``accounting/test_x::test_y``, ``test_x::test_y``,
+#: or ``::test_y`` alone: a test of the file named last before it.
+CITATION = re.compile(r"(?P<file>(?:\w+/)*test_\w+)(?:\.py)?(?P<tests>(?:::test_\w+)*)|(?P<more>(?:::test_\w+)+)")
+
+
+def defined_tests(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+
+def stale_citations(text: str) -> list[str]:
+    """Each citation in ``text`` that names no test file, or a test its file does not hold."""
+    files = {p.relative_to(ROOT).as_posix(): p for p in (ROOT / "tests").rglob("test_*.py")}
+    by_stem: dict[str, list[str]] = {}
+    for name, path in files.items():
+        by_stem.setdefault(path.stem, []).append(name)
+    defined = {name: defined_tests(path) for name, path in files.items()}
+    stale, last = [], None
+    for match in CITATION.finditer(text):
+        if match["more"]:
+            cited, tests = last, match["more"]
+        else:
+            name, tests = match["file"], match["tests"]
+            if "/" in name:
+                path = name if name.startswith("tests/") else f"tests/{name}"
+                candidates = [f"{path}.py"] if f"{path}.py" in files else []
+            else:
+                candidates = by_stem.get(name, [])
+            if not candidates:
+                # A test cited by its name alone (or a family of them, by a prefix ending in "_").
+                if not tests and any(t == name or name.endswith("_") and t.startswith(name)
+                                     for functions in defined.values() for t in functions):
+                    continue
+                stale.append(match[0])
+                continue
+            cited = last = candidates[0]
+        for test in tests.split("::")[1:]:
+            if cited is None or test not in defined[cited]:
+                stale.append(f"{cited}::{test}")
+    return stale
+
+
+def test_every_test_the_docs_cite_exists_in_the_file_they_name() -> None:
+    stale = {doc.name: stale_citations(doc.read_text()) for doc in DOCS}
+    assert {doc: cited for doc, cited in stale.items() if cited} == {}
+
+
+def layout_block(text: str) -> str:
+    """The first code block under ``## Layout``."""
+    section = text.split("\n## Layout\n", 1)[1]
+    return section.split("```\n", 2)[1]
+
+
+def listed(block: str) -> dict[str, set[str]]:
+    """Each folder of the layout (a path under the root) and the names listed in it: the
+    leading ``name.py`` and ``name/`` words of each line, nested by indentation."""
+    folders: dict[str, set[str]] = {}
+    parents: list[tuple[int, str]] = []  # (indent, folder) of the lines above
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        names = []
+        for word in line.split():
+            if not re.fullmatch(r"\w+(\.py|/)", word):
+                break
+            names.append(word)
+        if not names:
+            continue  # a description's second line
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        parent = parents[-1][1] if parents else ""
+        folders.setdefault(parent, set()).update(names)
+        for name in names:
+            if name.endswith("/"):
+                folders.setdefault(parent + name, set())
+                parents.append((indent, parent + name))
+    return folders
+
+
+def layout_mismatches(block: str) -> list[str]:
+    """Listed names that do not exist, and, in a folder whose modules are listed, the modules
+    and packages left out. A folder listed alone is described by its line, not enumerated."""
+    found = []
+    for folder, names in listed(block).items():
+        for name in sorted(names):
+            if not (ROOT / folder / name).exists():
+                found.append(f"listed, absent: {folder}{name}")
+        if folder and any(name.endswith(".py") for name in names):
+            present = {p.name for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py"}
+            present |= {f"{p.parent.name}/" for p in (ROOT / folder).glob("*/__init__.py")}
+            found += [f"present, not listed: {folder}{name}" for name in sorted(present - names)]
+    return found
+
+
+def test_the_architecture_layout_lists_each_module_that_exists_and_no_other() -> None:
+    block = layout_block(ARCHITECTURE.read_text())
+    assert {"proxy/", "engine_adapter/"} <= listed(block)[""]
+    assert layout_mismatches(block) == []
+
+
+def test_the_guards_find_a_citation_or_a_module_gone_wrong() -> None:
+    """The two checks above, on a doc broken on purpose: they would not pass on anything."""
+    assert stale_citations(
+        "`tests/accounting/test_report.py::test_totals_cost_and_json`, `::test_no_such_test`; "
+        "`tests/accounting/test_no_such_file.py`; `test_ledger::test_totals_cost_and_json`"
+    ) == ["tests/accounting/test_report.py::test_no_such_test", "tests/accounting/test_no_such_file.py",
+          "tests/patching/test_ledger.py::test_totals_cost_and_json"]
+    block = layout_block(ARCHITECTURE.read_text())
+    assert {"listed, absent: proxy/patching/invented.py", "present, not listed: proxy/patching/ledger.py"} <= set(
+        layout_mismatches(block.replace("ledger.py ", "invented.py ")))
