@@ -482,6 +482,25 @@ async def test_a_rewritten_body_nested_past_orjsons_depth_reaches_the_engine() -
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize(("path", "request_body"), [
+    ("/v1/completions", {"model": "m", "prompt": "hi"}),
+    ("/invocations", {"model": "m", "prompt": "hi"}),
+    ("/invocations", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+])
+async def test_a_client_cannot_group_the_tokens_of_a_completions_or_invocations_stream(
+    path: str, request_body: dict
+) -> None:
+    """docs/ACCOUNTING.md: vLLM's per-request ``stream_interval`` is removed from chat,
+    completions and invocations bodies (chat above, and on real vLLM in
+    tests/real_vllm/test_vllm_hostile_billing.py), else a cut stream is counted in chunks."""
+    body = orjson.dumps({**request_body, "stream": True, "stream_interval": 50})
+    h = Harness()
+    client = Client(body)
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client, http_scope(path))
+    assert [orjson.loads(b) for b in h.inner_bodies] == [{**request_body, "stream": True}]
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b""])
 async def test_invalid_request_json_gets_an_openai_400(body: bytes) -> None:
     h = Harness()
