@@ -64,6 +64,13 @@ def test_every_test_the_docs_cite_exists_in_the_file_they_name() -> None:
     assert {doc: cited for doc, cited in stale.items() if cited} == {}
 
 
+def test_every_file_under_tests_the_docs_name_exists() -> None:
+    """Helpers and fuzz targets too (``tests/load.py``, ``tests/patching/fuzz_sse_atheris.py``).
+    A one-letter name is a placeholder (ACCOUNTING.md: "``a::b`` is ``tests/a.py::b``")."""
+    named = {(doc.name, path) for doc in DOCS for path in re.findall(r"\btests/[\w/]*\w\w\.\w+", doc.read_text())}
+    assert {(doc, path) for doc, path in named if not (ROOT / path).is_file()} == set()
+
+
 def layout_block(text: str) -> str:
     """The first code block under ``## Layout``."""
     section = text.split("\n## Layout\n", 1)[1]
