@@ -1308,19 +1308,32 @@ async def test_a_responses_stream_cut_early_takes_no_model_name_from_the_clients
 
 
 @pytest.mark.asyncio
-async def test_use_beam_search_on_responses_is_ignored_as_vllm_ignores_it() -> None:
-    """vLLM's Responses model has no ``use_beam_search`` (an extra, dropped): a request whose
-    tool loop runs two engine requests is billed both, whatever the body says."""
-    protocol = pytest.importorskip("vllm.entrypoints.openai.responses.protocol")
-    assert "use_beam_search" not in protocol.ResponsesRequest.model_fields
+@pytest.mark.parametrize("route", ["responses", "messages"])
+async def test_use_beam_search_on_responses_and_messages_is_ignored_as_vllm_ignores_it(route: str) -> None:
+    """vLLM's Responses and Messages models have no ``use_beam_search`` (an extra, dropped): a
+    request whose tool loop runs two engine requests is billed both, whatever the body says."""
+    if route == "responses":
+        model = pytest.importorskip("vllm.entrypoints.openai.responses.protocol").ResponsesRequest
+        request = {"model": "m", "input": "hi", "use_beam_search": True}
+        answer = {"id": "resp_1", "object": "response", "model": "m", "status": "completed", "output": [],
+                  "usage": {"input_tokens": 250, "output_tokens": 2, "total_tokens": 252,
+                            "input_tokens_details": {"cached_tokens": 100}}}
+    else:
+        model = pytest.importorskip("vllm.entrypoints.anthropic.protocol").AnthropicMessagesRequest
+        request = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                   "use_beam_search": True}
+        answer = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+                  "usage": {"input_tokens": 250, "output_tokens": 2}}
+    assert "use_beam_search" not in model.model_fields
     h = Harness()
-    client = Client(orjson.dumps({"model": "m", "input": "hi", "use_beam_search": True}))
-    answer = {"id": "resp_1", "object": "response", "model": "m", "status": "completed", "output": [],
-              "usage": {"input_tokens": 250, "output_tokens": 2, "total_tokens": 252,
-                        "input_tokens_details": {"cached_tokens": 100}}}
+    client = Client(orjson.dumps(request))
     await h.call(h.middleware(json_response(orjson.dumps(answer)), (100, 0), (150, 100)), client,
-                 http_scope("/v1/responses"))
-    assert client.json()["usage"]["input_tokens_details"]["cached_tokens"] == 100
+                 http_scope(f"/v1/{route}"))
+    usage = client.json()["usage"]
+    if route == "responses":
+        assert usage["input_tokens_details"]["cached_tokens"] == 100
+    else:  # Anthropic counts cache reads beside the uncached input: 250 = 150 + 100
+        assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (150, 100)
     assert h.sample("cachetally_prompt_tokens_total", model="m") == 250
 
 
