@@ -35,7 +35,7 @@ VERSION = "0.33.0"
 PLATFORM = "manylinux_2_28_x86_64"
 DOWNLOAD_TIMEOUT_S = 900
 
-# Where each release keeps the names 0.33 moved (VLLM-0.32-NOTES.md), by minor version.
+# Where each release keeps the names 0.33 moved (engine_adapter/vllm/compat.py), by minor version.
 MOVED = {
     "cli_env_setup": {32: "vllm.entrypoints.serve.utils.api_utils",
                       33: "vllm.entrypoints.common.startup"},
