@@ -23,6 +23,7 @@ from proxy.accounting.records.record import UsageRecord
 from proxy.accounting.records.queue import Delivery
 from proxy.accounting.records.recorder import Recorder
 from proxy.patching.ledger import UsageLedger
+from tests.servers import stop
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("cachetally_requests", "cachetally_prompt_tokens", "cachetally_cached_tokens_total",
@@ -267,10 +268,14 @@ def test_multiprocess_mode_sums_every_process(tmp_path: Path) -> None:
         for _ in jobs
     ]
     lines = []
-    for child, job in zip(children, jobs, strict=True):
-        out, _ = child.communicate(json.dumps({**job, "records": [asdict(r) for r in job["records"]]}), timeout=60)
-        assert child.returncode == 0
-        lines.append(out.strip())
+    try:
+        for child, job in zip(children, jobs, strict=True):
+            out, _ = child.communicate(json.dumps({**job, "records": [asdict(r) for r in job["records"]]}), timeout=60)
+            assert child.returncode == 0
+            lines.append(out.strip())
+    finally:
+        for child in children:  # one that failed or hung must not outlive the test
+            stop(child)
     for child, line in zip(children, lines, strict=True):
         assert line.endswith(f" pid={child.pid}")  # the debug line says which process it counts
 

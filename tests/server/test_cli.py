@@ -10,7 +10,7 @@ import pytest
 
 from proxy.server.cli import build_parser, main
 from proxy.server.serve_flags import serve_settings
-from tests.servers import free_port
+from tests.servers import free_port, stop
 
 
 def serve(*argv: str):
@@ -254,15 +254,18 @@ def test_ctrl_c_stops_the_server_quietly_with_exit_code_0() -> None:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
-    deadline = time.monotonic() + 60
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if not line or "Application startup complete" in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if not line or "Application startup complete" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        stop(proc)  # a failed start or a hung drain must not leave the server running
     output = "".join(lines) + rest
     assert proc.returncode == 0, output[-2000:]
     assert "Traceback" not in output
