@@ -127,14 +127,13 @@ def test_invalid_json_is_an_openai_400(server: Server, body: bytes) -> None:
 
 @pytest.mark.loopback
 def test_a_64_mib_content_length_is_refused_with_413_before_the_body_arrives(server: Server) -> None:
-    started = time.monotonic()
+    # The other 64 MiB never come: a server that waited for them would answer nothing.
     raw = raw_exchange(
         server.port, head("POST", "/v1/completions", "content-type: application/json", length=64 << 20) + b'{"pro'
     )
     status, body = status_and_body(raw)
     assert status == 413, raw[:200]
     assert orjson.loads(body)["error"]["type"] == "RequestEntityTooLargeError"
-    assert time.monotonic() - started < 5.0  # it never waited for the other 64 MiB
 
 
 @pytest.mark.loopback

@@ -265,9 +265,8 @@ def test_upstream_down_is_502_in_openai_json(start_proxy: Any) -> None:
 def test_read_timeout_is_504_before_headers_and_an_sse_event_after(start_sim: Any, start_proxy: Any) -> None:
     sim = start_sim("--token-delay-s", "1.0")
     proxy = start_proxy(sim.url, read_timeout_s=0.3)
-    started = time.monotonic()
+    # Without the read timeout the sim would answer 200 after its 3 s of tokens.
     resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
-    assert time.monotonic() - started < 2.5
     assert resp.status_code == 504
     assert resp.json()["error"]["type"] == "GatewayTimeoutError"
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
