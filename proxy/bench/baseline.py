@@ -47,7 +47,8 @@ def _start_proxy(servers: Servers, checkout: Path, upstream: int) -> tuple[int, 
 
 
 def compare(baseline: Path, rounds: int, c64_per_conn: int = 40, c1_requests: int = 1000) -> dict[str, Any]:
-    from proxy.bench.proxy import _chat, _med, _pct
+    from proxy.bench.proxy import _chat
+    from proxy.bench.rounds import median, percentile
 
     this = Path(__file__).resolve().parent.parent.parent
     if _cli_module(baseline) is None:
@@ -82,7 +83,7 @@ def compare(baseline: Path, rounds: int, c64_per_conn: int = 40, c1_requests: in
                     n = len(r["latency_ms"])
                     results[load][side].append({
                         "rps": n / r["wall_s"], "cpu_us_per_req": cpu / n * 1e6,
-                        "p50_ms": _pct(r["latency_ms"], 0.5), "p99_ms": _pct(r["latency_ms"], 0.99),
+                        "p50_ms": percentile(r["latency_ms"], 0.5), "p99_ms": percentile(r["latency_ms"], 0.99),
                         "errors": r["errors"],
                     })
     out: dict[str, Any] = {"rounds": rounds, "baseline": str(baseline)}
@@ -90,9 +91,9 @@ def compare(baseline: Path, rounds: int, c64_per_conn: int = 40, c1_requests: in
         figures: dict[str, float | None] = {}
         for key in ("rps", "cpu_us_per_req", "p50_ms", "p99_ms"):
             for side in SIDES:
-                figures[f"{side}_{key}"] = _med([r[key] for r in sides[side]])
+                figures[f"{side}_{key}"] = median([r[key] for r in sides[side]])
             ratios = [b[key] / a[key] for a, b in zip(sides["baseline"], sides["this"], strict=True) if a[key]]
-            figures[f"ratio_{key}"] = _med(ratios) if ratios else None
+            figures[f"ratio_{key}"] = median(ratios) if ratios else None
         # CPU is counted in clock ticks: a run too short to span one has no per-core figure.
         for side in SIDES:
             cpu = figures[f"{side}_cpu_us_per_req"]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ from proxy.bench.processes import (
     rss_kib,
     wait_healthy,
 )
+from proxy.bench.rounds import alternate, median, percentile, summarize
 
 Figures = dict[str, Any]
 
@@ -93,52 +93,6 @@ def _completion_stream(max_tokens: int) -> str:
         {"model": "sim-model", "prompt": "time to first token", "max_tokens": max_tokens, "stream": True,
          "stream_options": {"include_usage": True}}
     )
-
-
-# -- statistics --------------------------------------------------------------------------
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-
-def _med(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def _ab(
-    rounds: int,
-    measure: Callable[[str], dict[str, float]],
-    tick: Callable[[], None],
-    sides: tuple[str, ...] = ("direct", "relay", "proxied"),
-) -> dict[str, list[dict[str, float]]]:
-    out: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
-    for _ in range(rounds):
-        for side in sides:  # A R B A R B ...
-            out[side].append(measure(side))
-        tick()
-    return out
-
-
-def _summary(
-    sides: dict[str, list[dict[str, float]]], keys: list[str], a: str = "direct", b: str = "proxied"
-) -> Figures:
-    """Medians per side (named ``a`` and ``b``), and per round the difference (``added_``)
-    and ratio (b/a), medians too; the same for the relay (``relay_``, ``relay_added_``,
-    ``relay_ratio_``) when it ran."""
-    out: Figures = {}
-    for key in keys:
-        xs = [r[key] for r in sides["direct"]]
-        for prefix, side in (("", "proxied"), ("relay_", "relay")):
-            if side not in sides:
-                continue
-            ys = [r[key] for r in sides[side]]
-            out[f"{prefix or b + '_'}{key}"] = _med(ys)
-            out[f"{prefix}added_{key}"] = _med([y - x for x, y in zip(xs, ys, strict=True)])
-            out[f"{prefix}ratio_{key}"] = _med([y / x for x, y in zip(xs, ys, strict=True) if x])
-        out[f"{a}_{key}"] = _med(xs)
-    return out
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -190,7 +144,7 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
             r = gen.run(port[side], chat, plain, conns, per_conn)
             cpu = (cpu_s(middle[side]) or 0.0) - (cpu0 or 0.0)
             n = len(r["latency_ms"])
-            return {"p50_ms": _pct(r["latency_ms"], 0.5), "p99_ms": _pct(r["latency_ms"], 0.99),
+            return {"p50_ms": percentile(r["latency_ms"], 0.5), "p99_ms": percentile(r["latency_ms"], 0.99),
                     "rps": n / r["wall_s"], "proxy_cpu_s_per_req": cpu / n, "busy": cpu / r["wall_s"]}
 
         return measure
@@ -206,7 +160,7 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
 
     def ttft(side: str) -> dict[str, float]:
         r = gen.run(paced_port[side], completions, _completion_stream(1), counts.ttft_conns, counts.ttft_per_conn)
-        return {"p50_ms": _pct(r["ttfb_ms"], 0.5), "p99_ms": _pct(r["ttfb_ms"], 0.99)}
+        return {"p50_ms": percentile(r["ttfb_ms"], 0.5), "p99_ms": percentile(r["ttfb_ms"], 0.99)}
 
     embedded_port = {"direct": bare[0], "proxied": embedded[0]}
     embedded_pid = {"direct": bare[1].pid, "proxied": embedded[1].pid}
@@ -218,42 +172,42 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
         n = len(r["latency_ms"])
         return {"rps": n / r["wall_s"], "cpu_us_per_req": cpu / n * 1e6}
 
-    c1 = _ab(counts.rounds, latency(1, counts.c1_requests), tick)
-    c64 = _ab(counts.rounds, latency(64, counts.c64_per_conn), tick)
-    s1 = _ab(counts.rounds, sse(1, counts.sse1_tokens, counts.sse1_streams), tick)
-    s100 = _ab(counts.rounds, sse(100, counts.sse100_tokens, 1), tick)
-    t = _ab(counts.rounds, ttft, tick)
-    e = _ab(counts.rounds, embedded_round, tick, sides=("direct", "proxied"))
+    c1 = alternate(counts.rounds, latency(1, counts.c1_requests), tick)
+    c64 = alternate(counts.rounds, latency(64, counts.c64_per_conn), tick)
+    s1 = alternate(counts.rounds, sse(1, counts.sse1_tokens, counts.sse1_streams), tick)
+    s100 = alternate(counts.rounds, sse(100, counts.sse100_tokens, 1), tick)
+    t = alternate(counts.rounds, ttft, tick)
+    e = alternate(counts.rounds, embedded_round, tick, sides=("direct", "proxied"))
     memory = _held_streams(gen, paced_proxy, completions, counts)
     tick()
 
     throughput = c64["proxied"]
-    cpu_per_req = _med([r["proxy_cpu_s_per_req"] for r in throughput])
+    cpu_per_req = median([r["proxy_cpu_s_per_req"] for r in throughput])
     figures: Figures = {
         "machine": _machine(place),
         "counts": asdict(counts),
-        "latency_c1": _summary(c1, ["p50_ms", "p99_ms"]),
-        "latency_c64": _summary(c64, ["p50_ms", "p99_ms"]),
+        "latency_c1": summarize(c1, ["p50_ms", "p99_ms"]),
+        "latency_c64": summarize(c64, ["p50_ms", "p99_ms"]),
         "throughput": {
-            "direct_rps": _med([r["rps"] for r in c64["direct"]]),
-            "proxied_rps": _med([r["rps"] for r in throughput]),
+            "direct_rps": median([r["rps"] for r in c64["direct"]]),
+            "proxied_rps": median([r["rps"] for r in throughput]),
             "proxy_cpu_us_per_req": cpu_per_req * 1e6,
             "rps_per_proxy_core": 1 / cpu_per_req if cpu_per_req > 0 else None,
-            "relay_rps": _med([r["rps"] for r in c64["relay"]]),
-            "relay_rps_per_proxy_core": 1 / relay_cpu if (relay_cpu := _med(
+            "relay_rps": median([r["rps"] for r in c64["relay"]]),
+            "relay_rps_per_proxy_core": 1 / relay_cpu if (relay_cpu := median(
                 [r["proxy_cpu_s_per_req"] for r in c64["relay"]])) > 0 else None,
         },
-        "sse_1": _summary(s1, ["events_per_s"]),
-        "sse_100": _summary(s100, ["events_per_s"]),
-        "ttft_paced": _summary(t, ["p50_ms", "p99_ms"]),
+        "sse_1": summarize(s1, ["events_per_s"]),
+        "sse_100": summarize(s100, ["events_per_s"]),
+        "ttft_paced": summarize(t, ["p50_ms", "p99_ms"]),
         "memory": memory,
-        "embedded": _summary(e, ["rps", "cpu_us_per_req"], a="without", b="with"),
+        "embedded": summarize(e, ["rps", "cpu_us_per_req"], a="without", b="with"),
         "embedded_floor": embedded_floor(counts.inprocess_requests),
         "micro": micro(counts.micro_events),
     }
     tp = figures["throughput"]
     tp["loadgen_headroom"] = tp["direct_rps"] / tp["proxied_rps"]
-    tp["proxy_busy"] = _med([r["busy"] for r in throughput])
+    tp["proxy_busy"] = median([r["busy"] for r in throughput])
     # "Well above": a load generator that can't outrun the proxy by half again, with the
     # proxy's core not busy, measured itself (or the sim beside it).
     tp["loadgen_ok"] = tp["loadgen_headroom"] >= 1.5 or tp["proxy_busy"] >= 0.9

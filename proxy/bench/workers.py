@@ -18,7 +18,8 @@ import sys
 from typing import Any
 
 from proxy.bench.processes import LoadGen, Placement, Servers, cpu_s, wait_healthy
-from proxy.bench.proxy import _chat, _pct
+from proxy.bench.proxy import _chat
+from proxy.bench.rounds import percentile
 
 SIDES = ("1", "2")
 
@@ -62,8 +63,8 @@ def compare(rounds: int, per_conn: int) -> dict[str, Any]:
                     done = len(r["latency_ms"])
                     results[load][side].append({
                         "rps": done / r["wall_s"], "cpu_us_per_req": (tree_cpu_s(proc.pid) - cpu0) / done * 1e6,
-                        "p50_ms": _pct(r["latency_ms"], 0.5),
-                        "p99_ms": _pct(r["latency_ms"], 0.99), "errors": r["errors"],
+                        "p50_ms": percentile(r["latency_ms"], 0.5),
+                        "p99_ms": percentile(r["latency_ms"], 0.99), "errors": r["errors"],
                     })
     out: dict[str, Any] = {"rounds": rounds}
     for load, sides in results.items():
