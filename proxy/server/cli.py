@@ -9,6 +9,7 @@ flag changes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from proxy.accounting.records.report_cli import add_report_parser
 from proxy.server.heap import settle_heap
-from proxy.server.logs import configure_logging
+from proxy.server.logs import configure_logging, quiet_check
 from proxy.server.serve_flags import add_serve_parser, serve_settings
 from proxy.server.settings import Settings, SettingsError, settings_environment
 from proxy.server.workers import multiprocess_dir_for
@@ -84,8 +85,9 @@ def _serve(args: argparse.Namespace) -> int:
     # The multiprocess directory is ready (stale files wiped) before any metric exists.
     with multiprocess_dir_for(settings.workers):
         try:
-            # With --workers N this app only checks, once, what each worker will build.
-            app = CachetallyApp(settings, on_started=settle_heap)
+            # With --workers N this app only checks, once, what each worker will build (and announce).
+            with quiet_check() if settings.workers > 1 else contextlib.nullcontext():
+                app = CachetallyApp(settings, on_started=settle_heap)
         except ValueError as exc:  # SettingsError included: the API keys file, the otlp extra
             print(f"cachetally: {exc}", file=sys.stderr)
             return 2
@@ -127,7 +129,8 @@ def _serve_vllm(settings: Settings) -> int:
     from proxy.server.instance import Accounting
 
     try:
-        Accounting(settings)  # fail here, with a message, on what each API server would refuse
+        with quiet_check():  # fail here, with a message, on what each API server would refuse
+            Accounting(settings)
     except ValueError as exc:
         print(f"cachetally: {exc}", file=sys.stderr)
         return 2

@@ -15,8 +15,10 @@ clients put keys (``?api_key=...``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 NAMESPACE = "cachetally"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -34,6 +36,21 @@ def configure_logging(level: str) -> logging.Logger:
         root.addHandler(handler)
     _keep_queries_out_of_the_access_log()
     return root
+
+
+@contextlib.contextmanager
+def quiet_check() -> Iterator[None]:
+    """No ``cachetally.*`` line while the parent only checks settings that the processes it
+    starts (vLLM's API servers, ``--workers N``) build again and announce themselves: the
+    check's lines ("usage records: JSONL files in ...") were each said twice. A refusal still
+    reaches the operator: it is an exception, printed by the caller."""
+    root = logging.getLogger(NAMESPACE)
+    level = root.level
+    root.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
 
 
 class _NoQuery(logging.Filter):

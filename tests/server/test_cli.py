@@ -63,6 +63,44 @@ def test_vllm_engine_runs_vllm_serve_with_the_middleware_and_the_users_flags_las
     assert (child.tenant_header, child.tenants, child.usage_dir, child.port) == ("X-Team", ["red", "blue"], str(usage), 8123)
 
 
+def test_a_vllm_start_says_where_usage_records_go_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The parent's settings check and the API server it then runs (vLLM's one API server is
+    this same process) each logged "usage records: JSONL files in DIR": twice for one sink.
+    The API server builds the middleware, as vLLM does, from the environment the parent set."""
+    import logging
+
+    import prometheus_client
+
+    from engine_adapter.vllm import serve as vllm_serve_module
+    from proxy.vllm_middleware import CachetallyMiddleware
+
+    async def vllm_app(scope, receive, send) -> None:
+        raise AssertionError("no request in this test")
+
+    def api_server(argv: list[str]) -> None:
+        CachetallyMiddleware(vllm_app)
+
+    monkeypatch.setattr(vllm_serve_module, "vllm_serve", api_server)
+    monkeypatch.setattr(prometheus_client, "REGISTRY", prometheus_client.CollectorRegistry())
+    for name in [k for k in os.environ if k.startswith("CACHETALLY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the exports stay in this test
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cachetally").addHandler(handler)
+    try:
+        model = tmp_path / "m"
+        model.mkdir()
+        assert main(["serve", "--model", str(model), "--usage-dir", str(tmp_path / "usage"),
+                     "--port", str(free_port())]) == 0
+    finally:
+        logging.getLogger("cachetally").removeHandler(handler)
+    assert [line for line in lines if line.startswith("usage records:")] == [
+        f"usage records: JSONL files in {tmp_path / 'usage'}, flushed every 1 s"
+    ]
+
+
 def test_flags_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CACHETALLY_PORT", "9100")
     assert serve().port == 9100

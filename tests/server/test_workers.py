@@ -256,6 +256,8 @@ def test_one_request_id_in_flight_on_both_workers_leaves_distinct_records(tmp_pa
                 pytest.fail(f"one worker took every request of {attempt} bursts")
         # Each worker's keys end with its own tag: no two processes can give out the same one.
         assert all(record_id.endswith(f".p{pid}") for record_id, pid in records), records
+    # Each worker says where its records go; the parent, which only checked the settings, does not.
+    assert log.read_text().count(f"usage records: JSONL files in {usage}") == 2
 
 
 def _own_dir(log: Path) -> Path:
