@@ -126,8 +126,8 @@ def _accounting_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--usage-dir",
         metavar="DIR",
-        help="write one JSON line per metered request (chat, completions, Responses, Messages, "
-        "/invocations) to append-only files in DIR (never prompt or completion text)",
+        help="write one JSON line per request to a metered route (chat, completions, responses, "
+        "messages, invocations: Routes below) to append-only files in DIR (never prompt or completion text)",
     )
     g.add_argument(
         "--usage-flush-interval",
@@ -156,18 +156,18 @@ def _accounting_flags(p: argparse.ArgumentParser) -> None:
         "http://collector:4318/v1/traces (needs the 'otlp' extra)",
     )
     g.add_argument(
+        "--otlp-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="give up on one export (retries included) after this long (default: 10.0)",
+    )
+    g.add_argument(
         "--pd-legs",
         action="store_true",
         default=None,
         help="this instance is one role of disaggregated prefill/decode behind a P/D router: a "
         "prefill leg is counted as a leg only, the decode leg bills (default: off; set it on "
         "every P/D instance, and only there: elsewhere such a body is an ordinary request)",
-    )
-    g.add_argument(
-        "--otlp-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="give up on one export (retries included) after this long (default: 10.0)",
     )
 
 

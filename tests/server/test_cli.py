@@ -159,6 +159,19 @@ def test_serve_help_names_every_metered_route() -> None:
     assert [path for path in PATCHED if path not in out] == []
 
 
+def test_usage_dir_help_says_every_metered_route_leaves_a_record() -> None:
+    """It said "one JSON line per chat/completions request": Responses, Messages and
+    /invocations requests are recorded too, and an operator billing them read otherwise."""
+    import argparse
+
+    from proxy.patching.routes import PATCHED
+
+    serve_parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    (usage_dir,) = [a for a in serve_parser._actions if "--usage-dir" in a.option_strings]
+    assert "per request to a metered route" in usage_dir.help
+    assert [kind for kind in set(PATCHED.values()) if kind not in usage_dir.help] == []
+
+
 def test_pd_legs_is_off_unless_the_flag_or_the_environment_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CACHETALLY_PD_LEGS", raising=False)
     assert (serve().pd_legs, serve("--pd-legs").pd_legs) == (False, True)
