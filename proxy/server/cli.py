@@ -182,6 +182,9 @@ def _model(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # a first look: what each command does, not argparse's "required: command"
+        build_parser().print_help(sys.stderr)
+        return 2
     if argv[:1] == ["bench"]:
         from proxy.bench.cli import main as bench_main
 

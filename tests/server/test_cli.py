@@ -151,6 +151,14 @@ def test_an_unknown_flag_is_one_line_naming_the_command_it_was_given_to(argv: li
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(says), out.stderr
 
 
+def test_cachetally_alone_says_what_each_command_does() -> None:
+    """It said only "the following arguments are required: command"."""
+    out = subprocess.run([sys.executable, "-m", "proxy.server.cli"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "prompt-cache accounting" in out.stderr and "report" in out.stderr
+    assert "required" not in out.stderr
+
+
 def test_serve_help_names_every_metered_route() -> None:
     from proxy.patching.routes import PATCHED
 
