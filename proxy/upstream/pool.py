@@ -199,7 +199,8 @@ class Http1Pool:
                 self._pass_on(handed)  # cancelled as it was handed one: the next waiter gets it
                 raise
             waiter.cancel()
-            self._waiters.remove(waiter)
+            if waiter in self._waiters:  # _hand drops a waiter cancelled before it runs, and serves the next
+                self._waiters.remove(waiter)
             if isinstance(exc, TimeoutError):
                 raise UpstreamFailure(POOL_FULL, "PoolTimeout") from None
             raise

@@ -228,6 +228,31 @@ async def test_waiters_a_wake_up_that_lands_as_its_waiter_leaves_is_passed_on() 
         await pool.aclose()
 
 
+async def test_waiters_a_waiter_that_leaves_just_before_a_connection_frees_up_is_cancelled_cleanly() -> None:
+    """The reverse order of the test above: the waiter's cancel (its client left, the server's
+    stop, its wait timed out) lands first, and a connection is freed in the same turn, before
+    the waiter runs. The pool skips it and serves the next; the one that left must end
+    cancelled (not in a ValueError the error guard answers 500), and the next be served."""
+    upstream = H11Upstream()
+    async with upstream.serving() as port:
+        pool = make_pool(port, max_connections=1, connect_timeout_s=1.0)
+        held = await send(pool, "POST", b"/slow")
+        leaving = asyncio.ensure_future(send(pool, "POST", b"/echo", b"never"))
+        staying = asyncio.ensure_future(send(pool, "POST", b"/echo", b"stays"))
+        await asyncio.sleep(0.05)  # both wait
+        upstream.release_slow.set()
+        assert await read_all(held) == b"12345678"
+        leaving.cancel()  # the first waiter leaves ...
+        held.close()  # ... and the connection is freed in the same turn of the loop
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        response = await staying
+        assert (response.status, await read_all(response)) == (200, b"stays")
+        response.close()
+        assert pool.pool_state() == (1, 1, 0, 0)  # no waiter left queued
+        await pool.aclose()
+
+
 async def test_reuse_idle_expiry_counts_from_the_end_of_the_response_and_is_checked_when_pooled() -> None:
     """The upstream's keep-alive clock starts when it finishes a response, not when our client
     gets round to closing it: a connection already past the limit is closed, not pooled."""
