@@ -8,7 +8,8 @@ request's ``model`` back, so a client could mint a series (and a report row) per
 sends. In upstream mode the names are therefore checked against a list:
 
 - ``--model NAME``, when set;
-- the ids of the upstream's ``GET /v1/models``, fetched at startup and every
+- the ids of the upstream's ``GET /v1/models`` (fetched directly, as requests are
+  forwarded: no proxy from the environment), at startup and every
   :data:`REFRESH_S` seconds (every :data:`RETRY_S` while it fails), so models the upstream
   loads later get their own label within a minute. An upstream that guards
   ``/v1/models`` with a key answers 401: then only ``--model`` is known.
@@ -77,14 +78,17 @@ class UpstreamModels:
     def __init__(self, models: ServedModels, upstream: str, ca_file: str | None, timeout_s: float) -> None:
         self.models = models
         self._url = upstream.rstrip("/") + "/v1/models"
-        self._verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
+        # Fetched as requests are forwarded (proxy.upstream.pool): directly, whatever proxy the
+        # environment names, and trusting what the pool trusts. The context is built once:
+        # loading the CA store takes tens of milliseconds, on the event loop every stream shares.
+        self._verify = ssl.create_default_context(cafile=ca_file)
         self._timeout_s = timeout_s
         self._failing = False
 
     async def refresh(self) -> bool:
         """Fetch the list once; ``False`` (and a warning when it starts failing) if it could not."""
         try:
-            async with httpx.AsyncClient(verify=self._verify, timeout=self._timeout_s) as client:
+            async with httpx.AsyncClient(verify=self._verify, timeout=self._timeout_s, trust_env=False) as client:
                 response = await client.get(self._url, headers={"accept": "application/json"})
             response.raise_for_status()
             self.models.update(response.json())

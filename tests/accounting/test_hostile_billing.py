@@ -324,6 +324,26 @@ def test_a_model_the_upstream_lists_later_gets_its_label(tmp_path: Path, monkeyp
     assert [r["model"] for r in billing.records][0] == "other"
 
 
+def test_a_proxy_in_the_environment_does_not_hide_the_upstreams_models(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests go to the upstream directly (the pool reads no proxy settings); its model
+    list was fetched through ``HTTP_PROXY`` when one was set, as on a host whose other
+    traffic leaves by a proxy: the list failed, and every model but ``--model`` was
+    labelled ``other`` though the upstream served it."""
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with (httpx.Client(trust_env=False, timeout=10) as direct,
+          serving_in_thread(echo_upstream([SERVED, "m-listed"])) as upstream):
+        settings = Settings(engine="upstream", upstream=upstream, model=SERVED).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=direct)
+            client.completions.create(model="m-listed", prompt="hi", max_tokens=2)
+            metrics = direct.get(f"{url}/metrics").text
+    assert Billing([], metrics, []).counter_labels("model") == {"m-listed"}
+
+
 def test_an_upstream_listing_endless_models_mints_a_bounded_set() -> None:
     models = served_models.ServedModels(checked=True)
     models.update({"data": [{"id": f"m{i}"} for i in range(10_000)] + [{"id": "x" * 300}, {"id": 3}, "junk"]})
