@@ -208,7 +208,13 @@ async def test_waiters_a_successful_connect_wakes_no_one_and_waiters_are_served_
     assert upstream.connections == 1
 
 
-async def test_waiters_a_wake_up_that_lands_as_its_waiter_leaves_is_passed_on() -> None:
+@pytest.mark.parametrize("leaves", ["after-the-wake-up", "before-the-wake-up"])
+async def test_waiters_a_waiter_that_leaves_as_a_connection_frees_up_passes_it_on(leaves: str) -> None:
+    """A waiter leaves (its client left, the server's stop, its wait timed out) in the same
+    turn of the loop as a connection is freed. Woken first, it passes the connection on;
+    cancelled first, the pool skips it and serves the next. Either way the one that left
+    ends cancelled (not in a ValueError the error guard answers 500), the next is served and
+    no 503 comes, and no waiter is left queued."""
     upstream = H11Upstream()
     async with upstream.serving() as port:
         pool = make_pool(port, max_connections=1, connect_timeout_s=1.0)
@@ -218,38 +224,18 @@ async def test_waiters_a_wake_up_that_lands_as_its_waiter_leaves_is_passed_on() 
         await asyncio.sleep(0.05)  # both wait
         upstream.release_slow.set()
         assert await read_all(held) == b"12345678"
-        held.close()  # wakes the first waiter ...
-        leaving.cancel()  # ... which leaves in the same turn of the loop
-        with pytest.raises(asyncio.CancelledError):
-            await leaving
-        response = await staying  # the connection was passed on, not lost: no 503
-        assert (response.status, await read_all(response)) == (200, b"stays")
-        response.close()
-        await pool.aclose()
-
-
-async def test_waiters_a_waiter_that_leaves_just_before_a_connection_frees_up_is_cancelled_cleanly() -> None:
-    """The reverse order of the test above: the waiter's cancel (its client left, the server's
-    stop, its wait timed out) lands first, and a connection is freed in the same turn, before
-    the waiter runs. The pool skips it and serves the next; the one that left must end
-    cancelled (not in a ValueError the error guard answers 500), and the next be served."""
-    upstream = H11Upstream()
-    async with upstream.serving() as port:
-        pool = make_pool(port, max_connections=1, connect_timeout_s=1.0)
-        held = await send(pool, "POST", b"/slow")
-        leaving = asyncio.ensure_future(send(pool, "POST", b"/echo", b"never"))
-        staying = asyncio.ensure_future(send(pool, "POST", b"/echo", b"stays"))
-        await asyncio.sleep(0.05)  # both wait
-        upstream.release_slow.set()
-        assert await read_all(held) == b"12345678"
-        leaving.cancel()  # the first waiter leaves ...
-        held.close()  # ... and the connection is freed in the same turn of the loop
+        if leaves == "after-the-wake-up":
+            held.close()
+            leaving.cancel()
+        else:
+            leaving.cancel()
+            held.close()
         with pytest.raises(asyncio.CancelledError):
             await leaving
         response = await staying
         assert (response.status, await read_all(response)) == (200, b"stays")
         response.close()
-        assert pool.pool_state() == (1, 1, 0, 0)  # no waiter left queued
+        assert pool.pool_state() == (1, 1, 0, 0)
         await pool.aclose()
 
 
