@@ -81,13 +81,14 @@ def running_server(
 
 
 @contextlib.contextmanager
-def serving_in_thread(app: Any, name: str = "uvicorn", start_timeout_s: float = 10.0) -> Iterator[str]:
+def serving_in_thread(app: Any, name: str = "uvicorn", start_timeout_s: float = 10.0, **options: Any) -> Iterator[str]:
     """``app`` in a real uvicorn on 127.0.0.1, in a thread of this process named
     ``<name>-<port>`` (tests pick its log records by it); yield its base URL; always stop
-    it (lifespan on, so the app starts and drains as under ``cachetally serve``)."""
+    it (lifespan on, so the app starts and drains as under ``cachetally serve``).
+    ``options``: more of uvicorn's (``http``: the protocol ``cachetally serve`` uses)."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=2))
+                                           lifespan="on", timeout_graceful_shutdown=2, **options))
     thread = threading.Thread(target=server.run, name=f"{name}-{port}", daemon=True)
     thread.start()
     try:

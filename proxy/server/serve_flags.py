@@ -99,6 +99,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="a path under /v1 (or /v2, ...), or /invocations, open without the API key, exact match; its "
         "requests are tenant 'default' (repeatable; default: none)",
     )
+    p.add_argument(
+        "--client-send-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="sim and upstream engines: a client that takes no bytes of its response for this long "
+        "is treated as gone: its connection is closed and its request ends as a disconnect (default: 60.0)",
+    )
     _accounting_flags(p)
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help='`vllm serve` flags, after "--"')
 
@@ -201,5 +208,6 @@ def serve_settings(args: argparse.Namespace) -> Settings:
             "otlp_endpoint": args.otlp_endpoint,
             "otlp_timeout_s": args.otlp_timeout,
             "pd_legs": args.pd_legs,
+            "client_send_timeout_s": args.client_send_timeout,
         },
     )

@@ -81,6 +81,8 @@ class Settings:
     read_timeout_s: float = 600.0
     write_timeout_s: float = 60.0
     upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
+    # sim and upstream modes: a client that takes no response bytes this long is gone (proxy.server.send_timeout)
+    client_send_timeout_s: float = 60.0
     # sim and upstream modes: how long a SIGTERM waits for requests in flight (vLLM: its --shutdown-timeout)
     shutdown_timeout_s: float = 10.0
     # simulator
@@ -111,7 +113,8 @@ class Settings:
             except (ssl.SSLError, OSError) as exc:
                 raise SettingsError(f"upstream_ca: cannot load CA certificates from {self.upstream_ca}: "
                                     f"{getattr(exc, 'reason', None) or exc}") from None
-        for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s", "shutdown_timeout_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s", "shutdown_timeout_s",
+                     "client_send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be a positive number of seconds")
         if self.workers < 1:

@@ -1,0 +1,95 @@
+"""``client_send_timeout_s``: a client that stops taking its response is treated as gone.
+
+nginx's ``send_timeout`` (default 60 s): the bound is on the time between two writes to
+the client that make progress, not on the whole response. uvicorn has none: once the
+connection's write buffer is full, the app's ``send`` waits in uvicorn's flow control
+until the client reads, however long that is. In upstream mode that wait holds an upstream
+connection (its read timeout rests while reading is paused for the slow client), so a few
+hundred sockets that never read would take the whole pool; in sim mode it holds the
+simulated request.
+
+The bound is kept where the waiting is, on the server's side of the connection: while the
+transport has paused the app's writes (its buffer above the high-water mark), a timer runs;
+when it fires and the client took no byte of that buffer since it was started, the
+connection is aborted. uvicorn then sees what it sees when a client leaves
+(``connection_lost``): the waiting ``send`` returns, ``receive`` says ``http.disconnect``,
+and the request ends as any disconnect does (in upstream mode its exchange is cancelled and
+its upstream connection closed, never pooled, so the upstream aborts the request; its usage
+record says ``disconnected``). Nothing is cancelled inside uvicorn's ``send``, so no
+traceback and no "returned without completing response" line; one warning says it. (A
+timeout around the app's ``send`` would do both: the app would return with its response
+unfinished, and uvicorn, seeing no disconnect, would log that line and only ``close`` the
+transport, which waits for the unsent bytes of a client that takes none.)
+
+Only ``asyncio.Protocol``'s own calls are overridden. vLLM's server (``--engine vllm``)
+is vLLM's uvicorn, which has no such bound (docs/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+logger = logging.getLogger("cachetally.app")
+
+
+class SendTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (what its ``auto`` picks: httptools is a dependency),
+    with a client whose writes make no progress for ``send_timeout_s`` taken for gone."""
+
+    def __init__(self, *args: Any, send_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._send_timeout_s = send_timeout_s
+        self._client: asyncio.Transport | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes waiting in the transport when the timer was started
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's
+        self._client = transport
+        super().connection_made(transport)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._time_send()
+
+    def resume_writing(self) -> None:
+        self._stop_timer()
+        super().resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def _time_send(self) -> None:
+        if self._send_timer is None and self._client is not None:
+            self._unsent = self._client.get_write_buffer_size()
+            self._send_timer = asyncio.get_running_loop().call_later(self._send_timeout_s, self._timed_out)
+
+    def _stop_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _timed_out(self) -> None:
+        self._send_timer = None
+        client = self._client
+        if client is None or client.is_closing():
+            return
+        unsent = client.get_write_buffer_size()
+        if unsent < self._unsent:  # the client took some: progress, time the next stretch
+            self._time_send()
+            return
+        logger.warning("a client took no response bytes for %g s (client_send_timeout_s): its connection "
+                       "is closed, and a request still running on it ends as a disconnect", self._send_timeout_s)
+        client.abort()
+
+
+def with_send_timeout(send_timeout_s: float) -> Callable[..., asyncio.Protocol]:
+    """uvicorn's ``http`` option for cachetally's own server (a partial, so that it reaches
+    ``--workers N`` processes, which uvicorn starts with its config pickled)."""
+    return functools.partial(SendTimeoutProtocol, send_timeout_s=send_timeout_s)
