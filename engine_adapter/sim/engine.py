@@ -180,8 +180,9 @@ class SimEngine:
         return Response(orjson.dumps(whole(req, rid, reported)), media_type="application/json")
 
     async def _step(self) -> None:
-        if self.config.token_delay_s > 0:
-            await asyncio.sleep(self.config.token_delay_s)
+        # Even at no delay, one turn of the loop per token, as an engine's stream gives: else a
+        # stream runs to its end unbroken, the loop held, its client's departure unseen.
+        await asyncio.sleep(self.config.token_delay_s)
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
         cfg = self.config
@@ -229,8 +230,7 @@ class SimEngine:
                     chunk["usage"] = usage(prompt_lens[0], 0)
                 yield sse(chunk)
         for k in range(req.max_tokens):
-            if self.config.token_delay_s > 0:
-                await asyncio.sleep(self.config.token_delay_s)
+            await self._step()
             text, last = generated_token(k), k == req.max_tokens - 1
             for p, prompt_len in enumerate(prompt_lens):
                 for i in range(req.n):
