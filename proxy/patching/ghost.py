@@ -13,7 +13,9 @@ not a choice's chunk (``[DONE]``, which must stay after it). With ``n > 1`` the 
 that are still generating stream on as they come, past a choice that finished first; each
 choice's own chunks keep their order. For ``n = 1`` (the finishing chunk, then the usage
 chunk, in one engine step) the stream is byte-identical and nothing waits. A stream that
-ends without a usage chunk releases what was held unchanged.
+ends without a usage chunk releases what was held unchanged. An event too large to patch
+goes out in parts as they come (``max_event_bytes``); once its first part went out, the
+rest of it follows unheld, or another chunk would land inside it.
 
 An upstream may send usage the client did not ask for: vLLM's ``--enable-force-include-usage``
 puts it on every chunk, whatever ``continuous_usage_stats`` says, and sends the usage chunk to
@@ -36,11 +38,14 @@ _CHOICE = re.compile(rb'"choices":\s*\[\s*\{')
 
 
 class GhostHold:
-    __slots__ = ("_held", "_all", "_done", "_fingerprint", "_usage_dropped", "_unasked")
+    __slots__ = ("_held", "_all", "_open", "_done", "_fingerprint", "_usage_dropped", "_unasked")
 
     def __init__(self) -> None:
         self._held = bytearray()
         self._all = False  # part of an unfinished event is held: hold everything after it too
+        #: Part of an unfinished event went out: the rest of it goes out next, and this is what
+        #: to scan before that rest (``b"x"``: it starts inside a line).
+        self._open: bytes | None = None
         self._done = False  # released after the usage chunk: nothing more to hold
         self._fingerprint: str | None = None
         self._usage_dropped = False
@@ -67,9 +72,26 @@ class GhostHold:
     def filter(self, out: bytes) -> bytes:
         """Feed the patcher's output (whole events, but for an oversized or last one's
         part); returns what may go to the client now."""
+        if self._open is None:
+            return self._filter(out)
+        if not out:
+            return out
+        lead = self._open
+        rest, whole = _events(lead + out)[0]
+        if not whole:
+            self._open = _resume(lead + out)
+            return out
+        self._open = None
+        rest = rest[len(lead) :]
+        return rest + self._filter(out[len(rest) :])
+
+    def _filter(self, out: bytes) -> bytes:
         if self._unasked:
             return self.release() + out if self._held else out
         if self._done or (not self._held and not _FINISH.search(out)):
+            if out and not self._done and not out.endswith(b"\n\n"):
+                last, whole = _events(out)[-1]
+                self._open = None if whole else _resume(last)
             return out
         passed: list[bytes] = []
         for event, whole in _events(out):
@@ -78,7 +100,8 @@ class GhostHold:
                 self._all = self._all or not whole
             else:
                 passed.append(event)
-        if self._usage_dropped:
+                self._open = None if whole else _resume(event)
+        if self._usage_dropped and self._open is None:
             passed.append(self.release())
         return b"".join(passed)
 
@@ -106,6 +129,11 @@ def _events(out: bytes) -> list[tuple[bytes, bool]]:
     if event_start < len(out):
         events.append((out[event_start:], False))
     return events
+
+
+def _resume(part: bytes) -> bytes:
+    """What to scan before the rest of an event of which ``part`` went out (``_open``)."""
+    return b"" if part.endswith((b"\n", b"\r")) else b"x"
 
 
 def _stamp(events: bytes, field: bytes) -> bytes:

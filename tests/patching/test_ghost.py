@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from starlette.types import Receive, Scope, Send
 
 from proxy.patching.context import PatchConfig
-from tests.patching.test_middleware import DONE, GHOST_USAGE, ROLE, Client, Harness, chat_request, finishing, start
+from tests.patching.test_middleware import DONE, GHOST_USAGE, ROLE, Client, Harness, chat_request, finishing, sse_payloads, start
 
 
 def token(index: int, k: int) -> bytes:
@@ -86,3 +86,77 @@ async def test_the_ghost_hold_holds_only_finishing_chunks(stream: tuple[list[byt
         for e, end in zip(events, ends, strict=True):
             if end <= at and e in passing and e not in (DONE,):
                 assert e in seen
+
+
+async def _client_gets(parts: list[bytes], *, n: int = 1, max_event_bytes: int = 1 << 20) -> bytes:
+    """The client's body when the upstream sends ``parts`` to a ghost-usage request."""
+    h = Harness(PatchConfig(ghost_usage=True, max_event_bytes=max_event_bytes))
+    client = Client(chat_request(stream=True, n=n))
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        await start(send, b"text/event-stream")
+        for part in parts:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    await h.call(h.middleware(respond), client)
+    return client.body
+
+
+def _oversized(index: int, finish: str | None, *, padded_head: bool = False) -> bytes:
+    """A choice's chunk of over 250 bytes; ``padded_head``: a long field before its ``choices``."""
+    choice = {"index": index, "delta": {"content": "x" * 200}, "finish_reason": finish}
+    head = {"x_padding": "y" * 200} if padded_head else {}
+    payload = {**head, "id": "chatcmpl-1", "choices": [choice]}
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+@pytest.mark.asyncio
+async def test_an_oversized_finishing_chunk_whose_start_went_out_is_not_cut_by_another_choice() -> None:
+    """n=2, an event past ``max_event_bytes`` goes out in parts: once its start went out, its
+    rest (here with the finish_reason) follows it. Before, the rest was held for the usage
+    chunk, and choice 1's chunk landed inside choice 0's: the client read broken JSON."""
+    big = _oversized(0, "length")
+    body = await _client_gets([ROLE, big[:50], big[50:120], big[120:], token(1, 0), finishing(1), GHOST_USAGE, DONE],
+                              n=2, max_event_bytes=64)
+    assert body == ROLE + big + token(1, 0) + finishing(1, system_fingerprint="fp-1") + DONE
+
+
+@st.composite
+def streams_with_oversized_chunks(draw: st.DrawFn) -> tuple[list[bytes], list[int]]:
+    """As :func:`streams`, but some choice chunks (finishing ones too) are past ``max_event_bytes``."""
+    n = draw(st.integers(1, 3))
+    left = [draw(st.integers(0, 2)) for _ in range(n)]
+    order = draw(st.permutations([i for i in range(n) for _ in range(left[i] + 1)]))
+    events, done = [ROLE], [0] * n
+    for choice in order:
+        finish = None if done[choice] < left[choice] else "length"
+        big = draw(st.booleans())
+        events.append(_oversized(choice, finish, padded_head=draw(st.booleans())) if big
+                      else token(choice, done[choice]) if finish is None else finishing(choice))
+        done[choice] += 1
+    events += [GHOST_USAGE, DONE]
+    size = sum(map(len, events))
+    return events, sorted(set(draw(st.lists(st.integers(1, size - 1), max_size=8))))
+
+
+@pytest.mark.asyncio
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(streams_with_oversized_chunks())
+async def test_every_chunk_reaches_the_client_whole_when_some_are_too_large_to_patch(
+    stream: tuple[list[bytes], list[int]],
+) -> None:
+    """Whatever is held or passed, each event the client reads is one the upstream sent (its
+    fingerprint aside), whole, and ``[DONE]`` comes last."""
+    events, cuts = stream
+    wire = b"".join(events)
+    parts = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
+    body = await _client_gets(parts, n=3, max_event_bytes=250)
+
+    def unstamped(payloads: list) -> list[bytes]:
+        return sorted(orjson.dumps({k: v for k, v in p.items() if k != "system_fingerprint"})
+                      if isinstance(p, dict) else b"[DONE]" for p in payloads)
+
+    got = sse_payloads(body)
+    assert got[-1] == "[DONE]"
+    assert unstamped(got) == unstamped(sse_payloads(b"".join(e for e in events if e != GHOST_USAGE)))
