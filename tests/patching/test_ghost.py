@@ -122,6 +122,36 @@ async def test_an_oversized_finishing_chunk_whose_start_went_out_is_not_cut_by_a
     assert body == ROLE + big + token(1, 0) + finishing(1, system_fingerprint="fp-1") + DONE
 
 
+@pytest.mark.asyncio
+async def test_an_oversized_chunk_held_in_part_is_held_whole() -> None:
+    """n=2, choice 0's finishing chunk is held; choice 1's oversized chunk goes out in parts, the
+    first without its ``choices``: it is held, and so is the rest of it, in one piece."""
+    big = _oversized(1, None, padded_head=True)
+    body = await _client_gets([ROLE, finishing(0), big[:50], big[50:120], big[120:], finishing(1), GHOST_USAGE, DONE],
+                              n=2, max_event_bytes=64)
+    stamped = [finishing(0, system_fingerprint="fp-1"), finishing(1, system_fingerprint="fp-1")]
+    assert body == ROLE + stamped[0] + big + stamped[1] + DONE
+
+
+@pytest.mark.asyncio
+async def test_a_finishing_chunk_with_usage_on_it_releases_what_was_held_first() -> None:
+    """An upstream that puts usage on a choice's chunk (the last one's) stands the hold down:
+    choice 0's finishing chunk, held until then, goes out before it, as the upstream sent it."""
+    usage = {"prompt_tokens": 64, "completion_tokens": 2, "total_tokens": 66}
+    body = await _client_gets([ROLE, finishing(0), finishing(1, usage=usage), DONE], n=2)
+    assert body.startswith(ROLE + finishing(0))  # released, unstamped, before the chunk that stood it down
+    [_, _, last, done] = sse_payloads(body)
+    assert (last["choices"][0]["index"], last["usage"]["prompt_tokens"], done) == (1, 64, "[DONE]")
+
+
+@pytest.mark.asyncio
+async def test_a_finishing_chunk_that_has_a_fingerprint_gets_no_second_one() -> None:
+    """An upstream that stamps every chunk (as OpenAI does): the client gets it unchanged,
+    never a duplicate ``system_fingerprint`` key."""
+    stamped = finishing(0, system_fingerprint="fp-1")
+    assert await _client_gets([ROLE, stamped, GHOST_USAGE, DONE]) == ROLE + stamped + DONE
+
+
 @st.composite
 def streams_with_oversized_chunks(draw: st.DrawFn) -> tuple[list[bytes], list[int]]:
     """As :func:`streams`, but some choice chunks (finishing ones too) are past ``max_event_bytes``."""
