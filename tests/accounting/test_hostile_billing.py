@@ -417,7 +417,8 @@ def test_a_guarded_route_under_the_upstreams_root_path_needs_the_key(tmp_path: P
         settings = Settings(engine="upstream", upstream=upstream, api_key=SHARED).validate()
         with serving_in_thread(CachetallyApp(settings)) as url:
             keyed = {"authorization": f"Bearer {SHARED}"}
-            for path in ("/v1/models", "/api/v1/models", "/a/b/v1/models", "/api/v1/load_lora_adapter"):
+            for path in ("/v1/models", "/api/v1/models", "/a/b/v1/models", "/api/v1/load_lora_adapter",
+                         "/api/v2/rerank", "/api/inference/v1/generate", "/api/cohere/v2/rerank"):  # every prefix
                 assert httpx.get(f"{url}{path}").status_code == 401, path
             for path in ("/v1/models", "/api/v1/models"):
                 assert httpx.get(f"{url}{path}", headers=keyed).status_code == 200, path
