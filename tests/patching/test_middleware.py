@@ -570,6 +570,28 @@ async def test_details_flag_is_stripped_from_the_request_and_answered() -> None:
 
 
 @pytest.mark.asyncio
+async def test_details_are_answered_when_the_response_already_had_the_engines_figure() -> None:
+    """Nothing else to change: the details alone still change the body the client gets."""
+    h = Harness()
+    client = Client(chat_request(return_cached_tokens_details=True))
+    right = chat_completion(prompt_tokens_details={"cached_tokens": 48})
+    await h.call(h.middleware(json_response(right), (64, 48)), client)
+    assert client.json()["cached_tokens_details"]["source"] == "engine"
+    assert client.header("content-length") == str(len(client.body))
+
+
+@pytest.mark.asyncio
+async def test_an_upstream_figure_not_believed_with_no_engine_event_is_no_mismatch() -> None:
+    """The mismatch counter counts the engine's figure overwriting another: with no engine
+    event there is none, whatever the upstream claims (here more cached than its prompt)."""
+    h = Harness()
+    client = Client(chat_request())
+    await h.call(h.middleware(json_response(chat_completion(prompt_tokens_details={"cached_tokens": 80}))), client)
+    assert client.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert h.sample("cachetally_cached_tokens_mismatch_total") == 0
+
+
+@pytest.mark.asyncio
 async def test_a_different_reported_value_is_overwritten_and_counted_as_a_mismatch() -> None:
     h = Harness()
     client = Client(chat_request())
