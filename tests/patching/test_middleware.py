@@ -451,6 +451,22 @@ async def test_the_same_id_in_flight_in_two_processes_gets_two_keys(fails: bool)
         assert [c.header("x-request-id") for c in clients] == ["same", "same"]
 
 
+@pytest.mark.asyncio
+async def test_a_client_id_of_128_characters_keeps_the_key_within_128_with_the_process_tag() -> None:
+    """The key is the usage record's ``request_id``: at most 128 characters, the tag last."""
+    h, keys = Harness(), []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        keys.append(current_request_key.get())
+        await json_response(chat_completion())(scope, receive, send)
+
+    client = Client(chat_request())
+    mw = UsagePatchMiddleware(inner, ledger=h.ledger, metrics=h.metrics, process_tag=".p101")
+    await mw(http_scope(headers=[(b"x-request-id", b"a" * 128)]), client.receive, client.send)
+    assert keys == ["a" * 123 + ".p101"]
+    assert client.header("x-request-id") == "a" * 128  # the echo stays the client's
+
+
 # -- the request side -------------------------------------------------------------------------
 
 
