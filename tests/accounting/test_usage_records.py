@@ -422,6 +422,35 @@ def test_records_whose_fsync_failed_are_unconfirmed_even_if_a_later_fsync_succee
     assert (written, drops.snapshot()) == ([], {("jsonl", "unconfirmed"): 2})
 
 
+def test_a_record_whose_line_went_in_but_its_newline_is_written_once_not_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills one byte short of the first line and the cut back fails: that line's
+    JSON object is whole in the file, so it counts written there (after an ``fsync``), and
+    only the second record is offered again; offered again, it would be in two files."""
+    real_write, writes = os.write, iter(["short", "full"])
+
+    def one_byte_short(fd: int, data: Any) -> int:
+        fault = next(writes, None)
+        if fault == "short":  # as the kernel does: the bytes that fit, then ENOSPC
+            return real_write(fd, bytes(data[: len(dumps(record(1))) - 1]))
+        if fault == "full":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    def no_cut(fd: int, size: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr("proxy.accounting.records.jsonl.os.write", one_byte_short)
+    monkeypatch.setattr("proxy.accounting.records.jsonl.os.ftruncate", no_cut)
+    sink = JsonlSink(tmp_path)
+    first = sink.write([record(1), record(2)])
+    assert (first.written, [r.request_id for r in first.retry]) == (1, ["r2"])
+    assert sink.write(first.retry).written == 1
+    sink.close()
+    assert sorted(r["request_id"] for r in read_records(tmp_path)) == ["r1", "r2"]
+
+
 def test_a_process_that_finds_its_file_name_taken_never_writes_into_that_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
