@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from proxy.accounting.request_id import RequestIds, is_valid_request_id, process_tag
@@ -32,6 +32,7 @@ _TAGS = st.integers(min_value=1, max_value=2**22).map(lambda pid: f".p{pid}")
 
 
 @given(_IDS, _IDS, _TAGS, _TAGS, st.integers(0, 3), st.integers(0, 3))
+@example("a" * 128, "a" * 128, ".p4194304", ".p1", 0, 1)  # the longest ids: the tag, then a suffix, within 128
 def test_two_processes_never_give_out_the_same_key(
     first: str, second: str, tag_a: str, tag_b: str, taken_a: int, taken_b: int
 ) -> None:
@@ -53,6 +54,12 @@ def test_two_processes_never_give_out_the_same_key(
     assert key_a.endswith(tag_a) and key_b.endswith(tag_b)
     if tag_a != tag_b:
         assert key_a != key_b
+
+
+def test_a_minted_key_is_32_hex_digits_and_carries_no_tag() -> None:
+    """128 random bits are unique without the process's tag (the record's ``request_id``)."""
+    key = RequestIds().unique_key(None, lambda key: True, ".p101")
+    assert len(key) == 32 and int(key, 16) >= 0
 
 
 def test_the_tag_is_this_processes_own() -> None:
