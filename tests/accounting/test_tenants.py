@@ -251,6 +251,8 @@ def test_tenancy_resolves_in_the_documented_order() -> None:
     assert resolved(header, [(b"x-t", b"b")]) == "other"
     assert resolved(header, []) == "default"
     assert resolved(Tenancy(), [(b"x-t", b"a")]) == "default"
+    # The token is read without the spaces around it, as the key check reads it.
+    assert resolved(tenancy, [(b"authorization", b"Bearer   k1 ")]) == "keyed"
 
 
 def resolved(tenancy: Tenancy, headers: list[tuple[bytes, bytes]]) -> str:
