@@ -634,6 +634,21 @@ async def test_a_stream_with_a_wrong_figure_in_every_usage_chunk_is_one_mismatch
     assert h.sample("cachetally_cached_tokens_mismatch_total") == 1
 
 
+@pytest.mark.asyncio
+async def test_a_last_usage_chunk_without_a_prompt_count_keeps_the_one_reported_before() -> None:
+    """No engine event and no cached figure: the record bills the prompt the upstream
+    reported, which a later usage object that omits ``prompt_tokens`` does not unsay."""
+    h, records = Harness(), _Records()
+    counted = chunk({"content": "t"}, usage={"prompt_tokens": 64, "completion_tokens": 1, "total_tokens": 65})
+    final = chunk(usage={"completion_tokens": 1})
+    body = chat_request(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    mw = UsagePatchMiddleware(sse_response(ROLE, counted, final, DONE), ledger=h.ledger, metrics=h.metrics,
+                              recorder=records)  # type: ignore[arg-type]
+    await h.call(mw, Client(body))
+    [record] = records.records
+    assert (record.prompt_tokens, record.cached_tokens) == (64, None)
+
+
 # -- passthrough ---------------------------------------------------------------------------------
 
 
