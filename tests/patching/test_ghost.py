@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 from starlette.types import Receive, Scope, Send
 
 from proxy.patching.context import PatchConfig
-from tests.patching.test_middleware import DONE, GHOST_USAGE, ROLE, Client, Harness, chat_request, finishing, sse_payloads, start
+from proxy.patching.middleware import UsagePatchMiddleware
+from tests.patching.test_middleware import (
+    DONE, GHOST_USAGE, ROLE, Client, Harness, _Records, chat_request, finishing, sse_payloads, start,
+)
 
 
 def token(index: int, k: int) -> bytes:
@@ -190,3 +193,26 @@ async def test_every_chunk_reaches_the_client_whole_when_some_are_too_large_to_p
     got = sse_payloads(body)
     assert got[-1] == "[DONE]"
     assert unstamped(got) == unstamped(sse_payloads(b"".join(e for e in events if e != GHOST_USAGE)))
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_leaves_while_done_is_held_is_recorded_disconnected() -> None:
+    """The upstream's ``[DONE]`` came, but held behind a finishing chunk (no usage chunk yet):
+    the client never got it, so a client that leaves then did not see a completed stream."""
+    h, records = Harness(PatchConfig(ghost_usage=True)), _Records()
+    client = Client(chat_request(stream=True))
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        assert (await receive())["type"] == "http.request"
+        await start(send, b"text/event-stream")
+        for event in (ROLE, finishing(0), DONE):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        client.leave()
+        assert (await receive())["type"] == "http.disconnect"
+
+    mw = UsagePatchMiddleware(respond, ledger=h.ledger, metrics=h.metrics, config=h.config,
+                              recorder=records)  # type: ignore[arg-type]
+    await h.call(mw, client)
+    assert client.body == ROLE
+    [record] = records.records
+    assert record.outcome == "disconnected"
