@@ -170,6 +170,10 @@ class H11Upstream:
         self._doomed |= self._idle
         return len(self._idle)
 
+    def busy(self) -> int:
+        """Connections inside a request, or whose end it has not yet read."""
+        return len(self._writers - self._idle)
+
     @contextlib.asynccontextmanager
     async def serving(self, **tls: object) -> AsyncIterator[int]:
         """Listen on 127.0.0.1 (with ``ssl=...`` for TLS); yield the port; close everything on exit."""

@@ -9,9 +9,18 @@ resetting its idle connections as their next request arrives (the idle-close rac
 request written in full, in hand, is sent once more on a new connection; a streamed one
 cannot be and is a 502).
 
+A crowd: more requests at once than the pool has connections, so some wait, and a drawn
+few of them leave (cancelled: a client gone, the server's stop) a drawn number of loop
+turns after the crowd starts or after a first response is in hand, just before or just
+after a response is closed in the same turn. Every request that stays gets its own body
+back with a 200; every one that leaves ends cancelled (or completed, if it finished first);
+one that left before it was given a connection never reached the upstream; then nothing
+is checked out and no waiter is queued.
+
 The invariant, after every step: h11 parsed exactly the requests that were sent
 completely (each with its own body: no byte of one inside another, none twice), each
 client of a complete request got its own body back, and h11 never failed to parse a byte.
+A request that left after it was given a connection counts as complete if h11 parsed it.
 """
 
 from __future__ import annotations
@@ -67,6 +76,29 @@ operations = st.one_of(
 )
 
 
+#: (size, which leave, counted from, loop turns, order): more requests than max_connections.
+crowds = st.integers(4, 7).flatmap(lambda size: st.tuples(
+    st.just(size),
+    st.sets(st.integers(0, size - 1), min_size=1),
+    st.sampled_from(["the crowd starts", "a first response is in hand"]),
+    st.integers(0, 6),
+    st.sampled_from(["leave, then a response closes", "a response closes, then leave"]),
+))
+
+
+class GivingPool(Http1Pool):
+    """Records the tasks given a connection: a request that leaves before that wrote no byte."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.given: set[asyncio.Task[Any] | None] = set()
+
+    async def _acquire(self) -> Any:
+        conn = await super()._acquire()
+        self.given.add(asyncio.current_task())  # the request is written in this same step
+        return conn
+
+
 class PoolInterleavings(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -78,8 +110,8 @@ class PoolInterleavings(RuleBasedStateMachine):
         self.complete: list[tuple[bytes, bytes]] = []  # (target, body) of each request sent completely
         self.count = 0
 
-    async def _pool(self, port: int) -> Http1Pool:
-        return Http1Pool(
+    async def _pool(self, port: int) -> GivingPool:
+        return GivingPool(
             Origin.parse(f"http://127.0.0.1:{port}"), max_connections=3, keepalive_s=KEEPALIVE_S,
             connect_timeout_s=5.0, read_timeout_s=READ_TIMEOUT_S,
         )
@@ -152,6 +184,75 @@ class PoolInterleavings(RuleBasedStateMachine):
             await asyncio.gather(self.operate(first), self.operate(second))
 
         self.run(both())
+
+    @rule(crowd=crowds)
+    def crowd_some_leave(self, crowd: tuple[int, set[int], str, int, str]) -> None:
+        self.run(self.crowd(*crowd))
+
+    async def fetch(self, body: bytes) -> tuple[tuple[int, bytes], Any]:
+        """Send ``body`` in hand and read the answer; the response is left for the crowd to close."""
+        response = await self.pool.send("POST", b"/echo", [], body)
+        try:
+            return (response.status, await read_all(response)), response
+        except BaseException:
+            response.close()
+            raise
+
+    async def crowd(self, size: int, leave: set[int], since: str, turns: int, order: str) -> None:
+        bodies = [self.marker(64) for _ in range(size)]
+        tasks = [asyncio.ensure_future(self.fetch(body)) for body in bodies]
+        closed: set[asyncio.Future[Any]] = set()
+
+        def answered() -> list[asyncio.Future[Any]]:  # in the order they were started
+            return [t for t in tasks if t.done() and not t.cancelled() and t.exception() is None and t not in closed]
+
+        def close(task: asyncio.Future[Any]) -> None:
+            closed.add(task)
+            task.result()[1].close()  # its connection goes to the first waiter, or back to the pool
+
+        if since == "a first response is in hand":
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        ready = answered()[:1]  # one closes in the same turn as the leaving, before or after it
+        if order == "a response closes, then leave":
+            for task in ready:
+                close(task)
+        for i in sorted(leave):
+            tasks[i].cancel()
+        if order == "leave, then a response closes":
+            for task in ready:
+                close(task)
+        pending: set[asyncio.Future[Any]] = set(tasks)
+        while pending:  # close every answer as it comes, so that every waiter is served
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in answered():
+                close(task)
+        await self.settle()
+        parsed = Counter((r.target, r.body) for r in self.upstream.requests)
+        for i, (task, body) in enumerate(zip(tasks, bodies)):
+            if task.cancelled():
+                assert i in leave
+                if task in self.pool.given:  # it may have reached the upstream, or not
+                    if parsed[(b"/echo", body)]:
+                        self.complete.append((b"/echo", body))
+                else:
+                    head = body[: body.index(b"}") + 1]
+                    reached = [r for r in (*self.upstream.requests, *self.upstream.cut) if head in r.body]
+                    assert reached == [], f"request {i} left while it waited, yet reached the upstream"
+                continue
+            assert task.exception() is None, f"request {i} ended in {task.exception()!r}"
+            assert task.result()[0] == (200, body)  # its own body back; no 503 while connections idle
+            self.complete.append((b"/echo", body))
+        _, _, checked_out, waiting = self.pool.pool_state()
+        assert (checked_out, waiting) == (0, 0), self.pool.pool_state()
+
+    async def settle(self) -> None:
+        """Until the upstream has read to the end of every connection dropped, and the pool has seen them go."""
+        for _ in range(100):
+            if self.upstream.busy() == 0 and self.pool.pool_state()[2] == 0:
+                return
+            await asyncio.sleep(0.01)
 
     @rule()
     def keepalive_expires(self) -> None:
