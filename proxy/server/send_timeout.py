@@ -28,8 +28,11 @@ is vLLM's uvicorn, which has no such bound (docs/RELIABILITY.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import socket
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +89,12 @@ class SendTimeoutProtocol(HttpToolsProtocol):
             return
         logger.warning("a client took no response bytes for %g s (client_send_timeout_s): its connection "
                        "is closed, and a request still running on it ends as a disconnect", self._send_timeout_s)
+        # A reset, as nginx's reset_timedout_connection: a close would leave the kernel holding
+        # the unsent megabytes, in FIN-WAIT-1, for as long as the client keeps its window shut.
+        sock = client.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         client.abort()
 
 
@@ -93,3 +102,4 @@ def with_send_timeout(send_timeout_s: float) -> Callable[..., asyncio.Protocol]:
     """uvicorn's ``http`` option for cachetally's own server (a partial, so that it reaches
     ``--workers N`` processes, which uvicorn starts with its config pickled)."""
     return functools.partial(SendTimeoutProtocol, send_timeout_s=send_timeout_s)
+
