@@ -8,8 +8,9 @@ vLLM adds the class with ``app.add_middleware`` after its own middlewares, so it
 outermost layer of each API server's app. Starlette builds that stack on the first ASGI
 call, the lifespan, by which time vLLM has bound the app to its engine client
 (``init_app_state`` sets ``app.state.engine_client``). At ``lifespan.startup`` the
-middleware taps that client (:class:`engine_adapter.vllm.tap.EngineTap`) and bounds how
-long a stop waits for the requests vLLM's engine left (:data:`REQUESTS_LEFT_S`); at
+middleware taps that client (:class:`engine_adapter.vllm.tap.EngineTap`), bounds how
+long a stop waits for the requests vLLM's engine left (:data:`REQUESTS_LEFT_S`) and how
+long a client may take none of its response (``client_send_timeout_s``); at
 shutdown it removes the tap and drains the usage records. Each API server process of
 ``--api-server-count N`` builds its own app, so each taps its own client.
 
@@ -53,6 +54,7 @@ from proxy.patching.context import DEFAULT_ROUTES
 from proxy.server.instance import Accounting
 from proxy.server.logs import configure_logging
 from proxy.server.own_routes import read_only, ready_line, send_stats
+from proxy.server.send_timeout import bound_vllms_clients
 from proxy.server.settings import load_settings
 
 logger = logging.getLogger("cachetally.vllm")
@@ -114,6 +116,7 @@ class CachetallyMiddleware:
                     await stack.enter_async_context(self.accounting.running())
                     self._tap_engine(app, stack)
                     _bound_the_wait_for_requests_left(app)
+                    _bound_slow_clients(app, self.accounting.settings.client_send_timeout_s)
                     if _pooling_only(app):  # /invocations runs only pooling handlers, which the tap never sees
                         self._patched.refuse_route(INVOCATIONS)
                     self._front = behind_vllm_auth(app, self._route)
@@ -172,6 +175,15 @@ def _bound_the_wait_for_requests_left(app: Any) -> None:
     config = getattr(getattr(getattr(app, "state", None), "server", None), "config", None)
     if config is not None and config.timeout_graceful_shutdown is None:
         config.timeout_graceful_shutdown = REQUESTS_LEFT_S
+
+
+def _bound_slow_clients(app: Any, send_timeout_s: float) -> None:
+    """:func:`proxy.server.send_timeout.bound_vllms_clients` on the server vLLM runs ``app`` in.
+    Without it a client that stops reading holds its request, which the engine goes on generating."""
+    config = getattr(getattr(getattr(app, "state", None), "server", None), "config", None)
+    if config is not None and not bound_vllms_clients(config, send_timeout_s):
+        logger.warning("vLLM's server does not run uvicorn's httptools protocol: client_send_timeout_s "
+                       "is not applied, and a client that stops reading holds its request")
 
 
 def _state_for_tasks_left(app: Any) -> None:

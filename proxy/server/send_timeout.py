@@ -21,8 +21,11 @@ timeout around the app's ``send`` would do both: the app would return with its r
 unfinished, and uvicorn, seeing no disconnect, would log that line and only ``close`` the
 transport, which waits for the unsent bytes of a client that takes none.)
 
-Only ``asyncio.Protocol``'s own calls are overridden. vLLM's server (``--engine vllm``)
-is vLLM's uvicorn, which has no such bound (docs/RELIABILITY.md).
+Only ``asyncio.Protocol``'s own calls are overridden. vLLM's server (``--engine vllm``,
+``vllm serve --middleware``) is vLLM's uvicorn, built before any cachetally code runs: the
+middleware puts this protocol in its config at the lifespan's startup
+(:func:`bound_vllms_clients`), before uvicorn opens its listener, which reads the protocol
+from there. A slow client holds more there: vLLM's engine goes on generating its request.
 """
 
 from __future__ import annotations
@@ -103,3 +106,11 @@ def with_send_timeout(send_timeout_s: float) -> Callable[..., asyncio.Protocol]:
     ``--workers N`` processes, which uvicorn starts with its config pickled)."""
     return functools.partial(SendTimeoutProtocol, send_timeout_s=send_timeout_s)
 
+
+def bound_vllms_clients(config: Any, send_timeout_s: float) -> bool:
+    """Put the bound in the ``uvicorn.Config`` that vLLM serves with, where it serves with
+    uvicorn's own httptools protocol (its ``auto`` choice); ``False`` where it does not."""
+    if getattr(config, "http_protocol_class", None) is not HttpToolsProtocol:
+        return False
+    config.http_protocol_class = with_send_timeout(send_timeout_s)
+    return True

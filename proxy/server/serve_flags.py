@@ -103,8 +103,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--client-send-timeout",
         type=float,
         metavar="SECONDS",
-        help="sim and upstream engines: a client that takes no bytes of its response for this long "
-        "is treated as gone: its connection is closed and its request ends as a disconnect (default: 60.0)",
+        help="a client that takes no bytes of its response for this long is treated as gone: its "
+        "connection is reset and its request ends as a disconnect (vLLM aborts it) (default: 60.0)",
     )
     _accounting_flags(p)
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help='`vllm serve` flags, after "--"')

@@ -9,6 +9,7 @@ prompt is prefilled is billed that prompt with its cache unknown."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 import uuid
 from collections.abc import Awaitable
@@ -22,6 +23,7 @@ import pytest
 
 from tests.clients import fresh_prompt
 from tests.load import DropPoint, dropping_client
+from tests.conftest import CLIENT_SEND_TIMEOUT_S
 from tests.servers import Pace, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -198,3 +200,43 @@ def test_a_stream_cut_before_its_prefill_ended_is_billed_its_prompt_with_its_cac
     assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"], record["source"]) == (
         "disconnected", answered.usage.prompt_tokens, None, "engine")
     assert (record["completion_tokens"], record["local_cached_tokens"]) == (0, None)
+
+
+MAX_TOKENS = 2000  # 16 choices of it fit the shared server's KV cache
+
+
+def test_a_client_that_takes_none_of_its_stream_is_let_go_and_vllm_stops_its_request(
+    vllm_server: str, vllm_server_log: Path, vllm_usage_dir: Path, vllm_pace: Pace
+) -> None:
+    """A client that opens a stream and never reads: vLLM's uvicorn waits on it for as long
+    as its connection stays, and vLLM's engine goes on generating for it. The shared server
+    runs with ``--client-send-timeout`` (tests/conftest.py): once its writes make no progress
+    for that long, the connection is let go, vLLM aborts the request, and the record says
+    the client left, all while the client's socket is still open.
+
+    The server's kernel takes up to 4 MiB before uvicorn's own buffer fills and its writes
+    pause (when the bound starts): 16 choices with 20 top logprobs each fill it in seconds."""
+    request_id = uuid.uuid4().hex
+    model = httpx.get(f"{vllm_server}/v1/models", timeout=None).json()["data"][0]["id"]
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": fresh_prompt()}],
+                         "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True, "n": 16,
+                         "logprobs": True, "top_logprobs": 20})
+    port = int(vllm_server.rsplit(":", 1)[1])
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", port))
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                       b"content-type: application/json\r\nx-request-id: %s\r\ncontent-length: %d\r\n\r\n%s"
+                       % (request_id.encode(), len(body), body))
+        found = records_for(vllm_usage_dir, {request_id}, timeout_s=vllm_pace.timeout(16) + CLIENT_SEND_TIMEOUT_S)
+        running = asyncio.run(_vllm_counters(vllm_server, vllm_pace, "vllm:num_requests_running"))
+        deadline = time.monotonic() + vllm_pace.timeout()
+        while running["vllm:num_requests_running"] != 0:  # the engine's gauge follows at its next step
+            assert time.monotonic() < deadline, "vLLM kept generating for the client it let go"
+            time.sleep(0.05)
+            running = asyncio.run(_vllm_counters(vllm_server, vllm_pace, "vllm:num_requests_running"))
+    assert len(found.get(request_id, [])) == 1, "the request never ended while its client stayed"
+    record = found[request_id][0]
+    assert (record["outcome"], record["status"]) == ("disconnected", 200)
+    assert 0 < record["completion_tokens"] < 16 * MAX_TOKENS
+    assert "client_send_timeout_s" in vllm_server_log.read_text()
