@@ -11,7 +11,8 @@ simulated request.
 The bound is kept where the waiting is, on the server's side of the connection: while the
 transport has paused the app's writes (its buffer above the high-water mark), a timer runs;
 when it fires and the client took no byte of that buffer since it was started, the
-connection is aborted. uvicorn then sees what it sees when a client leaves
+connection is aborted, a closing one too (its response whole: a close waits for the unsent
+bytes, for as long as the client keeps its window shut). uvicorn then sees what it sees when a client leaves
 (``connection_lost``): the waiting ``send`` returns, ``receive`` says ``http.disconnect``,
 and the request ends as any disconnect does (in upstream mode its exchange is cancelled and
 its upstream connection closed, never pooled, so the upstream aborts the request; its usage
@@ -64,7 +65,10 @@ class SendTimeoutProtocol(HttpToolsProtocol):
         self._time_send()
 
     def resume_writing(self) -> None:
-        self._stop_timer()
+        # A closing transport (the response whole, keep-alive over or "Connection: close") is
+        # never paused again: its timer runs on until the client has taken every byte.
+        if self._client is None or not self._client.is_closing():
+            self._stop_timer()
         super().resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -84,8 +88,10 @@ class SendTimeoutProtocol(HttpToolsProtocol):
     def _timed_out(self) -> None:
         self._send_timer = None
         client = self._client
-        if client is None or client.is_closing():
+        if client is None:
             return
+        # A closing one too: close() waits for the unsent bytes, for as long as the client
+        # keeps its window shut, holding the socket and those bytes with it.
         unsent = client.get_write_buffer_size()
         if unsent < self._unsent:  # the client took some: progress, time the next stretch
             self._time_send()

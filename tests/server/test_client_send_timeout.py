@@ -48,3 +48,24 @@ def test_serve_ends_a_stream_whose_client_takes_nothing_for_the_send_timeout_as_
     text = log.read_text()
     assert text.count("client_send_timeout_s") == 1, text[-3000:]
     assert "Traceback" not in text and "ASGI callable" not in text and SECRET not in text, text[-3000:]
+
+
+def test_serve_resets_a_client_that_takes_none_of_a_whole_response_whose_connection_closes(tmp_path: Path) -> None:
+    """Found by review: once the response was whole and its connection closing ("Connection:
+    close" here; after a keep-alive's 5 s, before the 60 s bound, by default), the bound
+    stood down, and close() waited for the unsent megabytes for as long as the client stayed."""
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--usage-dir", str(tmp_path),
+            "--usage-flush-interval", "0.05", "--client-send-timeout", "0.5"]
+    body = orjson.dumps({"model": "sim-model", "prompt": SECRET, "max_tokens": 500_000})
+    with running_server(args) as (url, _):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            found = records(tmp_path, 1, timeout_s=30.0)
+            assert found[0]["outcome"] == "completed"  # its response was whole before the client was let go
+            time.sleep(2.0)  # four times the bound, once the response is whole (no pass/fail on it)
+            with pytest.raises(ConnectionResetError):  # not the megabytes, then an end
+                while client.recv(1 << 20):
+                    pass
