@@ -47,9 +47,7 @@ from proxy.bench.processes import (
     rss_kib,
     wait_healthy,
 )
-from proxy.bench.rounds import alternate, median, percentile, summarize
-
-Figures = dict[str, Any]
+from proxy.bench.rounds import Figures, alternate, median, percentile, summarize
 
 
 @dataclass(frozen=True, slots=True)
