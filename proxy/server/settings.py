@@ -81,7 +81,7 @@ class Settings:
     read_timeout_s: float = 600.0
     write_timeout_s: float = 60.0
     upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
-    # sim and upstream modes: a client that takes no response bytes this long is gone (proxy.server.send_timeout)
+    # every mode (vLLM: set in its server by the middleware): a client that takes no response bytes this long is gone
     client_send_timeout_s: float = 60.0
     # sim and upstream modes: how long a SIGTERM waits for requests in flight (vLLM: its --shutdown-timeout)
     shutdown_timeout_s: float = 10.0
