@@ -29,19 +29,23 @@ def token(index: int, k: int) -> bytes:
 
 
 @st.composite
-def streams(draw: st.DrawFn) -> tuple[list[bytes], list[int]]:
-    """vLLM's events for n choices, interleaved as the engine steps them; and where to cut."""
+def streams(draw: st.DrawFn, oversized: bool = False) -> tuple[list[bytes], list[int]]:
+    """vLLM's events for n choices, interleaved as the engine steps them; and where to cut.
+    ``oversized``: some choice chunks (finishing ones too) are past ``max_event_bytes``."""
     n = draw(st.integers(1, 3))
-    left = [draw(st.integers(0, 3)) for _ in range(n)]
+    left = [draw(st.integers(0, 2 if oversized else 3)) for _ in range(n)]
     order = draw(st.permutations([i for i in range(n) for _ in range(left[i] + 1)]))
     events, done = [ROLE], [0] * n
     for choice in order:
-        events.append(token(choice, done[choice]) if done[choice] < left[choice] else finishing(choice))
+        finish = None if done[choice] < left[choice] else "length"
+        if oversized and draw(st.booleans()):
+            events.append(_oversized(choice, finish, padded_head=draw(st.booleans())))
+        else:
+            events.append(token(choice, done[choice]) if finish is None else finishing(choice))
         done[choice] += 1
     events += [GHOST_USAGE, DONE]
     size = sum(map(len, events))
-    cuts = sorted(set(draw(st.lists(st.integers(1, size - 1), max_size=6))))
-    return events, cuts
+    return events, sorted(set(draw(st.lists(st.integers(1, size - 1), max_size=8 if oversized else 6))))
 
 
 @pytest.mark.asyncio
@@ -155,27 +159,9 @@ async def test_a_finishing_chunk_that_has_a_fingerprint_gets_no_second_one() -> 
     assert await _client_gets([ROLE, stamped, GHOST_USAGE, DONE]) == ROLE + stamped + DONE
 
 
-@st.composite
-def streams_with_oversized_chunks(draw: st.DrawFn) -> tuple[list[bytes], list[int]]:
-    """As :func:`streams`, but some choice chunks (finishing ones too) are past ``max_event_bytes``."""
-    n = draw(st.integers(1, 3))
-    left = [draw(st.integers(0, 2)) for _ in range(n)]
-    order = draw(st.permutations([i for i in range(n) for _ in range(left[i] + 1)]))
-    events, done = [ROLE], [0] * n
-    for choice in order:
-        finish = None if done[choice] < left[choice] else "length"
-        big = draw(st.booleans())
-        events.append(_oversized(choice, finish, padded_head=draw(st.booleans())) if big
-                      else token(choice, done[choice]) if finish is None else finishing(choice))
-        done[choice] += 1
-    events += [GHOST_USAGE, DONE]
-    size = sum(map(len, events))
-    return events, sorted(set(draw(st.lists(st.integers(1, size - 1), max_size=8))))
-
-
 @pytest.mark.asyncio
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(streams_with_oversized_chunks())
+@given(streams(oversized=True))
 async def test_every_chunk_reaches_the_client_whole_when_some_are_too_large_to_patch(
     stream: tuple[list[bytes], list[int]],
 ) -> None:
