@@ -47,7 +47,7 @@ def _start_proxy(servers: Servers, checkout: Path, upstream: int) -> tuple[int, 
 
 
 def compare(baseline: Path, rounds: int, c64_per_conn: int = 40, c1_requests: int = 1000) -> dict[str, Any]:
-    from proxy.bench.proxy import _chat
+    from proxy.bench.proxy import chat_body
     from proxy.bench.rounds import median, percentile
 
     this = Path(__file__).resolve().parent.parent.parent
@@ -60,7 +60,7 @@ def compare(baseline: Path, rounds: int, c64_per_conn: int = 40, c1_requests: in
         for port, proc in proxies.values():
             wait_healthy(f"http://127.0.0.1:{port}", proc)
         gen = LoadGen(servers)
-        chat, plain, streamed = "/v1/chat/completions", _chat(8, stream=False), _chat(8, stream=True)
+        chat, plain, streamed = "/v1/chat/completions", chat_body(8, stream=False), chat_body(8, stream=True)
         for port, _ in proxies.values():
             gen.run(port, chat, plain, 64, 3)
             gen.run(port, chat, streamed, 8, 2)

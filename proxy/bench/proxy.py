@@ -74,7 +74,7 @@ QUICK = Counts(
 )
 
 
-def _chat(max_tokens: int, stream: bool) -> str:
+def chat_body(max_tokens: int, stream: bool) -> str:
     body: dict[str, Any] = {
         "model": "sim-model",
         "messages": [{"role": "user", "content": "How many of these prompt tokens were cached?"}],
@@ -126,10 +126,10 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
     port = {"direct": sim[0], "relay": relay[0], "proxied": proxy[0]}
     paced_port = {"direct": paced[0], "relay": paced_relay[0], "proxied": paced_proxy[0]}
     chat, completions = "/v1/chat/completions", "/v1/completions"
-    plain = _chat(8, stream=False)
+    plain = chat_body(8, stream=False)
     for warm in (sim, relay, proxy, bare, embedded):  # connections, pools, caches, lazy imports
         gen.run(warm[0], chat, plain, 64, 3)
-        gen.run(warm[0], chat, _chat(8, stream=True), 8, 2)
+        gen.run(warm[0], chat, chat_body(8, stream=True), 8, 2)
     for warm in (paced, paced_relay, paced_proxy):
         gen.run(warm[0], completions, _completion_stream(1), 8, 1)
     tick()
@@ -148,7 +148,7 @@ def _measure(counts: Counts, servers: Servers, tick: Callable[[], None]) -> Figu
         return measure
 
     def sse(conns: int, tokens: int, per_conn: int) -> Callable[[str], dict[str, float]]:
-        body = _chat(tokens, stream=True)
+        body = chat_body(tokens, stream=True)
 
         def measure(side: str) -> dict[str, float]:
             r = gen.run(port[side], chat, body, conns, per_conn)

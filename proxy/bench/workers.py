@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from proxy.bench.processes import LoadGen, Placement, Servers, cpu_s, wait_healthy
-from proxy.bench.proxy import _chat
+from proxy.bench.proxy import chat_body
 from proxy.bench.rounds import percentile
 
 SIDES = ("1", "2")
@@ -49,7 +49,7 @@ def compare(rounds: int, per_conn: int) -> dict[str, Any]:
             wait_healthy(f"http://127.0.0.1:{port}", proc)
         gen = LoadGen(servers)
         chat = "/v1/chat/completions"
-        loads = {"c64": (_chat(8, stream=False), per_conn), "c64_sse": (_chat(8, stream=True), max(1, per_conn // 2))}
+        loads = {"c64": (chat_body(8, stream=False), per_conn), "c64_sse": (chat_body(8, stream=True), max(1, per_conn // 2))}
         for port, _ in proxies.values():  # warm-up: connections, the pool, the heap
             gen.run(port, chat, loads["c64"][0], 64, 3)
         results: dict[str, dict[str, list[dict[str, float]]]] = {k: {s: [] for s in SIDES} for k in loads}
