@@ -115,8 +115,7 @@ class CachetallyMiddleware:
                 if message["type"] == "lifespan.startup":
                     await stack.enter_async_context(self.accounting.running())
                     self._tap_engine(app, stack)
-                    _bound_the_wait_for_requests_left(app)
-                    _bound_slow_clients(app, self.accounting.settings.client_send_timeout_s)
+                    _bound_vllms_server(app, self.accounting.settings.client_send_timeout_s)
                     if _pooling_only(app):  # /invocations runs only pooling handlers, which the tap never sees
                         self._patched.refuse_route(INVOCATIONS)
                     self._front = behind_vllm_auth(app, self._route)
@@ -169,19 +168,18 @@ class CachetallyMiddleware:
 REQUESTS_LEFT_S = 1.0
 
 
-def _bound_the_wait_for_requests_left(app: Any) -> None:
-    """Set :data:`REQUESTS_LEFT_S` on the uvicorn server vLLM runs ``app`` in (``app.state.server``,
-    set before it serves), unless the server already has a limit of its own."""
+def _bound_vllms_server(app: Any, send_timeout_s: float) -> None:
+    """Bounds on the uvicorn server vLLM runs ``app`` in (``app.state.server``, set before it
+    serves): :data:`REQUESTS_LEFT_S` for the requests a stop leaves, unless the server has a
+    limit of its own, and ``client_send_timeout_s`` for a client that stops reading
+    (:func:`proxy.server.send_timeout.bound_vllms_clients`), whose request the engine would
+    go on generating."""
     config = getattr(getattr(getattr(app, "state", None), "server", None), "config", None)
-    if config is not None and config.timeout_graceful_shutdown is None:
+    if config is None:
+        return
+    if config.timeout_graceful_shutdown is None:
         config.timeout_graceful_shutdown = REQUESTS_LEFT_S
-
-
-def _bound_slow_clients(app: Any, send_timeout_s: float) -> None:
-    """:func:`proxy.server.send_timeout.bound_vllms_clients` on the server vLLM runs ``app`` in.
-    Without it a client that stops reading holds its request, which the engine goes on generating."""
-    config = getattr(getattr(getattr(app, "state", None), "server", None), "config", None)
-    if config is not None and not bound_vllms_clients(config, send_timeout_s):
+    if not bound_vllms_clients(config, send_timeout_s):
         logger.warning("vLLM's server does not run uvicorn's httptools protocol: client_send_timeout_s "
                        "is not applied, and a client that stops reading holds its request")
 
