@@ -52,13 +52,8 @@ class SendTimeoutProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, send_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._send_timeout_s = send_timeout_s
-        self._client: asyncio.Transport | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._unsent = 0  # bytes waiting in the transport when the timer was started
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's
-        self._client = transport
-        super().connection_made(transport)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -67,7 +62,7 @@ class SendTimeoutProtocol(HttpToolsProtocol):
     def resume_writing(self) -> None:
         # A closing transport (the response whole, keep-alive over or "Connection: close") is
         # never paused again: its timer runs on until the client has taken every byte.
-        if self._client is None or not self._client.is_closing():
+        if not self.transport.is_closing():
             self._stop_timer()
         super().resume_writing()
 
@@ -76,8 +71,8 @@ class SendTimeoutProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _time_send(self) -> None:
-        if self._send_timer is None and self._client is not None:
-            self._unsent = self._client.get_write_buffer_size()
+        if self._send_timer is None:  # writes pause only on a connection uvicorn's protocol holds
+            self._unsent = self.transport.get_write_buffer_size()
             self._send_timer = asyncio.get_running_loop().call_later(self._send_timeout_s, self._timed_out)
 
     def _stop_timer(self) -> None:
@@ -86,10 +81,8 @@ class SendTimeoutProtocol(HttpToolsProtocol):
             self._send_timer = None
 
     def _timed_out(self) -> None:
-        self._send_timer = None
-        client = self._client
-        if client is None:
-            return
+        self._send_timer = None  # connection_lost stops it: the transport is still this one's
+        client = self.transport
         # A closing one too: close() waits for the unsent bytes, for as long as the client
         # keeps its window shut, holding the socket and those bytes with it.
         unsent = client.get_write_buffer_size()
