@@ -10,7 +10,8 @@ call, the lifespan, by which time vLLM has bound the app to its engine client
 (``init_app_state`` sets ``app.state.engine_client``). At ``lifespan.startup`` the
 middleware taps that client (:class:`engine_adapter.vllm.tap.EngineTap`), bounds how
 long a stop waits for the requests vLLM's engine left (:data:`REQUESTS_LEFT_S`) and how
-long a client may take none of its response (``client_send_timeout_s``); at
+long a client may take none of its response (``client_send_timeout_s``) or send nothing
+of its request (``client_receive_timeout_s``); at
 shutdown it removes the tap and drains the usage records. Each API server process of
 ``--api-server-count N`` builds its own app, so each taps its own client.
 
@@ -51,11 +52,11 @@ from engine_adapter.vllm.tap import EngineTap
 from proxy.asgi.errors import STOPPED, send_error
 from proxy.asgi.paths import route_path
 from proxy.patching.context import DEFAULT_ROUTES
+from proxy.server.client_timeouts import bound_vllms_clients
 from proxy.server.instance import Accounting
 from proxy.server.logs import configure_logging
 from proxy.server.own_routes import read_only, ready_line, send_stats
-from proxy.server.send_timeout import bound_vllms_clients
-from proxy.server.settings import load_settings
+from proxy.server.settings import Settings, load_settings
 
 logger = logging.getLogger("cachetally.vllm")
 
@@ -115,7 +116,7 @@ class CachetallyMiddleware:
                 if message["type"] == "lifespan.startup":
                     await stack.enter_async_context(self.accounting.running())
                     self._tap_engine(app, stack)
-                    _bound_vllms_server(app, self.accounting.settings.client_send_timeout_s)
+                    _bound_vllms_server(app, self.accounting.settings)
                     if _pooling_only(app):  # /invocations runs only pooling handlers, which the tap never sees
                         self._patched.refuse_route(INVOCATIONS)
                     self._front = behind_vllm_auth(app, self._route)
@@ -168,20 +169,21 @@ class CachetallyMiddleware:
 REQUESTS_LEFT_S = 1.0
 
 
-def _bound_vllms_server(app: Any, send_timeout_s: float) -> None:
+def _bound_vllms_server(app: Any, settings: Settings) -> None:
     """Bounds on the uvicorn server vLLM runs ``app`` in (``app.state.server``, set before it
     serves): :data:`REQUESTS_LEFT_S` for the requests a stop leaves, unless the server has a
-    limit of its own, and ``client_send_timeout_s`` for a client that stops reading
-    (:func:`proxy.server.send_timeout.bound_vllms_clients`), whose request the engine would
-    go on generating."""
+    limit of its own, and the client timeouts (:func:`proxy.server.client_timeouts.bound_vllms_clients`):
+    a client that stops reading, whose request the engine would go on generating, and one
+    that sends its request too slowly, or nothing, which would hold its socket for good."""
     config = getattr(getattr(getattr(app, "state", None), "server", None), "config", None)
     if config is None:
         return
     if config.timeout_graceful_shutdown is None:
         config.timeout_graceful_shutdown = REQUESTS_LEFT_S
-    if not bound_vllms_clients(config, send_timeout_s):
-        logger.warning("vLLM's server does not run uvicorn's httptools protocol: client_send_timeout_s "
-                       "is not applied, and a client that stops reading holds its request")
+    if not bound_vllms_clients(config, settings.client_send_timeout_s, settings.client_receive_timeout_s):
+        logger.warning("vLLM's server does not run uvicorn's httptools protocol: client_send_timeout_s and "
+                       "client_receive_timeout_s are not applied, and a client that stops reading, or "
+                       "sending, holds its request")
 
 
 def _state_for_tasks_left(app: Any) -> None:

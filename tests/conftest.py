@@ -82,9 +82,11 @@ def vllm_otlp() -> Iterator[Receiver]:
 #: header is ``default``, as on a server without one.
 VLLM_TENANT_HEADER = "x-tenant"
 VLLM_TENANTS = ("acme", "globex")
-#: The shared vLLM server lets go of a client that takes none of its response this long
-#: (tests/real_vllm/test_vllm_records.py); every other test's client reads as it goes.
+#: The shared vLLM server lets go of a client that takes none of its response this long, or
+#: sends nothing of its request (tests/real_vllm/test_vllm_records.py); every other test's
+#: client reads as it goes, and sends its request at once.
 CLIENT_SEND_TIMEOUT_S = 3.0
+CLIENT_RECEIVE_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="session")
@@ -108,6 +110,7 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
             "--usage-flush-interval", "0.2", "--otlp-endpoint", vllm_otlp.url,
             "--tenant-header", VLLM_TENANT_HEADER, "--tenants", ",".join(VLLM_TENANTS),
             "--client-send-timeout", str(CLIENT_SEND_TIMEOUT_S),
+            "--client-receive-timeout", str(CLIENT_RECEIVE_TIMEOUT_S),
             "--", "--api-server-count", "2", "--enable-prompt-embeds", *ENGINE_KV_FLAGS]
     env = {"OTEL_TRACES_SAMPLER": "always_off"}
     with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):

@@ -106,6 +106,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="a client that takes no bytes of its response for this long is treated as gone: its "
         "connection is reset and its request ends as a disconnect (vLLM aborts it) (default: 60.0)",
     )
+    p.add_argument(
+        "--client-receive-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a connection that sends no whole request header in this long (from its start), or none "
+        "of a request's body for this long, is closed; a request on it ends as a disconnect "
+        "(default: 60.0)",
+    )
     _accounting_flags(p)
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help='`vllm serve` flags, after "--"')
 
@@ -209,5 +217,6 @@ def serve_settings(args: argparse.Namespace) -> Settings:
             "otlp_timeout_s": args.otlp_timeout,
             "pd_legs": args.pd_legs,
             "client_send_timeout_s": args.client_send_timeout,
+            "client_receive_timeout_s": args.client_receive_timeout,
         },
     )

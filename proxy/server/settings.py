@@ -83,6 +83,8 @@ class Settings:
     upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
     # every mode (vLLM: set in its server by the middleware): a client that takes no response bytes this long is gone
     client_send_timeout_s: float = 60.0
+    # ... or that sends no whole request header, or none of its body between two reads, this long
+    client_receive_timeout_s: float = 60.0
     # sim and upstream modes: how long a SIGTERM waits for requests in flight (vLLM: its --shutdown-timeout)
     shutdown_timeout_s: float = 10.0
     # simulator
@@ -114,7 +116,7 @@ class Settings:
                 raise SettingsError(f"upstream_ca: cannot load CA certificates from {self.upstream_ca}: "
                                     f"{getattr(exc, 'reason', None) or exc}") from None
         for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s", "shutdown_timeout_s",
-                     "client_send_timeout_s"):
+                     "client_send_timeout_s", "client_receive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be a positive number of seconds")
         if self.workers < 1:

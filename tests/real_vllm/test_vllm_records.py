@@ -9,6 +9,7 @@ prompt is prefilled is billed that prompt with its cache unknown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 import uuid
@@ -23,7 +24,7 @@ import pytest
 
 from tests.clients import fresh_prompt
 from tests.load import DropPoint, dropping_client
-from tests.conftest import CLIENT_SEND_TIMEOUT_S
+from tests.conftest import CLIENT_RECEIVE_TIMEOUT_S, CLIENT_SEND_TIMEOUT_S
 from tests.servers import Pace, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -240,3 +241,27 @@ def test_a_client_that_takes_none_of_its_stream_is_let_go_and_vllm_stops_its_req
     assert (record["outcome"], record["status"]) == ("disconnected", 200)
     assert 0 < record["completion_tokens"] < 16 * MAX_TOKENS
     assert "client_send_timeout_s" in vllm_server_log.read_text()
+
+
+def test_a_client_that_stops_sending_its_request_is_let_go(
+    vllm_server: str, vllm_server_log: Path, vllm_usage_dir: Path
+) -> None:
+    """vLLM's uvicorn times nothing a client sends: a socket with no request, or half a body,
+    was held for good. The shared server runs with ``--client-receive-timeout``: both are
+    closed, and the request that stopped halfway leaves one record, with nothing to bill."""
+    request_id = uuid.uuid4().hex
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": fresh_prompt()}]})
+    port = int(vllm_server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as silent, \
+            socket.create_connection(("127.0.0.1", port)) as stalled:
+        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                        b"content-type: application/json\r\nx-request-id: %s\r\ncontent-length: %d\r\n\r\n%s"
+                        % (request_id.encode(), len(body), body[: len(body) // 2]))
+        for client in (silent, stalled):
+            client.settimeout(10 * CLIENT_RECEIVE_TIMEOUT_S)  # held on: the test fails, never hangs
+            with contextlib.suppress(ConnectionResetError):
+                assert client.recv(1 << 16) == b""
+        found = records_for(vllm_usage_dir, {request_id})
+    assert [(r["outcome"], r["prompt_tokens"], r["completion_tokens"]) for r in found[request_id]] == [
+        ("disconnected", None, 0)]
+    assert "client_receive_timeout_s" in vllm_server_log.read_text()

@@ -1,0 +1,209 @@
+"""Bounds on a client, in both directions: uvicorn's httptools protocol with nginx's timeouts.
+
+uvicorn has none of them. A client is waited for as long as its socket stays open:
+
+- ``client_send_timeout_s`` (nginx's ``send_timeout``, 60 s): once the connection's write
+  buffer is full, the app's ``send`` waits in uvicorn's flow control until the client reads.
+  In upstream mode that wait holds an upstream connection (its read timeout rests while
+  reading is paused for the slow client), so a few hundred sockets that never read would
+  take the whole pool; in vLLM's server the engine goes on generating the request. The bound
+  is on the time between two writes that make progress, not on the whole response.
+- ``client_receive_timeout_s`` (nginx's ``client_header_timeout`` and ``client_body_timeout``,
+  60 s): a connection that sends nothing, or only part of a request's header, is counted
+  from when it opened (or from its request's first byte, on a kept-alive connection), for
+  the whole header; a request's body, between two reads. Without it each such socket is held
+  for good (uvicorn's keep-alive timer runs only after a response), so a client that opens
+  sockets and sends a byte now and then takes the server's file descriptors; and one that
+  stops halfway through its body holds its request's task, its buffered body and, in
+  upstream mode on a route whose body is streamed upstream, an upstream connection.
+  Time the server itself makes the client wait is not counted: reading paused by flow
+  control (the app has not taken what came), a ``100 Continue`` not sent yet (the app has
+  not asked for the body), a pipelined request's header behind a response still running.
+  The timer then looks again each quarter of the bound, and once the wait is over the
+  client has a whole bound from there.
+
+The bounds are kept where the waiting is, on the server's side of the connection. A client
+past one is let go as one that left: uvicorn sees ``connection_lost``, a waiting ``send``
+returns, ``receive`` says ``http.disconnect``, and the request ends as any disconnect does
+(in upstream mode its exchange is cancelled and its upstream connection closed, never
+pooled, so the upstream aborts the request; its usage record, if it reached the engine,
+says ``disconnected``). Nothing is cancelled inside uvicorn's ``send`` or ``receive``, so no
+traceback and no "returned without completing response" line; one warning says it. A
+connection with no request begun is closed with a debug line only (load balancers' probes
+and port scanners open such sockets all day).
+
+Only ``asyncio.Protocol``'s calls and uvicorn's parser callbacks are overridden, each calling
+uvicorn's own. vLLM's server (``--engine vllm``, ``vllm serve --middleware``) is vLLM's
+uvicorn, built before any cachetally code runs: the middleware puts this protocol in its
+config at the lifespan's startup (:func:`bound_vllms_clients`), before uvicorn opens its
+listener, which reads the protocol from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+logger = logging.getLogger("cachetally.app")
+
+# What the connection is receiving: nothing the client owes (a request arrived whole, or a
+# kept-alive connection between requests: uvicorn's keep-alive timer), a header, a body.
+_OWED_NOTHING, _HEADER, _BODY = 0, 1, 2
+
+
+class ClientTimeoutsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (what its ``auto`` picks: httptools is a dependency),
+    with a client that takes no response bytes for ``send_timeout_s``, or sends too slowly
+    for ``receive_timeout_s``, taken for gone."""
+
+    def __init__(self, *args: Any, send_timeout_s: float, receive_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._send_timeout_s = send_timeout_s
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes waiting in the transport when the timer was started
+        self._receive_timeout_s = receive_timeout_s
+        self._receive_timer: asyncio.TimerHandle | None = None
+        self._owed = _OWED_NOTHING
+        self._owed_since = 0.0  # the header's start (fixed), or the body's last read
+        self._server_waited = False  # the timer last found the server the one waiting
+
+    # -- receiving ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._owe(_HEADER)  # the first request's header is timed from the connection's start
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._owed is _OWED_NOTHING:  # a request after the first, on a kept-alive connection
+            self._owe(_HEADER)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._owe(_BODY)
+
+    def data_received(self, data: bytes) -> None:
+        if self._owed is _BODY:  # progress (a header is timed as a whole)
+            self._owed_since = self.loop.time()
+        super().data_received(data)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # The timer, if it runs, stands down when it fires. An upgrade's request is complete
+        # before uvicorn hands the connection to its WebSocket protocol: never timed as one.
+        self._owed = _OWED_NOTHING
+
+    def _owe(self, what: int) -> None:
+        self._owed, self._owed_since, self._server_waited = what, self.loop.time(), False
+        if self._receive_timer is None:
+            self._time_receive(self._owed_since + self._receive_timeout_s)
+
+    def _time_receive(self, when: float) -> None:
+        self._receive_timer = self.loop.call_at(when, self._receive_due)
+
+    def _receive_due(self) -> None:
+        self._receive_timer = None
+        if self._owed is _OWED_NOTHING or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if self._server_is_the_one_waiting():  # look again soon: the client's clock is stopped
+            self._server_waited = True
+            self._time_receive(now + self._receive_timeout_s / 4)
+            return
+        if self._server_waited:  # the server's wait ended since the last look: a whole bound from here
+            self._server_waited, self._owed_since = False, now
+        due = self._owed_since + self._receive_timeout_s
+        if now < due:
+            self._time_receive(due)
+            return
+        if self._owed is _HEADER:
+            logger.debug("a connection sent no whole request header in %g s (client_receive_timeout_s): "
+                         "it is closed", self._receive_timeout_s)
+            self.transport.close()
+            return
+        logger.warning("a client sent none of its request body for %g s (client_receive_timeout_s): its "
+                       "connection is closed, and its request ends as a disconnect", self._receive_timeout_s)
+        self._reset()
+
+    def _server_is_the_one_waiting(self) -> bool:
+        cycle = self.cycle
+        running = cycle is not None and not cycle.response_complete
+        if self._owed is _HEADER:  # a pipelined request's header, behind a response still running
+            return running
+        return self.flow.read_paused or (running and cycle.waiting_for_100_continue)
+
+    # -- sending -------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._time_send()
+
+    def resume_writing(self) -> None:
+        # A closing transport (the response whole, keep-alive over or "Connection: close") is
+        # never paused again: its timer runs on until the client has taken every byte.
+        if not self.transport.is_closing():
+            self._stop(self._send_timer)
+            self._send_timer = None
+        super().resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop(self._send_timer)
+        self._stop(self._receive_timer)
+        self._send_timer = self._receive_timer = None
+        super().connection_lost(exc)
+
+    def _time_send(self) -> None:
+        if self._send_timer is None:  # writes pause only on a connection uvicorn's protocol holds
+            self._unsent = self.transport.get_write_buffer_size()
+            self._send_timer = self.loop.call_later(self._send_timeout_s, self._send_due)
+
+    def _send_due(self) -> None:
+        self._send_timer = None  # connection_lost stops it: the transport is still this one's
+        # A closing one too: close() waits for the unsent bytes, for as long as the client
+        # keeps its window shut, holding the socket and those bytes with it.
+        unsent = self.transport.get_write_buffer_size()
+        if unsent < self._unsent:  # the client took some: progress, time the next stretch
+            self._time_send()
+            return
+        logger.warning("a client took no response bytes for %g s (client_send_timeout_s): its connection "
+                       "is closed, and a request still running on it ends as a disconnect", self._send_timeout_s)
+        self._reset()
+
+    @staticmethod
+    def _stop(timer: asyncio.TimerHandle | None) -> None:
+        if timer is not None:
+            timer.cancel()
+
+    def _reset(self) -> None:
+        """Abort the connection with a reset, as nginx's ``reset_timedout_connection``: a close
+        would leave the kernel holding the unsent bytes, in FIN-WAIT-1, for as long as the
+        client keeps its window shut."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
+
+def with_client_timeouts(send_timeout_s: float, receive_timeout_s: float) -> Callable[..., asyncio.Protocol]:
+    """uvicorn's ``http`` option for cachetally's own server (a partial, so that it reaches
+    ``--workers N`` processes, which uvicorn starts with its config pickled)."""
+    return functools.partial(ClientTimeoutsProtocol, send_timeout_s=send_timeout_s,
+                             receive_timeout_s=receive_timeout_s)
+
+
+def bound_vllms_clients(config: Any, send_timeout_s: float, receive_timeout_s: float) -> bool:
+    """Put the bounds in the ``uvicorn.Config`` that vLLM serves with, where it serves with
+    uvicorn's own httptools protocol (its ``auto`` choice); ``False`` where it does not."""
+    if getattr(config, "http_protocol_class", None) is not HttpToolsProtocol:
+        return False
+    config.http_protocol_class = with_client_timeouts(send_timeout_s, receive_timeout_s)
+    return True

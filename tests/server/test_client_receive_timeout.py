@@ -1,0 +1,164 @@
+"""``cachetally serve --client-receive-timeout``: a client that sends too slowly, or nothing, is let go.
+
+uvicorn times nothing a client sends: a socket that sends no byte, part of a header, or part
+of a body was held for good, each with a file descriptor (and a request's task and its
+buffered body). Through the real command, sim engine, with a bound of 1 s; the clients are
+raw sockets. nginx's rules: a header is timed as a whole from the connection's start, a
+body between two reads (upstream mode, where the server itself can be the one waiting:
+tests/upstream/test_client_receive_timeout.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.server.client_timeouts import with_client_timeouts
+from tests.servers import running_server, serving_in_thread
+from tests.upstream.test_upstream_reports import records
+
+pytestmark = pytest.mark.loopback
+
+SECRET = "a prompt no log may hold"
+BOUND_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
+    usage = tmp_path_factory.mktemp("usage")
+    log = usage.parent / "serve.log"
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--usage-dir", str(usage),
+            "--usage-flush-interval", "0.05", "--client-receive-timeout", str(BOUND_S)]
+    with running_server(args, log_path=log) as (url, _):
+        yield url, usage, log
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    client = socket.create_connection((host, int(port)))
+    client.settimeout(30)  # a server that holds it on fails the test, never hangs it
+    return client
+
+
+def let_go(client: socket.socket) -> bool:
+    """Whether the server ended the connection (an end or a reset) with nothing sent back."""
+    try:
+        return client.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+
+
+def head(body: bytes, request_id: bytes) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n" % (request_id, len(body)))
+
+
+def closed(client: socket.socket) -> bool:
+    """Whether the server has ended the connection, without waiting."""
+    if not select.select([client], [], [], 0)[0]:
+        return False
+    try:
+        return client.recv(1, socket.MSG_PEEK) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connection_that_sends_no_whole_header_in_the_bound_is_closed(server: tuple[str, Path, Path]) -> None:
+    url, _, _ = server
+    with connect(url) as silent, connect(url) as partial, connect(url) as trickled:
+        partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHo")
+        # One header byte every 0.1 s, each well inside the bound: a header is timed whole.
+        trickled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        padding = b"X-Pad: " + b"a" * 300
+        for sent, byte in enumerate(padding):
+            try:
+                trickled.send(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.1)
+            if closed(trickled):
+                break
+        assert sent < len(padding) - 1, "the header's trickle was never cut"
+        assert let_go(silent) and let_go(partial)
+
+
+def test_a_body_is_timed_between_two_reads(server: tuple[str, Path, Path]) -> None:
+    """A body sent in pieces over longer than the bound, each inside it, is served; one that
+    stops halfway is let go: one warning, no traceback, no prompt text, and its one record
+    says so, with no tokens to bill (it never reached the engine)."""
+    url, usage, log = server
+    body = orjson.dumps({"model": "sim-model", "prompt": SECRET, "max_tokens": 3})
+    with connect(url) as slow, connect(url) as stalled:
+        stalled.sendall(head(body, b"stalled") + body[: len(body) // 2])
+        slow.sendall(head(body, b"slow"))
+        pieces = [body[i : i + 8] for i in range(0, len(body), 8)]
+        for piece in pieces:
+            time.sleep(2 * BOUND_S / len(pieces))  # 2 s in all
+            slow.sendall(piece)
+        answer = b""
+        while b'"usage"' not in answer:
+            answer += slow.recv(1 << 16)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert let_go(stalled)
+    by_id = {r["request_id"]: r for r in records(usage, 2)}
+    assert (by_id["slow"]["outcome"], by_id["stalled"]["outcome"]) == ("completed", "disconnected")
+    assert by_id["slow"]["prompt_tokens"] > 0
+    assert (by_id["stalled"]["prompt_tokens"], by_id["stalled"]["completion_tokens"]) == (None, 0)
+    text = log.read_text()
+    assert text.count("client_receive_timeout_s") == 1, text[-3000:]
+    assert "Traceback" not in text and "ASGI callable" not in text and SECRET not in text, text[-3000:]
+
+
+def test_a_kept_alive_connection_is_timed_again_for_its_next_request(server: tuple[str, Path, Path]) -> None:
+    url, _, _ = server
+    body = orjson.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 1})
+    with connect(url) as client:
+        client.sendall(head(body, b"first") + body)
+        answer = b""
+        while b'"usage"' not in answer:
+            answer += client.recv(1 << 16)
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHo")  # the next one stops in its header
+        assert let_go(client)
+
+
+class SlowToRead:
+    """An app that takes 3 bounds before it reads a request's body and answers with its size."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(3 * IN_THREAD_BOUND_S)
+        size, more = 0, True
+        while more:
+            message = await receive()
+            size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(str(size)))]})
+        await send({"type": "http.response.body", "body": str(size).encode()})
+
+
+IN_THREAD_BOUND_S = 0.5
+
+
+def test_the_time_the_server_makes_a_client_wait_is_not_the_clients() -> None:
+    """Two waits that are the server's: a client that asked for ``100 Continue`` sends its body
+    only once the app asks for it; a pipelined request's header, sent in part, is finished by
+    a client that first waits for the answer to the request before it."""
+    with serving_in_thread(SlowToRead(), "slow", http=with_client_timeouts(60.0, IN_THREAD_BOUND_S)) as url:
+        with connect(url) as polite:
+            polite.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+            assert polite.recv(1 << 16) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            polite.sendall(b"hello")
+            assert polite.recv(1 << 16).endswith(b"\r\n\r\n5")
+        with connect(url) as pipelining:
+            pipelining.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhiPOST /b HTT")
+            assert pipelining.recv(1 << 16).endswith(b"\r\n\r\n2")
+            pipelining.sendall(b"P/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+            assert pipelining.recv(1 << 16).endswith(b"\r\n\r\n3")
