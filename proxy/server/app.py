@@ -21,6 +21,7 @@ record is drained on a graceful stop.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -31,9 +32,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_adapter.engine import Engine
 from engine_adapter.events import EventSink
+from proxy.accounting.metrics import multiprocess_dir
 from proxy.asgi.errors import send_error
 from proxy.asgi.paths import route_path
 from proxy.asgi.replies import send_body
+from proxy.server.engine_series import SharedEngineSeries
 from proxy.server.instance import Accounting
 from proxy.server.own_routes import read_only, ready_line, send_stats
 from proxy.server.settings import Settings
@@ -70,6 +73,8 @@ class CachetallyApp:
         self.engine = (engine_factory or (lambda sink: make_engine(settings, sink)))(self.ledger)
         self._on_started = on_started
         self._patched: ASGIApp | None = None
+        #: With several workers, this worker's engine series, written for every scrape to sum.
+        self._engine_series: SharedEngineSeries | None = None
         self._local = {"/health": self._health, "/metrics": self._metrics, "/stats": self._stats}
         self._auth = accounting.auth
 
@@ -77,11 +82,18 @@ class CachetallyApp:
     async def running(self) -> AsyncIterator[CachetallyApp]:
         """Start the engine beside the recorder and the TTL sweep; stop all three on exit."""
         async with self.accounting.running():
+            publishing: asyncio.Task[None] | None = None
             try:
                 inner = await self.engine.start()
                 self._patched = self.accounting.patch(inner, upstream=self.settings.engine == "upstream")
+                if multiprocess_dir() is not None:
+                    if self._engine_series is None:  # kept across a restart: it holds what it already wrote
+                        self._engine_series = SharedEngineSeries(self.engine.metrics_text)
+                    publishing = asyncio.create_task(self._engine_series.run())
                 yield self
             finally:
+                if publishing is not None:
+                    publishing.cancel()
                 self._patched = None
                 await self.engine.stop()
 
@@ -128,7 +140,11 @@ class CachetallyApp:
             await send_error(send, 503, f"the {self.engine.name} engine is not healthy")
 
     async def _metrics(self, send: Send) -> None:
-        body = self.metrics.exposition() + self.engine.metrics_text()
+        if self._engine_series is not None:  # several workers: summed from the files, this one's written first
+            self._engine_series.publish()
+            body = self.metrics.exposition()
+        else:
+            body = self.metrics.exposition() + self.engine.metrics_text()
         await send_body(send, 200, body, CONTENT_TYPE_LATEST.encode())
 
     async def _stats(self, send: Send) -> None:

@@ -18,9 +18,9 @@ start so a previous run's counts never leak in. A worker that dies leaves its
 in its place drops every dead pid's live-gauge files (:func:`forget_dead_workers`), so the
 gauge is right again once the replacement is up. Its counters stay, as they must.
 
-Each worker's engine is its own: with ``--engine sim`` each has its own prefix cache, and
-the engine's series on ``/metrics`` (the sim's counters, the upstream pool's gauges) are
-those of the worker that answers.
+Each worker's engine is its own: with ``--engine sim`` each has its own prefix cache. The
+engine's series on ``/metrics`` (the sim's counters, the upstream pool's gauges) are
+summed as well, each worker writing its own to the files (:mod:`proxy.server.engine_series`).
 """
 
 from __future__ import annotations

@@ -280,3 +280,50 @@ def _records(usage: Path, client_id: str, n: int) -> list[tuple[str, int]]:
         if len(found) >= n or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
+
+
+def test_the_upstream_pool_gauges_sum_every_worker(tmp_path: Path) -> None:
+    """Each worker has its own pool: the gauges are every worker's together, whichever
+    worker answers the scrape (each answered with its own pool alone: 3, 0, 0, 3, ...)."""
+    open_streams = 3
+    body = {"model": "sim-model", "prompt": "a slow stream", "max_tokens": 300, "stream": True}
+    with (
+        running_server([*SIM, "--token-delay-s", "0.1"], timeout_s=20) as (slow, _),
+        serve_workers(slow, tmp_path / "serve.log") as (url, _),
+        contextlib.ExitStack() as streams,
+    ):
+        def checked_out() -> float:
+            text = httpx.get(f"{url}/metrics", timeout=10).text  # a fresh connection: either worker answers
+            return metric_value(text, "cachetally_upstream_connections_checked_out")
+
+        held = []  # each stream's chunks: a dropped generator would close its stream
+        for _ in range(open_streams):  # each on its own connection, so on either worker
+            client = streams.enter_context(httpx.Client(timeout=30))
+            response = streams.enter_context(client.stream("POST", f"{url}/v1/completions", json=body))
+            held.append(response.iter_raw())
+            next(held[-1])  # its upstream connection is checked out
+        deadline = time.monotonic() + 30
+        while checked_out() != open_streams:  # each worker writes its share within a second
+            assert time.monotonic() < deadline, "the gauge never summed the open streams"
+            time.sleep(0.2)
+        assert [checked_out() for _ in range(20)] == [open_streams] * 20
+
+
+def test_the_sim_engines_own_counters_sum_every_worker() -> None:
+    """``--engine sim --workers 2``: two simulators; ``sim_requests_total`` counts both, on
+    every scrape (one worker's alone went 2, 8, 2, 8: a counter Prometheus reads as resets)."""
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--workers", "2", "--log-level", "warning"]
+    with running_server(args, timeout_s=60) as (url, _):
+        sent = 12
+        for i in range(sent):
+            with httpx.Client(timeout=10) as client:  # a new connection each time: the kernel picks the worker
+                client.post(f"{url}/v1/completions", json={"prompt": f"request {i}", "max_tokens": 1}).raise_for_status()
+
+        def scraped() -> float:
+            return metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "sim_requests_total")
+
+        deadline = time.monotonic() + 30
+        while scraped() != sent:  # each worker writes its share within a second
+            assert time.monotonic() < deadline, "the counter never summed both workers"
+            time.sleep(0.2)
+        assert [scraped() for _ in range(20)] == [sent] * 20
