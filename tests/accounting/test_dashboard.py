@@ -1,7 +1,9 @@
 """`config/grafana/cachetally.json` parses, and every query names metrics a live server exports.
 
 The metric names come from a real `cachetally serve --engine sim` `/metrics`, not from a
-list in this test: renaming a metric without updating the dashboard fails here.
+list in this test: renaming a metric without updating the dashboard fails here. Each
+series is read as its TYPE there says, in the dashboard and in the PromQL the docs give:
+counters through rate() or increase(), gauges not.
 """
 
 from __future__ import annotations
@@ -93,25 +95,37 @@ def test_every_query_follows_the_instance_variable_and_a_row_splits_by_instance(
 
 
 @pytest.fixture(scope="module")
-def live_names() -> set[str]:
-    """Every series name a live sim server exports, with each family's suffixed forms."""
+def exposition() -> str:
+    """What a live sim server's ``/metrics`` says after two requests."""
     args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"]
     with running_server(args) as (url, _):
         text = uuid.uuid4().hex + " a b c" * 20
         for _ in range(2):  # labelled children only appear once something was counted
             response = httpx.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 1})
             assert response.status_code == 200
-        exposition = httpx.get(f"{url}/metrics").text
-    names: set[str] = set()
+        return httpx.get(f"{url}/metrics").text
+
+
+def series_types(exposition: str) -> dict[str, str]:
+    """Each series name a family exports (with its suffixed forms) -> the family's TYPE."""
+    types: dict[str, str] = {}
     for line in exposition.splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split(" ", 3)
-            names.add(name)
+            types[name] = kind
             if kind == "counter":
-                names.add(name if name.endswith("_total") else f"{name}_total")
+                types[name if name.endswith("_total") else f"{name}_total"] = kind
             elif kind == "histogram":
-                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
-        elif line and not line.startswith("#"):
+                types |= {f"{name}_{suffix}": kind for suffix in ("bucket", "sum", "count")}
+    return types
+
+
+@pytest.fixture(scope="module")
+def live_names(exposition: str) -> set[str]:
+    """Every series name a live sim server exports, with each family's suffixed forms."""
+    names = set(series_types(exposition))
+    for line in exposition.splitlines():
+        if line and not line.startswith("#"):
             names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
     return names
 
@@ -133,3 +147,52 @@ def test_every_query_names_only_live_metrics(live_names: set[str]) -> None:
     families = {n for n in live_names if n.startswith("cachetally_") and not n.endswith("_created")}
     bases = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used}
     assert {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in families} <= bases
+
+
+_CACHETALLY_SELECTOR = re.compile(r"\b(cachetally_\w+)\s*(?:\{[^}]*\})?\s*(\[[^\]]*\])?")
+_OVER_A_RANGE = ("rate", "increase", "irate")
+#: A PromQL expression the docs give an operator, in backticks (``label_values`` is Grafana's, not PromQL).
+_DOC_PROMQL = re.compile(r"`((?!label_values)[a-z_]+\([^`]*cachetally_[^`]*)`")
+
+
+def misread_series(expr: str, types: dict[str, str]) -> list[str]:
+    """Each series ``expr`` reads against its type: one not exported, a counter or a
+    histogram's series not through rate(), increase() or irate() over a range (a bare
+    counter drops to 0 when its process restarts), a gauge through one of them, a
+    histogram_quantile() not over buckets."""
+    found = []
+    for match in _CACHETALLY_SELECTOR.finditer(expr):
+        name, window = match.groups()
+        enclosing = re.search(r"(\w+)\s*\(\s*$", expr[: match.start()])
+        over_a_range = window is not None and enclosing is not None and enclosing.group(1) in _OVER_A_RANGE
+        if name not in types or over_a_range != (types[name] in ("counter", "histogram")):
+            found.append(f"{name} ({types.get(name)})")
+    for quantile in re.finditer(r"histogram_quantile\(", expr):
+        if not re.match(r"[^,]*,\s*sum by \((?:[^)]*, *)?le\b[^)]*\) \(rate\(\w+_bucket\b", expr[quantile.end():]):
+            found.append(f"histogram_quantile not over bucket rates by le: {expr[quantile.start():]}")
+    return found
+
+
+def test_misread_series_finds_a_counter_read_bare_a_gauge_rated_and_a_quantile_of_sums() -> None:
+    types = {"cachetally_c_total": "counter", "cachetally_g": "gauge", "cachetally_h_bucket": "histogram",
+             "cachetally_h_sum": "histogram"}
+    assert misread_series('sum(cachetally_c_total{leg="prefill"}) - sum(cachetally_c_total)', types) == [
+        "cachetally_c_total (counter)"] * 2
+    assert misread_series("sum(rate(cachetally_g[5m]))", types) == ["cachetally_g (gauge)"]
+    assert misread_series("sum(cachetally_renamed)", types) == ["cachetally_renamed (None)"]
+    assert misread_series("histogram_quantile(0.9, sum by (le) (rate(cachetally_h_sum[5m])))", types)
+    assert misread_series(
+        "histogram_quantile(0.9, sum by (le) (rate(cachetally_h_bucket{x=\"y\"}[5m]))) + sum(cachetally_g)"
+        " / sum(increase(cachetally_c_total[$__range]))", types) == []
+
+
+@pytest.mark.loopback
+def test_every_query_and_every_documented_expression_reads_each_series_as_its_type(exposition: str) -> None:
+    """The dashboard's queries and the PromQL the docs give (an alert in docs/ACCOUNTING.md
+    once subtracted two bare counters: wrong after any instance's restart)."""
+    documented = [e for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+                  for e in _DOC_PROMQL.findall(doc.read_text())]
+    assert documented, "the docs give no PromQL any more: the pattern needs a look"
+    types = series_types(exposition)
+    misread = {expr: found for expr in expressions(load()) + documented if (found := misread_series(expr, types))}
+    assert misread == {}
