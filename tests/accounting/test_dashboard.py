@@ -196,3 +196,22 @@ def test_every_query_and_every_documented_expression_reads_each_series_as_its_ty
     types = series_types(exposition)
     misread = {expr: found for expr in expressions(load()) + documented if (found := misread_series(expr, types))}
     assert misread == {}
+
+
+@pytest.mark.loopback
+def test_the_instance_picker_lists_a_server_that_counted_no_request_of_its_own() -> None:
+    """A P/D prefill instance counts its legs only, and a replica just started has counted
+    nothing: the ``Instance`` variable's series must still have a sample there, or the
+    picker cannot show that server (docs/DEPLOY.md: it "lists every scraped server")."""
+    (variable,) = [v for v in load()["templating"]["list"] if v["name"] == "instance"]
+    match = _LABEL_VALUES.search(variable["definition"])
+    assert match
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning", "--pd-legs"]
+    with running_server(args) as (url, _):
+        fresh = httpx.get(f"{url}/metrics").text
+        leg = {"prompt": "a prefill leg", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        assert httpx.post(f"{url}/v1/completions", json=leg).status_code == 200
+        prefill_only = httpx.get(f"{url}/metrics").text
+    for exposition in (fresh, prefill_only):
+        samples = [line for line in exposition.splitlines() if re.match(rf"{match.group(1)}[{{ ]", line)]
+        assert samples, (match.group(1), exposition)
