@@ -1,6 +1,6 @@
-"""Bounds on a client, in both directions: uvicorn's httptools protocol with nginx's timeouts.
+"""Bounds on a client: uvicorn's httptools protocol with nginx's timeouts, both ways, and h11's header bound.
 
-uvicorn has none of them. A client is waited for as long as its socket stays open:
+uvicorn's httptools protocol (what uvicorn and vLLM serve with) has none of them:
 
 - ``client_send_timeout_s`` (nginx's ``send_timeout``, 60 s): once the connection's write
   buffer is full, the app's ``send`` waits in uvicorn's flow control until the client reads.
@@ -21,6 +21,11 @@ uvicorn has none of them. A client is waited for as long as its socket stays ope
   not asked for the body), a pipelined request's header behind a response still running.
   The timer then looks again each quarter of the bound, and once the wait is over the
   client has a whole bound from there.
+- A header's size: uvicorn's h11 protocol bounds it (16 KiB by default, its
+  ``h11_max_incomplete_event_size``; vLLM sets 4 MiB and 256 fields), its httptools one
+  does not, and httptools holds a header in memory as it comes until it ends. Past the
+  bound, while it still arrives, the client gets a 431 in OpenAI error JSON; past the
+  fields, when it ends.
 
 The bounds are kept where the waiting is, on the server's side of the connection. A client
 past one is let go as one that left: uvicorn sees ``connection_lost``, a waiting ``send``
@@ -52,7 +57,19 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from proxy.asgi.errors import error_body
+
 logger = logging.getLogger("cachetally.app")
+
+#: What uvicorn's h11 protocol allows a request's header by default (h11's own default).
+H11_MAX_HEADER_BYTES = 16 * 1024
+_REFUSAL = error_body(431, "Request header fields too large")
+_HEADER_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL))
+
+class HeaderTooLarge(Exception):
+    """Raised in the parser's callback, to stop it at a header with too many fields."""
+
 
 # What the connection is receiving: nothing the client owes (a request arrived whole, or a
 # kept-alive connection between requests: uvicorn's keep-alive timer), a header, a body.
@@ -74,6 +91,12 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
         self._owed = _OWED_NOTHING
         self._owed_since = 0.0  # the header's start (fixed), or the body's last read
         self._server_waited = False  # the timer last found the server the one waiting
+        # A header's size and fields: uvicorn's h11 protocol bounds them, its httptools one
+        # does not (vLLM sets both limits for h11, 4 MiB and 256, which httptools ignored).
+        self._max_header_bytes = self.config.h11_max_incomplete_event_size or H11_MAX_HEADER_BYTES
+        self._max_header_fields: int | None = getattr(self.config, "h11_max_header_count", None)
+        self._header_bytes = 0  # received since the last header was whole: the next one's
+        self._header_refused = False
 
     # -- receiving ---------------------------------------------------------------------
 
@@ -87,13 +110,43 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
             self._owe(_HEADER)
 
     def on_headers_complete(self) -> None:
+        fields = self._max_header_fields
+        if fields is not None and len(self.headers) > fields:  # in one read: the parser stops here
+            self._header_refused = True
+            raise HeaderTooLarge  # uvicorn takes it for a malformed request: send_400_response
         super().on_headers_complete()
         self._owe(_BODY)
+        self._header_bytes = 0
+
+    def send_400_response(self, msg: str) -> None:
+        if self._header_refused:
+            self._refuse_header()
+        else:
+            super().send_400_response(msg)
 
     def data_received(self, data: bytes) -> None:
         if self._owed is _BODY:  # progress (a header is timed as a whole)
             self._owed_since = self.loop.time()
+        else:
+            self._header_bytes += len(data)
         super().data_received(data)
+        if self._owed is _HEADER and self._header_too_large() and not self.transport.is_closing():
+            self._refuse_header()
+
+    def _header_too_large(self) -> bool:
+        # At most one read (256 KiB) past the bound: the parser holds what it is given.
+        fields = self._max_header_fields
+        return self._header_bytes > self._max_header_bytes or (
+            fields is not None and self.headers is not None and len(self.headers) > fields)
+
+    def _refuse_header(self) -> None:
+        logger.warning("a request header over %d bytes or %s fields was refused (431)",
+                       self._max_header_bytes, self._max_header_fields or "any number of")
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._reset()  # a pipelined request's: the response running on the connection owns its bytes
+            return
+        self.transport.write(_HEADER_TOO_LARGE)
+        self.transport.close()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -265,3 +265,17 @@ def test_a_client_that_stops_sending_its_request_is_let_go(
     assert [(r["outcome"], r["prompt_tokens"], r["completion_tokens"]) for r in found[request_id]] == [
         ("disconnected", None, 0)]
     assert "client_receive_timeout_s" in vllm_server_log.read_text()
+
+
+def test_vllms_own_header_limits_hold_on_the_server_it_runs(vllm_server: str, vllm_usage_dir: Path) -> None:
+    """vLLM sets uvicorn's header limits (4 MiB, 256 fields) for uvicorn's h11 protocol, but
+    serves with httptools, which ignored them: a request with 300 header fields was served
+    and billed. The middleware's protocol holds them: a 431 in OpenAI error JSON, no record."""
+    request_id = uuid.uuid4().hex
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    fields = [("x-request-id", request_id), *((f"x-field-{i}", "v") for i in range(300))]
+    answer = httpx.post(f"{vllm_server}/v1/chat/completions", content=body, timeout=60,
+                        headers=[("content-type", "application/json"), *fields])
+    assert (answer.status_code, answer.json()["error"]["code"]) == (431, 431)
+    time.sleep(1.0)  # the sinks flush every 0.2 s: a record would be written by now
+    assert request_id not in records_for(vllm_usage_dir, {request_id}, timeout_s=0)
