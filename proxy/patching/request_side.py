@@ -49,6 +49,15 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     """Read the request body once, refuse what cannot be metered, rewrite the body and the
     headers this route owns, and run the inner app with ``r`` patching its response.
     ``r.request_headers`` noted :data:`READ_HEADERS` and dropped :data:`REPLACED_HEADERS`."""
+    try:
+        await _read_and_run(r, scope, receive)
+    except asyncio.CancelledError as cancelled:  # the server's stop (proxy.patching.stopped)
+        # A body still coming when the drain ends is answered too, not only the inner app.
+        if not (server_stop(cancelled) and await end_stopped(r, scope)):
+            raise
+
+
+async def _read_and_run(r: Responder, scope: Scope, receive: Receive) -> None:
     config = r.ctx.config
     headers = r.request_headers
     try:
@@ -90,14 +99,10 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     ]
     scope, receive = {**scope, "headers": forwarded}, replay(body, _watch(r, receive))
     guard = r.ctx.guard
-    try:
-        if guard is None:
-            await r.ctx.app(scope, receive, r.send)
-        else:  # r.send rewrites a framework's 404 or 405 itself: one layer less on every message
-            await guard.serve(scope, receive, r.send, r.started)
-    except asyncio.CancelledError as cancelled:  # the server's stop (proxy.patching.stopped)
-        if not (server_stop(cancelled) and await end_stopped(r, scope)):
-            raise
+    if guard is None:
+        await r.ctx.app(scope, receive, r.send)
+    else:  # r.send rewrites a framework's 404 or 405 itself: one layer less on every message
+        await guard.serve(scope, receive, r.send, r.started)
 
 
 async def _read_oversized_leg(r: Responder, too_large: BodyTooLarge, receive: Receive) -> bool:

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.asgi.errors import STOPPED
-from tests.servers import running_server, serving_in_thread
+from tests.servers import running_server, serving_in_thread, wait_healthy
 
 pytestmark = pytest.mark.loopback
 
@@ -219,3 +219,40 @@ def test_a_stream_whose_client_stopped_reading_keeps_its_record_through_the_stop
     records = [record for record in _records(usage) if record["request_id"] == rid]
     assert [record["outcome"] for record in records] == ["error"], records
     assert records[0]["completion_tokens"] > 0
+
+
+def _response(client: socket.socket) -> bytes:
+    """Everything the server sends on ``client`` until it closes the connection."""
+    client.settimeout(30)
+    data = b""
+    while chunk := client.recv(65536):
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("mode", ["sim", "upstream"])
+def test_a_request_whose_body_is_still_coming_when_the_drain_ends_gets_the_503_in_openai_json(
+    tmp_path: Path, upstream_sim: str, mode: str
+) -> None:
+    """A client sent its headers and part of its body, then nothing more: still reading it
+    when the drain ends, the request gets the stop's 503 and one record. Found by a probe:
+    the cancellation came while the body was read, outside the stop's answer, so uvicorn
+    logged a traceback and answered a plain-text 500."""
+    rid = uuid.uuid4().hex
+    secret = f"secret-{uuid.uuid4().hex}"
+    body = orjson.dumps({"model": "sim-model", "prompt": secret, "max_tokens": 5})
+    with _serving(mode, tmp_path, upstream_sim) as (url, proc, usage, log):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s" % (rid.encode(), len(body), body[:-10]))
+            wait_healthy(url, proc)  # a request after it: the first is in the app, reading its body
+            proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+            answer = _response(client)
+        assert proc.wait(timeout=30) == 0  # type: ignore[attr-defined]
+    head, _, content = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"content-type: application/json" in head.lower(), answer
+    assert orjson.loads(content)["error"]["message"] == STOPPED
+    text = log.read_text()
+    assert secret not in text and "Traceback" not in text, text[-3000:]
+    assert [record["outcome"] for record in _records(usage) if record["request_id"] == rid] == ["error"]
