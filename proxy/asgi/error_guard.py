@@ -14,7 +14,7 @@ from http import HTTPStatus
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.asgi.errors import STOPPED, ErrorAnswer, send_error, server_stop, stop_answered
+from proxy.asgi.errors import STOPPED, ErrorAnswer, cut_by_stop, send_error, server_stop, stop_answered
 from proxy.asgi.paths import logged_path
 
 logger = logging.getLogger("cachetally.app")
@@ -69,8 +69,11 @@ class ErrorGuard:
         except Exception as exc:
             await self._failed(exc, scope, send, started)
         except asyncio.CancelledError as cancelled:  # the server's stop: see proxy.asgi.errors.STOPPED
-            if started or not server_stop(cancelled):
+            if not server_stop(cancelled):
                 raise
+            if started:
+                cut_by_stop(scope)
+                return
             await send_error(send, 503, STOPPED)
             stop_answered()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from http import HTTPStatus
 
@@ -10,7 +11,10 @@ import orjson
 
 from starlette.types import Send
 
+from proxy.asgi.paths import logged_path
 from proxy.asgi.replies import send_body
+
+logger = logging.getLogger("cachetally.app")
 
 _TYPES = {
     400: "BadRequestError",
@@ -47,6 +51,16 @@ def stop_answered() -> None:
     task = asyncio.current_task()
     assert task is not None
     task.uncancel()
+
+
+def cut_by_stop(scope: dict) -> None:
+    """The server's stop cut the current task's response, which could not be told of it (its
+    client was not taking it, or part of a body that is not SSE had gone out): the task ends
+    with the response unfinished, and uvicorn closes the connection without the body's end,
+    so the client sees it short. Let through, the cancellation was logged with a traceback."""
+    logger.warning("the server's stop cut a response on %s that could not be ended with an error: its "
+                   "client was not taking it, or part of its body had gone out", logged_path(scope))
+    stop_answered()
 
 
 class ErrorAnswer(Exception):

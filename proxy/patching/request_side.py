@@ -53,8 +53,9 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         await _read_and_run(r, scope, receive)
     except asyncio.CancelledError as cancelled:  # the server's stop (proxy.patching.stopped)
         # A body still coming when the drain ends is answered too, not only the inner app.
-        if not (server_stop(cancelled) and await end_stopped(r, scope)):
+        if not server_stop(cancelled):
             raise
+        await end_stopped(r, scope)
 
 
 async def _read_and_run(r: Responder, scope: Scope, receive: Receive) -> None:

@@ -14,22 +14,24 @@ Only uvicorn's cancellation is answered so (:func:`~proxy.asgi.errors.server_sto
 The answer goes out only if the connection takes it at once. uvicorn does not wait for the
 tasks it cancelled: it stops the app (the recorder's final drain) right after. A stream
 whose client stopped reading would wait on it forever, and its record, written once the
-task ends, would miss that drain; such a stream is cut, as uvicorn cuts it.
+task ends, would miss that drain; such a stream is cut, as uvicorn cuts it, but with one warning
+in the log, not uvicorn's traceback (:func:`~proxy.asgi.errors.cut_by_stop`).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from proxy.asgi.errors import STOPPED, send_error, stop_answered, stream_error_event
+from proxy.asgi.errors import STOPPED, cut_by_stop, send_error, stop_answered, stream_error_event
 from proxy.asgi.paths import route_path
 from proxy.patching.responder import Mode, Responder
 
 
-async def end_stopped(r: Responder, scope: dict) -> bool:
-    """Answer the cancelled request ``r``; ``False`` when it cannot be (a body that is
-    neither held nor SSE already went out in part: only a cut connection says it is short;
-    or a connection that does not take the answer at once)."""
+async def end_stopped(r: Responder, scope: dict) -> None:
+    """End the request ``r`` the server's stop cancelled: answered, or cut where it cannot
+    be (a body that is neither held nor SSE already went out in part: only a cut connection
+    says it is short; or a connection that does not take the answer at once)."""
+    answered = True
     try:
         async with asyncio.timeout(0):  # a send that does not wait finishes before it fires
             if not r.started():
@@ -39,8 +41,10 @@ async def end_stopped(r: Responder, scope: dict) -> bool:
                 event = b"\n\n" + stream_error_event(route_path(scope), 503, STOPPED)
                 await r.send({"type": "http.response.body", "body": event, "more_body": False})
             else:
-                return False
+                answered = False
     except TimeoutError:
-        return False
-    stop_answered()
-    return True
+        answered = False
+    if answered:
+        stop_answered()
+    else:
+        cut_by_stop(scope)

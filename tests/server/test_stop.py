@@ -153,10 +153,9 @@ def test_sigterm_ends_each_request_in_flight_with_its_answer_or_an_openai_error_
             assert by_id[rid]["outcome"] == ("completed" if outcome == "whole" else "error"), (by_id[rid], outcome)
 
 
-def test_sigterm_ends_a_passed_through_request_still_running_with_a_503_in_openai_json(tmp_path: Path) -> None:
-    """In upstream mode a route cachetally does not meter (here embeddings, billing off) is
-    passed through; still running when the drain ends, it gets the same 503."""
-    arrived = threading.Event()
+def _hanging_upstream(arrived: threading.Event, first_chunk: bytes | None) -> object:
+    """An upstream whose every route but ``/v1/models`` hangs, after ``first_chunk`` of a
+    started response if one is given; ``arrived`` is set once such a request is in."""
 
     async def upstream(scope: dict, receive: object, send: object) -> None:
         if scope["type"] == "lifespan":
@@ -166,15 +165,27 @@ def test_sigterm_ends_a_passed_through_request_still_running_with_a_503_in_opena
             return
         body = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
         if scope["path"] != "/v1/models":
+            if first_chunk is not None:
+                await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
+                            "headers": [(b"content-type", b"text/plain")]})
+                await send({"type": "http.response.body", "body": first_chunk, "more_body": True})  # type: ignore[operator]
             arrived.set()
-            await asyncio.sleep(60)  # never answers: its server cancels it when the test ends
+            await asyncio.sleep(60)  # never ends: its server cancels it when the test ends
         await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})  # type: ignore[operator]
 
+    return upstream
+
+
+@contextlib.contextmanager
+def _stopped_once_arrived(tmp_path: Path, first_chunk: bytes | None) -> Iterator[tuple[str, Path]]:
+    """``cachetally serve`` in front of :func:`_hanging_upstream`, SIGTERMed once a request
+    hangs there; yields (base URL, log) and checks, after the body, that it exited 0."""
+    arrived = threading.Event()
     log = tmp_path / "serve.log"
     env = {"CACHETALLY_SHUTDOWN_TIMEOUT_S": SHUTDOWN_TIMEOUT}
-    with serving_in_thread(upstream, "upstream") as upstream_url, \
+    with serving_in_thread(_hanging_upstream(arrived, first_chunk), "upstream") as upstream_url, \
             running_server(["-m", "proxy.server.cli", "serve", "--upstream", upstream_url], env=env,
                            log_path=log) as (url, proc):
         def stop_once_arrived() -> None:
@@ -183,20 +194,44 @@ def test_sigterm_ends_a_passed_through_request_still_running_with_a_503_in_opena
 
         stopper = threading.Thread(target=stop_once_arrived)
         stopper.start()
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30) as client, \
-                pytest.raises(openai.APIStatusError) as raised:
-            client.embeddings.create(model="m", input="a secret text")
-        stopper.join()
+        try:
+            yield url, log
+        finally:
+            stopper.join()
         assert proc.wait(timeout=30) == 0
+
+
+def test_sigterm_ends_a_passed_through_request_still_running_with_a_503_in_openai_json(tmp_path: Path) -> None:
+    """In upstream mode a route cachetally does not meter (here embeddings, billing off) is
+    passed through; still running when the drain ends, it gets the same 503."""
+    with _stopped_once_arrived(tmp_path, None) as (url, log), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30) as client, \
+            pytest.raises(openai.APIStatusError) as raised:
+        client.embeddings.create(model="m", input="a secret text")
     assert raised.value.status_code == 503
     assert orjson.loads(raised.value.response.content)["error"]["message"] == STOPPED
     text = log.read_text()
     assert "a secret text" not in text and "Traceback" not in text, text[-3000:]
 
 
+def test_sigterm_cuts_a_passed_through_response_already_started_without_a_traceback(tmp_path: Path) -> None:
+    """A passed-through response the drain leaves running after part of its body went out
+    cannot be told of the stop: its body is cut (no chunked end, so the client sees it is
+    short) and one warning says so. Found by a probe: the cancellation was let through to
+    uvicorn, which logged a traceback."""
+    with _stopped_once_arrived(tmp_path, b"part of a body") as (url, log), httpx2.Client(timeout=30) as client, \
+            client.stream("POST", f"{url}/v1/embeddings", json={"model": "m", "input": "a secret text"}) as answer:
+        assert answer.status_code == 200
+        with pytest.raises(httpx2.RemoteProtocolError):  # incomplete chunked read
+            answer.read()
+    text = log.read_text()
+    assert "a secret text" not in text and "Traceback" not in text and "cut" in text, text[-3000:]
+
+
 def test_a_stream_whose_client_stopped_reading_keeps_its_record_through_the_stop(tmp_path: Path) -> None:
     """A stream still running when the drain ends, to a client that reads nothing more (its
-    buffers full): no answer can reach it, and its record is written all the same. Found
+    buffers full): no answer can reach it, and its record is written all the same, its cut
+    logged in one line. Found
     by this test: the SSE error event waited on the client, so the request's record came
     after the recorder's final drain and was dropped (before that event, it won the race)."""
     usage, log = tmp_path / "usage", tmp_path / "serve.log"
@@ -216,6 +251,9 @@ def test_a_stream_whose_client_stopped_reading_keeps_its_record_through_the_stop
             assert proc.wait(timeout=30) == 0  # type: ignore[attr-defined]
     text = log.read_text()
     assert _drops_logged(text) == 0, text[-3000:]
+    # Cut, not failed: the stop's own warning says so (the CancelledError was let through
+    # to uvicorn, which logged it with a traceback).
+    assert "Traceback" not in text and "cut" in text, text[-3000:]
     records = [record for record in _records(usage) if record["request_id"] == rid]
     assert [record["outcome"] for record in records] == ["error"], records
     assert records[0]["completion_tokens"] > 0
