@@ -75,6 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from proxy.server.app import CachetallyApp
     from proxy.server.client_timeouts import with_client_timeouts
+    from proxy.server.stopping import StoppingServer, run_workers
 
     serving = {
         "host": settings.host,
@@ -98,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
             # Bound before the app starts (as uvicorn binds for its workers), so that the
             # app's ready line is never printed for a port it cannot have.
             sockets = [config.bind_socket()]
-            server = uvicorn.Server(config)
+            server = StoppingServer(config)
             previous = signal.signal(signal.SIGTERM, _terminated)
             try:
                 server.run(sockets=sockets)
@@ -113,7 +114,8 @@ def _serve(args: argparse.Namespace) -> int:
                 return 3  # uvicorn's own code for a start that failed
         else:  # each worker loads these settings back (proxy.server.workers.app_from_env)
             os.environ.update(settings_environment(settings))
-            uvicorn.run("proxy.server.workers:app_from_env", factory=True, workers=settings.workers, **serving)
+            run_workers(uvicorn.Config("proxy.server.workers:app_from_env", factory=True, workers=settings.workers,
+                                       **serving))
     return 0
 
 

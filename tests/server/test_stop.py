@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import signal
 import socket
@@ -31,7 +32,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.asgi.errors import STOPPED
-from tests.servers import running_server, serving_in_thread, wait_healthy
+from tests.servers import metric_value, running_server, serving_in_thread, wait_healthy
 
 pytestmark = pytest.mark.loopback
 
@@ -294,3 +295,51 @@ def test_a_request_whose_body_is_still_coming_when_the_drain_ends_gets_the_503_i
     text = log.read_text()
     assert secret not in text and "Traceback" not in text, text[-3000:]
     assert [record["outcome"] for record in _records(usage) if record["request_id"] == rid] == ["error"]
+
+
+def _processes(pid: int) -> list[int]:
+    """``pid`` and its children (the workers of ``--workers N``)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *map(int, children)]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_ctrl_c_twice_ends_each_request_in_flight_with_an_openai_error_and_keeps_its_record(
+    tmp_path: Path, workers: str
+) -> None:
+    """Ctrl-C twice in a terminal (SIGINT to every process of the group; uvicorn's force
+    quit): the requests still running end at once with the stop's 503 or SSE error, and
+    their records are written. Found by a probe: with several workers, a worker skipped the
+    app's shutdown and then died by the SIGTERM its parent had sent, so their records and
+    any not yet flushed were lost and counted nowhere; with one, uvicorn's plain-text 500, a
+    cut stream and tracebacks."""
+    usage, log = tmp_path / "usage", tmp_path / "serve.log"
+    args = ["-m", "proxy.server.cli", "serve", "--usage-dir", str(usage), "--engine", "sim", "--workers", workers]
+    env = {"CACHETALLY_SIM_TOKEN_DELAY_S": TOKEN_DELAY, "CACHETALLY_SHUTDOWN_TIMEOUT_S": "60"}
+    secret = f"secret-{uuid.uuid4().hex}"
+    rids = {"json": uuid.uuid4().hex, "stream": uuid.uuid4().hex}
+    answers = {}
+    with running_server(args, env=env, log_path=log) as (url, proc):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        clients = {kind: socket.create_connection((host, int(port))) for kind in rids}
+        for kind, client in clients.items():
+            body = orjson.dumps({"model": "sim-model", "prompt": secret, "max_tokens": 2000, "stream": kind == "stream"})
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s" % (rids[kind].encode(), len(body), body))
+        while metric_value(httpx2.get(f"{url}/metrics").text, "cachetally_ledger_open_slots") < 2:
+            time.sleep(0.05)  # both are running (the gauge sums every worker's)
+        for _ in range(2):  # the second while the first's drain waits on them (60 s)
+            for pid in _processes(proc.pid):
+                os.kill(pid, signal.SIGINT)
+            time.sleep(0.5)
+        for kind, client in clients.items():
+            with client:
+                answers[kind] = _response(client)
+        assert proc.wait(timeout=30) == 0  # type: ignore[attr-defined]
+    head, _, content = answers["json"].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and orjson.loads(content)["error"]["message"] == STOPPED, answers
+    assert STOPPED.encode() in answers["stream"] and answers["stream"].endswith(b"\r\n0\r\n\r\n"), answers
+    text = log.read_text()
+    assert secret not in text and "Traceback" not in text, text[-3000:]
+    outcomes = {record["request_id"].split(".")[0]: record["outcome"] for record in _records(usage)}
+    assert outcomes == {rids["json"]: "error", rids["stream"]: "error"}, (outcomes, text[-3000:])
