@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine_adapter.engine import Engine
 from engine_adapter.events import EventSink
 from proxy.accounting.metrics import multiprocess_dir
-from proxy.asgi.errors import send_error
+from proxy.asgi.errors import STOPPED, send_error
 from proxy.asgi.paths import route_path
 from proxy.asgi.replies import send_body
 from proxy.server.engine_series import SharedEngineSeries
@@ -75,6 +75,7 @@ class CachetallyApp:
         self._patched: ASGIApp | None = None
         #: With several workers, this worker's engine series, written for every scrape to sum.
         self._engine_series: SharedEngineSeries | None = None
+        self._stopped = False  # the engine stopped: a request uvicorn still runs (pipelined) is told so
         self._local = {"/health": self._health, "/metrics": self._metrics, "/stats": self._stats}
         self._auth = accounting.auth
 
@@ -94,7 +95,7 @@ class CachetallyApp:
             finally:
                 if publishing is not None:
                     publishing.cancel()
-                self._patched = None
+                self._patched, self._stopped = None, True
                 await self.engine.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -109,7 +110,8 @@ class CachetallyApp:
             await read_only(scope, send, local)
         elif self._patched is None:
             if scope["type"] == "http":
-                await send_error(send, 503, "cachetally is not running (engine not started)")
+                why = STOPPED if self._stopped else "cachetally is not running (engine not started)"
+                await send_error(send, 503, why)
         elif scope["type"] == "http" and not self.engine.healthy():
             await send_error(send, 503, f"the {self.engine.name} engine is not healthy")
         else:

@@ -169,7 +169,8 @@ def _hanging_upstream(arrived: threading.Event, first_chunk: bytes | None) -> ob
             if first_chunk is not None:
                 await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
                             "headers": [(b"content-type", b"text/plain")]})
-                await send({"type": "http.response.body", "body": first_chunk, "more_body": True})  # type: ignore[operator]
+                chunk = {"type": "http.response.body", "body": first_chunk, "more_body": True}
+                await send(chunk)  # type: ignore[operator]
             arrived.set()
             await asyncio.sleep(60)  # never ends: its server cancels it when the test ends
         await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
@@ -323,7 +324,8 @@ def test_ctrl_c_twice_ends_each_request_in_flight_with_an_openai_error_and_keeps
         host, port = url.removeprefix("http://").rsplit(":", 1)
         clients = {kind: socket.create_connection((host, int(port))) for kind in rids}
         for kind, client in clients.items():
-            body = orjson.dumps({"model": "sim-model", "prompt": secret, "max_tokens": 2000, "stream": kind == "stream"})
+            body = orjson.dumps({"model": "sim-model", "prompt": secret, "max_tokens": 2000,
+                                 "stream": kind == "stream"})
             client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                            b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s" % (rids[kind].encode(), len(body), body))
         while metric_value(httpx2.get(f"{url}/metrics").text, "cachetally_ledger_open_slots") < 2:
@@ -343,3 +345,26 @@ def test_ctrl_c_twice_ends_each_request_in_flight_with_an_openai_error_and_keeps
     assert secret not in text and "Traceback" not in text, text[-3000:]
     outcomes = {record["request_id"].split(".")[0]: record["outcome"] for record in _records(usage)}
     assert outcomes == {rids["json"]: "error", rids["stream"]: "error"}, (outcomes, text[-3000:])
+
+
+def test_a_request_pipelined_behind_one_the_drain_ended_is_told_the_server_stopped(
+    tmp_path: Path, upstream_sim: str
+) -> None:
+    """Two requests sent at once on one connection: the second waits in uvicorn until the
+    first ends, which the drain's end does; uvicorn then runs it, after the app stopped. It
+    never ran on the engine: the stop's 503, and no record. Found by a probe: it was told
+    "cachetally is not running (engine not started)"."""
+    rids = [uuid.uuid4().hex, uuid.uuid4().hex]
+    with _serving("sim", tmp_path, upstream_sim) as (url, proc, usage, log):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as client:
+            for rid in rids:
+                body = orjson.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 2000})
+                client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s" % (rid.encode(), len(body), body))
+            wait_healthy(url, proc)  # a request after them: the first is in the app
+            proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+            answer = _response(client)
+        assert proc.wait(timeout=30) == 0  # type: ignore[attr-defined]
+    assert answer.count(b"HTTP/1.1 503 ") == 2 and answer.count(STOPPED.encode()) == 2, answer
+    assert {record["request_id"]: record["outcome"] for record in _records(usage)} == {rids[0]: "error"}
