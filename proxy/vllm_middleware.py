@@ -117,6 +117,7 @@ class CachetallyMiddleware:
                     await stack.enter_async_context(self.accounting.running())
                     self._tap_engine(app, stack)
                     _bound_vllms_server(app, self.accounting.settings)
+                    self._patched.serves_model(_served_name(app))  # what vLLM names in its responses
                     if _pooling_only(app):  # /invocations runs only pooling handlers, which the tap never sees
                         self._patched.refuse_route(INVOCATIONS)
                     self._front = behind_vllm_auth(app, self._route)
@@ -235,8 +236,7 @@ def _describe(app: Any) -> tuple[str, str, str, float]:
     state = app.state
     args = state.args
     config = state.engine_client.model_config
-    names = getattr(config, "served_model_name", None) or config.model
-    name = names[0] if isinstance(names, list) else names
+    name = _served_name(app)
     dtype = str(getattr(config, "dtype", "?")).removeprefix("torch.")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     servers = getattr(args, "api_server_count", 1) or 1
@@ -244,3 +244,11 @@ def _describe(app: Any) -> tuple[str, str, str, float]:
     started = time.time() - psutil.Process().create_time()
     where = f"http://{args.host or '0.0.0.0'}:{args.port}"
     return where, "vllm", f"model {name}, dtype {dtype}, {device}{which}", started
+
+
+def _served_name(app: Any) -> str:
+    """vLLM's first served model name (``--served-model-name``, else the model as given): the
+    name vLLM answers with when the request named no other it serves."""
+    config = app.state.engine_client.model_config
+    names = getattr(config, "served_model_name", None) or config.model
+    return names[0] if isinstance(names, list) else names

@@ -30,6 +30,8 @@ Per request on a patched route:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.events import current_request_key
@@ -113,6 +115,13 @@ class UsagePatchMiddleware:
             engine_usage = self.ledger.close(key)
             current_request_key.reset(token)
             meter(responder, engine_usage)
+
+    def serves_model(self, model: str) -> None:
+        """Record ``model`` for a request whose response names none (an engine's refusal): for
+        a server that learns at startup which model it serves (:mod:`proxy.vllm_middleware`),
+        whose name ``--model`` may not be, or that has no ``--model`` (the default model)."""
+        self.config = replace(self.config, default_model=model)
+        self.context = replace(self.context, config=self.config)
 
     def _under_a_prefix(self, path: str) -> str | None:
         """The metered or refused route ``path`` ends with after a prefix (Starlette routes
