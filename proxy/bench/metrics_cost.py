@@ -75,7 +75,7 @@ def measure(rev: str, rounds: int, requests: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m proxy.bench.metrics_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m proxy.bench.metrics_cost", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--baseline", required=True, metavar="REV", help="git revision whose proxy/accounting/metrics.py to compare")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds per design (default: 7)")
     p.add_argument("--requests", type=int, default=20_000, help="requests counted per round (default: 20000)")

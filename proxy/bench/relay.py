@@ -85,7 +85,7 @@ async def serve(upstream_host: str, upstream_port: int, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m proxy.bench.relay", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m proxy.bench.relay", description=__doc__.split("\n")[0].replace("``", ""))
     parser.add_argument("--upstream", required=True, help="HOST:PORT to relay to")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--log-level", default="warning", help="accepted for symmetry; the relay logs nothing")

@@ -80,7 +80,7 @@ def compare(rounds: int, per_conn: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m proxy.bench.workers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m proxy.bench.workers", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--rounds", type=int, default=9, help="rounds per side (default: 9)")
     p.add_argument("--per-conn", type=int, default=40, help="requests per connection at c=64 (default: 40)")
     args = p.parse_args(argv)
