@@ -79,7 +79,9 @@ def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     path = write(tmp_path / "a.jsonl", RECORDS)
     png = tmp_path / "out.png"
     assert main(["report", str(path), "--plot", str(png)]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert err == f"cachetally report: plot written to {png}\n"
     assert lines[0].split() == ["tenant", "model", "requests", "disconnected", "prompt", "cached", "completion", "hit_ratio"]
     assert lines[1].split() == ["acme", "m1", "2", "1", "1500", "600", "150", "0.4000"]
     assert lines[-2].split()[:3] == ["TOTAL", "5", "2"]
