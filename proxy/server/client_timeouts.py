@@ -20,7 +20,10 @@ uvicorn's httptools protocol (what uvicorn and vLLM serve with) has none of them
   control (the app has not taken what came), a ``100 Continue`` not sent yet (the app has
   not asked for the body), a pipelined request's header behind a response still running.
   The timer then looks again each quarter of the bound, and once the wait is over the
-  client has a whole bound from there.
+  client has a whole bound from there. Bytes on a kept-alive connection between requests
+  (blank lines, which the parser skips) start the next header's bound, and a body that ends
+  after its answer leaves the connection to uvicorn's keep-alive timer, which those bytes
+  stopped.
 - A header's size: uvicorn's h11 protocol bounds it (16 KiB by default, its
   ``h11_max_incomplete_event_size``; vLLM sets 4 MiB and 256 fields), its httptools one
   does not, and httptools holds a header in memory as it comes until it ends. Past the
@@ -106,6 +109,7 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._unset_keepalive_if_required()  # armed in this same read, by on_message_complete
         if self._owed is _OWED_NOTHING:  # a request after the first, on a kept-alive connection
             self._owe(_HEADER)
 
@@ -125,6 +129,8 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
             super().send_400_response(msg)
 
     def data_received(self, data: bytes) -> None:
+        if self._owed is _OWED_NOTHING:  # the next header's first byte, or a blank line before it
+            self._owe(_HEADER)
         if self._owed is _BODY:  # progress (a header is timed as a whole)
             self._owed_since = self.loop.time()
         else:
@@ -153,6 +159,17 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
         # The timer, if it runs, stands down when it fires. An upgrade's request is complete
         # before uvicorn hands the connection to its WebSocket protocol: never timed as one.
         self._owed = _OWED_NOTHING
+        upgrade = self.parser.should_upgrade() and self._should_upgrade()  # self.cycle is the last request's
+        if not upgrade and self.cycle.response_complete and not self.transport.is_closing():
+            # Its answer went before its body's end: uvicorn armed its keep-alive timer then,
+            # and the body's bytes stopped it.
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._owed is _HEADER:  # the next request's header began: its bound times it, not keep-alive's
+            self._unset_keepalive_if_required()
 
     def _owe(self, what: int) -> None:
         self._owed, self._owed_since, self._server_waited = what, self.loop.time(), False

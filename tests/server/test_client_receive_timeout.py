@@ -162,3 +162,73 @@ def test_the_time_the_server_makes_a_client_wait_is_not_the_clients() -> None:
             assert pipelining.recv(1 << 16).endswith(b"\r\n\r\n2")
             pipelining.sendall(b"P/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
             assert pipelining.recv(1 << 16).endswith(b"\r\n\r\n3")
+
+
+class AsksLate:
+    """An app that asks for a request's body 0.8 bounds after its header (the 100 Continue goes
+    then), and answers with the body's size; ``/early`` answers 404 at once, reading nothing."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        size, more = 0, scope["path"] != "/early"
+        if more:
+            await asyncio.sleep(0.8 * WHOLE_BOUND_S)
+        while more:
+            message = await receive()
+            size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+        answer = str(size).encode()
+        await send({"type": "http.response.start", "status": 404 if scope["path"] == "/early" else 200,
+                    "headers": [(b"content-length", b"%d" % len(answer))]})
+        await send({"type": "http.response.body", "body": answer})
+
+
+WHOLE_BOUND_S = 1.0
+
+
+def test_blank_lines_between_requests_do_not_hold_a_kept_alive_connection() -> None:
+    """uvicorn's keep-alive timer stops at any byte; a blank line (which its parser skips
+    before a request) now and then held a kept-alive connection for good."""
+    with serving_in_thread(AsksLate(), "blank-lines", http=with_client_timeouts(60.0, IN_THREAD_BOUND_S),
+                           timeout_keep_alive=2 * IN_THREAD_BOUND_S) as url:
+        with connect(url) as client:
+            client.sendall(b"GET /early HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert client.recv(1 << 16).endswith(b"\r\n\r\n0")
+            for _ in range(int(8 / 0.1)):  # a blank line each 0.1 s, for 16 bounds
+                try:
+                    client.send(b"\r\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                time.sleep(0.1)
+                if closed(client):
+                    break
+            else:
+                raise AssertionError("blank lines held the connection for 16 bounds")
+
+
+def test_a_body_sent_after_its_answer_leaves_the_connection_to_the_keep_alive_timer() -> None:
+    """An answer sent before the request's body ended (a 404 that reads nothing): the rest of
+    the body stopped uvicorn's keep-alive timer, and then nothing was owed, so nothing timed
+    the idle connection: it was held for good."""
+    with serving_in_thread(AsksLate(), "early", http=with_client_timeouts(60.0, IN_THREAD_BOUND_S),
+                           timeout_keep_alive=IN_THREAD_BOUND_S) as url:
+        with connect(url) as client:
+            client.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello")
+            assert client.recv(1 << 16).startswith(b"HTTP/1.1 404 ")
+            client.sendall(b"world")
+            client.settimeout(20 * IN_THREAD_BOUND_S)
+            assert let_go(client)
+
+
+def test_a_pipelined_header_begun_is_not_closed_by_the_keep_alive_timer() -> None:
+    """uvicorn arms its keep-alive timer when a response ends with no request queued, even
+    with the next one's header begun: it closed that connection after the keep-alive's
+    seconds, though the client has a whole bound from the answer to finish its header."""
+    with serving_in_thread(SlowToRead(), "pipelined", http=with_client_timeouts(60.0, IN_THREAD_BOUND_S),
+                           timeout_keep_alive=0.2 * IN_THREAD_BOUND_S) as url:
+        with connect(url) as pipelining:
+            pipelining.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhiPOST /b HTT")
+            assert pipelining.recv(1 << 16).endswith(b"\r\n\r\n2")
+            time.sleep(0.6 * IN_THREAD_BOUND_S)  # three keep-alives, well inside the bound
+            pipelining.sendall(b"P/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+            assert pipelining.recv(1 << 16).endswith(b"\r\n\r\n3")
