@@ -1,50 +1,36 @@
 """Bounds on a client: uvicorn's httptools protocol with nginx's timeouts, both ways, and h11's header bound.
 
-uvicorn's httptools protocol (what uvicorn and vLLM serve with) has none of them:
+uvicorn's httptools protocol (what uvicorn and vLLM serve with) has none of them, and waits
+for a client as long as its socket stays open (docs/RELIABILITY.md §3 has what each held):
 
-- ``client_send_timeout_s`` (nginx's ``send_timeout``, 60 s): once the connection's write
-  buffer is full, the app's ``send`` waits in uvicorn's flow control until the client reads.
-  In upstream mode that wait holds an upstream connection (its read timeout rests while
-  reading is paused for the slow client), so a few hundred sockets that never read would
-  take the whole pool; in vLLM's server the engine goes on generating the request. The bound
-  is on the time between two writes that make progress, not on the whole response.
-- ``client_receive_timeout_s`` (nginx's ``client_header_timeout`` and ``client_body_timeout``,
-  60 s): a connection that sends nothing, or only part of a request's header, is counted
-  from when it opened (or from its request's first byte, on a kept-alive connection), for
-  the whole header; a request's body, between two reads. Without it each such socket is held
-  for good (uvicorn's keep-alive timer runs only after a response), so a client that opens
-  sockets and sends a byte now and then takes the server's file descriptors; and one that
-  stops halfway through its body holds its request's task, its buffered body and, in
-  upstream mode on a route whose body is streamed upstream, an upstream connection.
-  Time the server itself makes the client wait is not counted: reading paused by flow
-  control (the app has not taken what came), a ``100 Continue`` not sent yet (the app has
-  not asked for the body), a pipelined request's header behind a response still running.
-  The timer then looks again each quarter of the bound, and once the wait is over the
-  client has a whole bound from there. Bytes on a kept-alive connection between requests
-  (blank lines, which the parser skips) start the next header's bound, and a body that ends
-  after its answer leaves the connection to uvicorn's keep-alive timer, which those bytes
-  stopped.
-- A header's size: uvicorn's h11 protocol bounds it (16 KiB by default, its
-  ``h11_max_incomplete_event_size``; vLLM sets 4 MiB and 256 fields), its httptools one
-  does not, and httptools holds a header in memory as it comes until it ends. Past the
-  bound, while it still arrives, the client gets a 431 in OpenAI error JSON; past the
-  fields, when it ends.
+- ``client_send_timeout_s`` (nginx's ``send_timeout``): the time between two writes that make
+  progress, once the connection's write buffer is full and the app's ``send`` waits in
+  uvicorn's flow control. In upstream mode that wait held an upstream connection; in vLLM's
+  server the engine went on generating the request.
+- ``client_receive_timeout_s`` (nginx's ``client_header_timeout`` and ``client_body_timeout``):
+  a header is timed as a whole, from the connection's start (or from the first byte after a
+  kept-alive request, blank lines included), a body between two reads. Time the server makes
+  the client wait is not counted: reading paused by flow control, a ``100 Continue`` not sent
+  yet, a pipelined request's header behind a response still running. Each such wait ends in
+  uvicorn's flow control resuming reading (the app's ``receive``, a response's end), and the
+  client has a whole bound from there. A body that ends after its answer leaves the
+  connection to uvicorn's keep-alive timer, which its bytes stopped.
+- A header's size: uvicorn's h11 protocol bounds it (``h11_max_incomplete_event_size``, 16 KiB
+  by default; vLLM sets 4 MiB and 256 fields), httptools holds it in memory as it comes. Past
+  the bound while it still arrives, or past the fields when it ends: a 431 in OpenAI error JSON.
 
-The bounds are kept where the waiting is, on the server's side of the connection. A client
-past one is let go as one that left: uvicorn sees ``connection_lost``, a waiting ``send``
-returns, ``receive`` says ``http.disconnect``, and the request ends as any disconnect does
-(in upstream mode its exchange is cancelled and its upstream connection closed, never
-pooled, so the upstream aborts the request; its usage record, if it reached the engine,
-says ``disconnected``). Nothing is cancelled inside uvicorn's ``send`` or ``receive``, so no
-traceback and no "returned without completing response" line; one warning says it. A
-connection with no request begun is closed with a debug line only (load balancers' probes
-and port scanners open such sockets all day).
+A client past a timeout is let go as one that left: uvicorn sees ``connection_lost``, a
+waiting ``send`` returns, ``receive`` says ``http.disconnect``, and the request ends as any
+disconnect does (in upstream mode its upstream connection is closed, never pooled; its usage
+record, if it reached the engine, says ``disconnected``). Nothing is cancelled inside
+uvicorn's ``send`` or ``receive``, so no traceback; one warning says it. A connection with no
+request begun is closed with a debug line only (load balancers' probes open such sockets).
 
-Only ``asyncio.Protocol``'s calls and uvicorn's parser callbacks are overridden, each calling
-uvicorn's own. vLLM's server (``--engine vllm``, ``vllm serve --middleware``) is vLLM's
+Only ``asyncio.Protocol``'s calls, uvicorn's parser callbacks and its flow control's
+``resume_reading`` are overridden, each calling uvicorn's own. vLLM's server is vLLM's
 uvicorn, built before any cachetally code runs: the middleware puts this protocol in its
 config at the lifespan's startup (:func:`bound_vllms_clients`), before uvicorn opens its
-listener, which reads the protocol from there.
+listener.
 """
 
 from __future__ import annotations
@@ -58,6 +44,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from proxy.asgi.errors import error_body
@@ -69,6 +56,7 @@ H11_MAX_HEADER_BYTES = 16 * 1024
 _REFUSAL = error_body(431, "Request header fields too large")
 _HEADER_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL))
+
 
 class HeaderTooLarge(Exception):
     """Raised in the parser's callback, to stop it at a header with too many fields."""
@@ -92,8 +80,8 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
         self._receive_timeout_s = receive_timeout_s
         self._receive_timer: asyncio.TimerHandle | None = None
         self._owed = _OWED_NOTHING
-        self._owed_since = 0.0  # the header's start (fixed), or the body's last read
-        self._server_waited = False  # the timer last found the server the one waiting
+        self._owed_since = 0.0  # the header's start, the body's last read, or a server's wait's end
+        self._server_waited = False  # the server made the client wait since _owed_since
         # A header's size and fields: uvicorn's h11 protocol bounds them, its httptools one
         # does not (vLLM sets both limits for h11, 4 MiB and 256, which httptools ignored).
         self._max_header_bytes = self.config.h11_max_incomplete_event_size or H11_MAX_HEADER_BYTES
@@ -105,6 +93,7 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _ResumeTold(transport, self._server_wait_over)  # before any request takes it
         self._owe(_HEADER)  # the first request's header is timed from the connection's start
 
     def on_message_begin(self) -> None:
@@ -138,6 +127,11 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
         super().data_received(data)
         if self._owed is _HEADER and self._header_too_large() and not self.transport.is_closing():
             self._refuse_header()
+            return
+        # Every server's wait begins here (reading paused, a header asking for 100 Continue, a
+        # pipelined header); it ends in flow control's resume_reading.
+        if self._owed is not _OWED_NOTHING and self._server_is_the_one_waiting():
+            self._server_waited = True
 
     def _header_too_large(self) -> bool:
         # At most one read (256 KiB) past the bound: the parser holds what it is given.
@@ -179,17 +173,19 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
     def _time_receive(self, when: float) -> None:
         self._receive_timer = self.loop.call_at(when, self._receive_due)
 
+    def _server_wait_over(self) -> None:
+        """Flow control resumed reading: a server's wait may be over, and the client has a whole
+        bound from now (the timer stood down while the server waited)."""
+        if self._server_waited and not self._server_is_the_one_waiting():
+            self._server_waited, self._owed_since = False, self.loop.time()
+            if self._receive_timer is None:
+                self._time_receive(self._owed_since + self._receive_timeout_s)
+
     def _receive_due(self) -> None:
         self._receive_timer = None
-        if self._owed is _OWED_NOTHING or self.transport.is_closing():
-            return
+        if self._owed is _OWED_NOTHING or self.transport.is_closing() or self._server_is_the_one_waiting():
+            return  # nothing owed, or the server's wait, whose end times the client again
         now = self.loop.time()
-        if self._server_is_the_one_waiting():  # look again soon: the client's clock is stopped
-            self._server_waited = True
-            self._time_receive(now + self._receive_timeout_s / 4)
-            return
-        if self._server_waited:  # the server's wait ended since the last look: a whole bound from here
-            self._server_waited, self._owed_since = False, now
         due = self._owed_since + self._receive_timeout_s
         if now < due:
             self._time_receive(due)
@@ -261,6 +257,20 @@ class ClientTimeoutsProtocol(HttpToolsProtocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.transport.abort()
+
+
+class _ResumeTold(FlowControl):
+    """uvicorn's flow control, telling its protocol each time it resumes reading: where every
+    wait of the server's ends (the app's ``receive`` after a ``100 Continue`` or a paused read,
+    a response's end before a pipelined request)."""
+
+    def __init__(self, transport: asyncio.Transport, resumed: Callable[[], None]) -> None:
+        super().__init__(transport)
+        self._resumed = resumed
+
+    def resume_reading(self) -> None:
+        super().resume_reading()
+        self._resumed()
 
 
 def with_client_timeouts(send_timeout_s: float, receive_timeout_s: float) -> Callable[..., asyncio.Protocol]:

@@ -186,6 +186,18 @@ class AsksLate:
 WHOLE_BOUND_S = 1.0
 
 
+def test_a_client_has_a_whole_bound_from_its_100_continue() -> None:
+    """The server's wait began and ended between two of the timer's looks: the client that
+    waited for its ``100 Continue`` still has a whole bound from it to send its body."""
+    with serving_in_thread(AsksLate(), "asks-late", http=with_client_timeouts(60.0, WHOLE_BOUND_S)) as url:
+        with connect(url) as polite:
+            polite.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+            assert polite.recv(1 << 16) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            time.sleep(0.5 * WHOLE_BOUND_S)
+            polite.sendall(b"hello")
+            assert polite.recv(1 << 16).endswith(b"\r\n\r\n5")
+
+
 def test_blank_lines_between_requests_do_not_hold_a_kept_alive_connection() -> None:
     """uvicorn's keep-alive timer stops at any byte; a blank line (which its parser skips
     before a request) now and then held a kept-alive connection for good."""
