@@ -52,7 +52,7 @@ from engine_adapter.vllm.tap import EngineTap
 from proxy.asgi.errors import STOPPED, send_error
 from proxy.asgi.paths import route_path
 from proxy.patching.context import DEFAULT_ROUTES
-from proxy.server.client_timeouts import bound_vllms_clients
+from proxy.server.client_bounds import bound_vllms_clients
 from proxy.server.instance import Accounting
 from proxy.server.logs import configure_logging
 from proxy.server.own_routes import read_only, ready_line, send_stats
@@ -173,7 +173,7 @@ REQUESTS_LEFT_S = 1.0
 def _bound_vllms_server(app: Any, settings: Settings) -> None:
     """Bounds on the uvicorn server vLLM runs ``app`` in (``app.state.server``, set before it
     serves): :data:`REQUESTS_LEFT_S` for the requests a stop leaves, unless the server has a
-    limit of its own, and the client timeouts (:func:`proxy.server.client_timeouts.bound_vllms_clients`):
+    limit of its own, and the client timeouts (:func:`proxy.server.client_bounds.bound_vllms_clients`):
     a client that stops reading, whose request the engine would go on generating, and one
     that sends its request too slowly, or nothing, which would hold its socket for good."""
     config = getattr(getattr(getattr(app, "state", None), "server", None), "config", None)

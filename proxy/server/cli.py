@@ -74,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.server.app import CachetallyApp
-    from proxy.server.client_timeouts import with_client_timeouts
+    from proxy.server.client_bounds import with_client_bounds
     from proxy.server.stopping import StoppingServer, run_workers
 
     serving = {
@@ -83,7 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
         "log_level": settings.log_level,
         "lifespan": "on",
         "timeout_graceful_shutdown": settings.shutdown_timeout_s,
-        "http": with_client_timeouts(settings.client_send_timeout_s, settings.client_receive_timeout_s),
+        "http": with_client_bounds(settings.client_send_timeout_s, settings.client_receive_timeout_s),
     }
     # The multiprocess directory is ready (stale files wiped) before any metric exists.
     with multiprocess_dir_for(settings.workers):

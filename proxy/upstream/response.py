@@ -7,7 +7,7 @@ of the exchange are done.
 The read timeout runs from the moment the request is written in full (or the first byte
 of an early answer), restarts with every byte read and stops while reading is paused for
 a slow client (``HIGH_WATER`` bytes unread): a client that takes nothing for
-``client_send_timeout_s`` is let go by the server (:mod:`proxy.server.client_timeouts`). Waiters are woken with a result, never an
+``client_send_timeout_s`` is let go by the server (:mod:`proxy.server.client_bounds`). Waiters are woken with a result, never an
 exception, so nothing is left unretrieved when nobody waits any more.
 """
 

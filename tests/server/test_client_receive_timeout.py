@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.server.client_timeouts import with_client_timeouts
+from proxy.server.client_bounds import with_client_bounds
 from tests.servers import running_server, serving_in_thread
 from tests.upstream.test_upstream_reports import records
 
@@ -151,7 +151,7 @@ def test_the_time_the_server_makes_a_client_wait_is_not_the_clients() -> None:
     """Two waits that are the server's: a client that asked for ``100 Continue`` sends its body
     only once the app asks for it; a pipelined request's header, sent in part, is finished by
     a client that first waits for the answer to the request before it."""
-    with serving_in_thread(SlowToRead(), "slow", http=with_client_timeouts(60.0, IN_THREAD_BOUND_S)) as url:
+    with serving_in_thread(SlowToRead(), "slow", http=with_client_bounds(60.0, IN_THREAD_BOUND_S)) as url:
         with connect(url) as polite:
             polite.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
             assert polite.recv(1 << 16) == b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -189,7 +189,7 @@ WHOLE_BOUND_S = 1.0
 def test_a_client_has_a_whole_bound_from_its_100_continue() -> None:
     """The server's wait began and ended between two of the timer's looks: the client that
     waited for its ``100 Continue`` still has a whole bound from it to send its body."""
-    with serving_in_thread(AsksLate(), "asks-late", http=with_client_timeouts(60.0, WHOLE_BOUND_S)) as url:
+    with serving_in_thread(AsksLate(), "asks-late", http=with_client_bounds(60.0, WHOLE_BOUND_S)) as url:
         with connect(url) as polite:
             polite.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
             assert polite.recv(1 << 16) == b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -201,7 +201,7 @@ def test_a_client_has_a_whole_bound_from_its_100_continue() -> None:
 def test_blank_lines_between_requests_do_not_hold_a_kept_alive_connection() -> None:
     """uvicorn's keep-alive timer stops at any byte; a blank line (which its parser skips
     before a request) now and then held a kept-alive connection for good."""
-    with serving_in_thread(AsksLate(), "blank-lines", http=with_client_timeouts(60.0, IN_THREAD_BOUND_S),
+    with serving_in_thread(AsksLate(), "blank-lines", http=with_client_bounds(60.0, IN_THREAD_BOUND_S),
                            timeout_keep_alive=2 * IN_THREAD_BOUND_S) as url:
         with connect(url) as client:
             client.sendall(b"GET /early HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -222,7 +222,7 @@ def test_a_body_sent_after_its_answer_leaves_the_connection_to_the_keep_alive_ti
     """An answer sent before the request's body ended (a 404 that reads nothing): the rest of
     the body stopped uvicorn's keep-alive timer, and then nothing was owed, so nothing timed
     the idle connection: it was held for good."""
-    with serving_in_thread(AsksLate(), "early", http=with_client_timeouts(60.0, IN_THREAD_BOUND_S),
+    with serving_in_thread(AsksLate(), "early", http=with_client_bounds(60.0, IN_THREAD_BOUND_S),
                            timeout_keep_alive=IN_THREAD_BOUND_S) as url:
         with connect(url) as client:
             client.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello")
@@ -236,7 +236,7 @@ def test_a_pipelined_header_begun_is_not_closed_by_the_keep_alive_timer() -> Non
     """uvicorn arms its keep-alive timer when a response ends with no request queued, even
     with the next one's header begun: it closed that connection after the keep-alive's
     seconds, though the client has a whole bound from the answer to finish its header."""
-    with serving_in_thread(SlowToRead(), "pipelined", http=with_client_timeouts(60.0, IN_THREAD_BOUND_S),
+    with serving_in_thread(SlowToRead(), "pipelined", http=with_client_bounds(60.0, IN_THREAD_BOUND_S),
                            timeout_keep_alive=0.2 * IN_THREAD_BOUND_S) as url:
         with connect(url) as pipelining:
             pipelining.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhiPOST /b HTT")

@@ -33,7 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from proxy.server.client_timeouts import ClientTimeoutsProtocol
+from proxy.server.client_bounds import ClientBoundsProtocol
 
 BOUND_S = 10.0
 HUNDRED = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -201,7 +201,7 @@ class ClientTimeouts(RuleBasedStateMachine):
         self.keep_alive_s = keep_alive_s
         config = Config(app=self.app, timeout_keep_alive=keep_alive_s, log_config=None, lifespan="off",
                         interface="asgi3")
-        self.protocol = ClientTimeoutsProtocol(config=config, server_state=ServerState(), app_state={},
+        self.protocol = ClientBoundsProtocol(config=config, server_state=ServerState(), app_state={},
                                                _loop=self.loop, send_timeout_s=BOUND_S, receive_timeout_s=BOUND_S)
         self.transport = FakeTransport(self.loop, self.protocol)
         self.protocol.connection_made(self.transport)

@@ -27,7 +27,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from proxy.server.app import CachetallyApp
-from proxy.server.client_timeouts import with_client_timeouts
+from proxy.server.client_bounds import with_client_bounds
 from proxy.server.settings import Settings
 from proxy.upstream.client import Origin
 from proxy.upstream.engine import UpstreamEngine
@@ -75,7 +75,7 @@ def serving(upstream: Upstream):  # type: ignore[no-untyped-def]
             settings.upstream = self._upstream.__enter__()
             settings.validate()
             app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, client=pool_of_one))
-            self._proxy = serving_in_thread(app, "cachetally", http=with_client_timeouts(
+            self._proxy = serving_in_thread(app, "cachetally", http=with_client_bounds(
                 settings.client_send_timeout_s, settings.client_receive_timeout_s))
             return self._proxy.__enter__()
 
@@ -131,7 +131,7 @@ def test_a_websocket_is_not_timed_as_a_request() -> None:
             await websocket.send_text(await websocket.receive_text())
 
     app = Starlette(routes=[WebSocketRoute("/ws", echo)])
-    with serving_in_thread(app, "ws", http=with_client_timeouts(60.0, BOUND_S)) as url:
+    with serving_in_thread(app, "ws", http=with_client_bounds(60.0, BOUND_S)) as url:
         with connect(url.replace("http://", "ws://") + "/ws") as websocket:
             time.sleep(4 * BOUND_S)
             websocket.send("still here")

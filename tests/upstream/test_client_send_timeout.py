@@ -30,7 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from proxy.server.app import CachetallyApp
-from proxy.server.client_timeouts import with_client_timeouts
+from proxy.server.client_bounds import with_client_bounds
 from proxy.server.settings import Settings
 from proxy.upstream.client import Origin
 from proxy.upstream.engine import UpstreamEngine
@@ -107,7 +107,7 @@ def test_a_client_that_never_reads_frees_its_upstream_connection_after_the_send_
         settings = Settings(engine="upstream", upstream=upstream_url, model="m", usage_dir=str(tmp_path),
                             usage_flush_interval_s=0.05, client_send_timeout_s=0.5).validate()
         app = CachetallyApp(settings, engine_factory=lambda sink: UpstreamEngine(settings, client=pool_of_one))
-        with serving_in_thread(app, "cachetally", http=with_client_timeouts(settings.client_send_timeout_s, settings.client_receive_timeout_s)) as url, \
+        with serving_in_thread(app, "cachetally", http=with_client_bounds(settings.client_send_timeout_s, settings.client_receive_timeout_s)) as url, \
                 logged("cachetally", "uvicorn") as log:
             port = int(url.rsplit(":", 1)[1])
             body = orjson.dumps({"model": "m", "stream": True, "messages": [

@@ -67,7 +67,7 @@ class HeaderTooLarge(Exception):
 _OWED_NOTHING, _HEADER, _BODY = 0, 1, 2
 
 
-class ClientTimeoutsProtocol(HttpToolsProtocol):
+class ClientBoundsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol (what its ``auto`` picks: httptools is a dependency),
     with a client that takes no response bytes for ``send_timeout_s``, or sends too slowly
     for ``receive_timeout_s``, taken for gone."""
@@ -273,10 +273,10 @@ class _ResumeTold(FlowControl):
         self._resumed()
 
 
-def with_client_timeouts(send_timeout_s: float, receive_timeout_s: float) -> Callable[..., asyncio.Protocol]:
+def with_client_bounds(send_timeout_s: float, receive_timeout_s: float) -> Callable[..., asyncio.Protocol]:
     """uvicorn's ``http`` option for cachetally's own server (a partial, so that it reaches
     ``--workers N`` processes, which uvicorn starts with its config pickled)."""
-    return functools.partial(ClientTimeoutsProtocol, send_timeout_s=send_timeout_s,
+    return functools.partial(ClientBoundsProtocol, send_timeout_s=send_timeout_s,
                              receive_timeout_s=receive_timeout_s)
 
 
@@ -285,5 +285,5 @@ def bound_vllms_clients(config: Any, send_timeout_s: float, receive_timeout_s: f
     uvicorn's own httptools protocol (its ``auto`` choice); ``False`` where it does not."""
     if getattr(config, "http_protocol_class", None) is not HttpToolsProtocol:
         return False
-    config.http_protocol_class = with_client_timeouts(send_timeout_s, receive_timeout_s)
+    config.http_protocol_class = with_client_bounds(send_timeout_s, receive_timeout_s)
     return True
