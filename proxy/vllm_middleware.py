@@ -21,7 +21,7 @@ a request vLLM would refuse gets vLLM's 401 before its body is read, and no reco
 
 Per request it is what ``cachetally serve`` has always put in front of vLLM's routes:
 exact ``cached_tokens`` in JSON and SSE, final and continuous-usage chunks, 0 included;
-tiers on request; request ids; tenants and usage records; OpenAI error JSON for 404/405
+tiers on request; request ids; tenants and usage records; the route's error JSON for 404/405
 and for a dead engine (503 at once; vLLM's own watchdog then stops the server).
 
 Settings come from the default TOML file and ``CACHETALLY_*`` environment variables
@@ -90,16 +90,16 @@ class CachetallyMiddleware:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        path = route_path(scope) if kind == "http" else None
+        path = route_path(scope) if kind == "http" else ""
         if path == "/stats":
             await read_only(scope, send, self._stats)
         elif path in DEFAULT_ROUTES and self._tap is not None and self._tap.stopping:
             # vLLM's stop closed the engine client, and with one API server drains the engine
             # for --shutdown-timeout while it still accepts: vLLM would fail the request with a
             # 500 (its tokenizer pool is shut). It never runs, so it has no record.
-            await send_error(send, 503, STOPPED)
+            await send_error(send, path, 503, STOPPED)
         elif path in DEFAULT_ROUTES and getattr(self._client, "errored", False):
-            await send_error(send, 503, "the vllm engine is not healthy")
+            await send_error(send, path, 503, "the vllm engine is not healthy")
         else:
             await self._patched(scope, receive, send)
 

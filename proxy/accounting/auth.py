@@ -12,7 +12,7 @@ a guarded prefix or metered route after leading segments needs a key too. A guar
 must carry exactly one ``Authorization: Bearer <key>`` header naming a key of the table
 (:class:`KeyTable`: the single ``--api-key`` and the ``--api-keys`` file), looked up by
 SHA-256 digest, so neither the time taken nor anything else tells how much of a guess was
-right or how long a key is. A refusal is a 401 in OpenAI error JSON (a WebSocket is closed
+right or how long a key is. A refusal is a 401 in the route's error JSON (a WebSocket is closed
 with 1008). Neither the key nor the header is ever logged.
 
 The client's ``Authorization`` header still reaches the engine unchanged: in upstream
@@ -76,5 +76,5 @@ class ApiKeyGuard:
             await send({"type": "websocket.close", "code": 1008})  # policy violation
             return
         await send_error(
-            send, 401, "Missing or invalid API key", headers=[(b"www-authenticate", b"Bearer")]
+            send, route_path(scope), 401, "Missing or invalid API key", headers=[(b"www-authenticate", b"Bearer")]
         )

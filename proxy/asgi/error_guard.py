@@ -1,4 +1,5 @@
-"""The engine app's failures in OpenAI error JSON, whatever framework wrote them.
+"""The engine app's failures in the route's error JSON (:mod:`proxy.asgi.errors`: OpenAI's,
+Anthropic's on the Messages API), whatever framework wrote them.
 
 Used in front of every engine app: vLLM's (FastAPI), the sim (Starlette) and an upstream's
 patched routes.
@@ -15,18 +16,18 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.asgi.errors import STOPPED, ErrorAnswer, cut_by_stop, send_error, server_stop, stop_answered
-from proxy.asgi.paths import logged_path
+from proxy.asgi.paths import logged_path, route_path
 
 logger = logging.getLogger("cachetally.app")
 
 
 class ErrorGuard:
-    """The engine app's failures in OpenAI error JSON.
+    """The engine app's failures in the route's error JSON.
 
     - An exception before any of the response reached the client becomes a 500 (or what
       an :class:`~proxy.asgi.errors.ErrorAnswer` says); a response start held to be
       rewritten has not reached it.
-    - A 404 or 405 that is not already an OpenAI error is re-written as one, with the same
+    - A 404 or 405 that is not already an error JSON is re-written as one, with the same
       status and headers (``Allow`` stays). Frameworks answer unknown routes and methods
       in their own shape: FastAPI (vLLM's app) ``{"detail": "Not Found"}``, Starlette
       (the sim) plain text. Only those two statuses are held; every other response
@@ -60,7 +61,7 @@ class ErrorGuard:
                     return
                 start, held = held, None
                 started = True
-                await send_rewritten(send, start, b"".join(chunks))
+                await send_rewritten(send, route_path(scope), start, b"".join(chunks))
                 return
             await send(message)
 
@@ -74,11 +75,11 @@ class ErrorGuard:
             if started:
                 cut_by_stop(scope)
                 return
-            await send_error(send, 503, STOPPED)
+            await send_error(send, route_path(scope), 503, STOPPED)
             stop_answered()
 
     def rewrites(self, path: str) -> bool:
-        """Whether a 404 or 405 on ``path`` is rewritten as an OpenAI error."""
+        """Whether a 404 or 405 on ``path`` is rewritten as an error JSON."""
         return self.only_paths is None or path in self.only_paths
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, started: Callable[[], bool]) -> None:
@@ -98,18 +99,18 @@ class ErrorGuard:
         if started:
             raise exc
         if isinstance(exc, ErrorAnswer):
-            await send_error(send, exc.status, exc.message)
+            await send_error(send, route_path(scope), exc.status, exc.message)
         else:
-            await send_error(send, 500, "Internal server error")
+            await send_error(send, route_path(scope), 500, "Internal server error")
 
 
-#: The statuses frameworks answer in their own shape, rewritten as OpenAI errors.
+#: The statuses frameworks answer in their own shape, rewritten as the route's error JSON.
 REWRITTEN = frozenset((404, 405))
 _FRAMEWORK_HEADERS = frozenset((b"content-type", b"content-length"))
 
 
-async def send_rewritten(send: Send, start: Message, body: bytes) -> None:
-    """Send a held 404/405 as an OpenAI error, unless it already is one.
+async def send_rewritten(send: Send, path: str, start: Message, body: bytes) -> None:
+    """Send a held 404/405 on the route ``path`` as its error JSON, unless it already is an error.
 
     The message is a framework's ``{"detail": str}`` where there is one, else the status
     phrase (Starlette's plain-text "Not Found"); other headers (``Allow``) are kept.
@@ -126,4 +127,4 @@ async def send_rewritten(send: Send, start: Message, body: bytes) -> None:
     detail = parsed.get("detail") if isinstance(parsed, dict) else None
     message = detail if isinstance(detail, str) else HTTPStatus(status).phrase
     kept = [(k, v) for k, v in start.get("headers", []) if k.lower() not in _FRAMEWORK_HEADERS]
-    await send_error(send, status, message, kept)
+    await send_error(send, path, status, message, kept)

@@ -1,4 +1,13 @@
-"""Errors in the OpenAI error JSON shape, as vLLM's own server writes them."""
+"""The errors cachetally answers itself, in the shape the route's clients read: vLLM's own.
+
+OpenAI's error JSON (``{"error": {"message", "type", "param", "code"}}``) everywhere but on
+the Messages API (``/v1/messages`` and the routes under it: ``count_tokens``), where vLLM
+answers in Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``) and the
+``anthropic`` SDK reads ``error.type`` and ``error.message`` from it. The HTTP status is the
+same in both; the ``type`` there is Anthropic's name for it (:data:`_ANTHROPIC_TYPES`), not
+the OpenAI name vLLM leaves in its own (``translate_error_response``): a client that reads
+the type gets Anthropic's vocabulary, whoever refused.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +35,23 @@ _TYPES = {
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
+}
+
+#: The Messages API: its routes answer errors in Anthropic's shape.
+_MESSAGES = "/v1/messages"
+#: Anthropic's error types by status, as its API documents them (413 ``request_too_large``,
+#: 529 ``overloaded_error``) and its SDK names them (504 ``timeout_error``). A 503 says
+#: "try again later" as Anthropic's overload does. Any other 4xx is ``invalid_request_error``
+#: (Anthropic's own rule), any other 5xx ``api_error``.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
 }
 
 
@@ -72,37 +98,33 @@ class ErrorAnswer(Exception):
         self.status, self.message = status, message
 
 
-def error_body(status: int, message: str) -> bytes:
+def _messages_route(path: str) -> bool:
+    """Whether the route ``path`` (:func:`~proxy.asgi.paths.route_path`) is the Messages API's."""
+    return path == _MESSAGES or path.startswith(_MESSAGES + "/")
+
+
+def error_body(path: str, status: int, message: str) -> bytes:
+    """The error for a request to the route ``path``, in the shape its clients read; ``""``
+    where no route is known yet (a request head refused before it was routed)."""
+    if _messages_route(path):
+        error_type = _ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+        return orjson.dumps({"type": "error", "error": {"type": error_type, "message": message}})
     error_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return orjson.dumps(
         {"error": {"message": message, "type": error_type, "param": None, "code": status}}
     )
 
 
-def error_sse_event(status: int, message: str) -> bytes:
-    """The same error as one SSE event, for a stream that already started. Named ``error``:
-    the ``anthropic`` SDK skips an unnamed event (a cut stream would read as whole), and the
-    ``openai`` SDK raises on the ``error`` object whatever the name."""
-    return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
-
-
-def anthropic_error_sse_event(message: str) -> bytes:
-    """The same error in a Messages stream, as Anthropic and vLLM write it: a named ``error``
-    event (the ``anthropic`` SDK raises on it; an unnamed event it skips in silence)."""
-    return b"event: error\ndata: " + orjson.dumps(
-        {"type": "error", "error": {"type": "api_error", "message": message}}
-    ) + b"\n\n"
-
-
-def stream_error_event(path: str, status: int, message: str) -> bytes:
-    """The error event for a stream on ``path`` that already started: a Messages stream's
-    own shape on ``/v1/messages`` (its clients read named events only), else OpenAI's."""
-    if path == "/v1/messages":
-        return anthropic_error_sse_event(message)
-    return error_sse_event(status, message)
+def error_sse_event(path: str, status: int, message: str) -> bytes:
+    """The same error as one SSE event, for a stream that already started. Named ``error``,
+    as Anthropic and vLLM name a Messages stream's: the ``anthropic`` SDK skips an unnamed
+    event (a cut stream would read as whole), and the ``openai`` SDK raises on the ``error``
+    object whatever the name."""
+    return b"event: error\ndata: " + error_body(path, status, message) + b"\n\n"
 
 
 async def send_error(
-    send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
+    send: Send, path: str, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    await send_body(send, status, error_body(status, message), b"application/json", headers or ())
+    """Answer a request to the route ``path`` with an error (:func:`error_body`)."""
+    await send_body(send, status, error_body(path, status, message), b"application/json", headers or ())

@@ -106,7 +106,7 @@ class UsagePatchMiddleware:
             return
         key = self.request_ids.unique_key(client_id, self._take, self.process_tag)
         tenant = self._tenant_of(headers)
-        responder = Responder(self.context, route, key, client_id or key, send, headers, tenant)
+        responder = Responder(self.context, route, key, client_id or key, send, headers, tenant, path)
         self.ledger.open(key)
         token = current_request_key.set(key)
         try:
@@ -141,7 +141,8 @@ class UsagePatchMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": "not metered"})
             return
-        await send_error(send, 403, f"{path} runs the engine unmetered: it is refused while billing is on")
+        why = f"{path} runs the engine unmetered: it is refused while billing is on"
+        await send_error(send, route_path(scope), 403, why)
 
     def _take(self, key: str) -> bool:
         return key not in self.ledger

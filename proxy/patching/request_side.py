@@ -66,7 +66,7 @@ async def _read_and_run(r: Responder, scope: Scope, receive: Receive) -> None:
     except BodyTooLarge as too_large:
         if config.pd_legs and not await _read_oversized_leg(r, too_large, receive):
             return
-        await send_error(r.send, 413, f"Request body exceeds {config.max_request_bytes} bytes")
+        await send_error(r.send, route_path(scope), 413, f"Request body exceeds {config.max_request_bytes} bytes")
         return
     except ClientGone:
         r.notes.client_left()
@@ -74,7 +74,7 @@ async def _read_and_run(r: Responder, scope: Scope, receive: Receive) -> None:
     try:
         payload, r.options = parse_request(body, stream_options=r.shape is None)
     except ValueError as exc:
-        await send_error(r.send, 400, str(exc))
+        await send_error(r.send, route_path(scope), 400, str(exc))
         return
     if config.pd_legs:
         r.leg = leg_of(payload)
@@ -87,7 +87,7 @@ async def _read_and_run(r: Responder, scope: Scope, receive: Receive) -> None:
         r.ctx.ledger.first_event_only(r.key)
     if config.refuse_unmetered and (why := _refusal(r, payload, beam_search)):
         r.ctx.metrics.refused_unmetered.labels(route_path(scope)).inc()
-        await send_error(r.send, 400, why)
+        await send_error(r.send, route_path(scope), 400, why)
         return
     body = _rewrite(r, payload, body)
     # This route's headers are ours to rewrite: the request key, the length of the body

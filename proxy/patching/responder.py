@@ -46,16 +46,16 @@ class Mode(Enum):
     PASS = 0
     JSON = 1
     SSE = 2
-    ERROR = 3  # a framework's 404 or 405, held to be rewritten as an OpenAI error
+    ERROR = 3  # a framework's 404 or 405, held to be rewritten as the route's error JSON
 
 
 class Responder:
     def __init__(
         self, ctx: PatchContext, route: str, key: str, echo: str, send: Send, request_headers: RequestHeaders,
-        tenant: str = "default",
+        tenant: str, path: str,
     ) -> None:
         self.ctx = ctx
-        self.route = route
+        self.route, self.path = route, path  # path: the route's own, which names its error JSON
         self.key = key
         self.echo = echo
         self.tenant = tenant
@@ -146,7 +146,7 @@ class Responder:
         status = self.status = message["status"]
         if status in REWRITTEN and self.ctx.guard is not None:  # its request is on a patched route
             if length is not None:
-                headers.append(length)  # an OpenAI error already is passed on as it came
+                headers.append(length)  # an error JSON already is passed on as it came
             self.mode, self._start = Mode.ERROR, message
             return
         if status != 200 or self.options is None:
@@ -219,7 +219,7 @@ class Responder:
 
     async def _on_error(self, message: Message) -> None:
         if (whole := self._held_body(message)) is not None:
-            await send_rewritten(self._send, self._take_start(), whole)
+            await send_rewritten(self._send, self.path, self._take_start(), whole)
 
     async def _on_json(self, message: Message) -> None:
         if (whole := self._held_body(message)) is not None:

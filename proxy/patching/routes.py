@@ -3,7 +3,7 @@
 - ``patched``: metered (one usage record, the tenant's counters) and its usage made exact
   in JSON and SSE by the route's shape (:mod:`proxy.patching.shapes`);
 - ``refused``: runs the engine but is not metered. While billing is on (tenants or usage
-  records configured) such a request is answered with an OpenAI error and counted in
+  records configured) such a request is answered with a 403 error and counted in
   ``cachetally_refused_unmetered_total``, so no key can use the engine unmetered;
 - ``none``: does not run the engine (health, models, tokenizer, render, admin, ...).
 

@@ -5,7 +5,7 @@ for the requests in flight, then uvicorn cancels their tasks (in vLLM's server,
 :data:`~proxy.vllm_middleware.REQUESTS_LEFT_S` after vLLM stopped its engine client). Left
 to uvicorn, a request whose response had not reached the client gets a plain-text 500 and
 a stream is cut off mid-body (an incomplete chunked body, no error). Here the request's own task ends it
-instead: a 503 in OpenAI error JSON while nothing was sent (a JSON body is held to be
+instead: a 503 in the route's error JSON while nothing was sent (a JSON body is held to be
 patched until it is whole), or one SSE error event that ends a stream already started.
 Its usage record is then written as for any failed request (``outcome`` ``error``). The
 engine's other routes get the same 503 from :class:`~proxy.asgi.error_guard.ErrorGuard`.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.asgi.errors import STOPPED, cut_by_stop, send_error, stop_answered, stream_error_event
+from proxy.asgi.errors import STOPPED, cut_by_stop, error_sse_event, send_error, stop_answered
 from proxy.asgi.paths import route_path
 from proxy.patching.responder import Mode, Responder
 
@@ -35,10 +35,10 @@ async def end_stopped(r: Responder, scope: dict) -> None:
     try:
         async with asyncio.timeout(0):  # a send that does not wait finishes before it fires
             if not r.started():
-                await send_error(r.send, 503, STOPPED)
+                await send_error(r.send, route_path(scope), 503, STOPPED)
             elif r.mode is Mode.SSE and not r.completed:
                 # A blank line first ends an event the patcher may hold half of; alone it is no event.
-                event = b"\n\n" + stream_error_event(route_path(scope), 503, STOPPED)
+                event = b"\n\n" + error_sse_event(route_path(scope), 503, STOPPED)
                 await r.send({"type": "http.response.body", "body": event, "more_body": False})
             else:
                 answered = False

@@ -111,9 +111,9 @@ class CachetallyApp:
         elif self._patched is None:
             if scope["type"] == "http":
                 why = STOPPED if self._stopped else "cachetally is not running (engine not started)"
-                await send_error(send, 503, why)
+                await send_error(send, route_path(scope), 503, why)
         elif scope["type"] == "http" and not self.engine.healthy():
-            await send_error(send, 503, f"the {self.engine.name} engine is not healthy")
+            await send_error(send, route_path(scope), 503, f"the {self.engine.name} engine is not healthy")
         else:
             await self._patched(scope, receive, send)
 
@@ -139,7 +139,7 @@ class CachetallyApp:
         if self._patched is not None and self.engine.healthy():
             await send_body(send, 200, b'{"status":"ok"}', b"application/json")
         else:
-            await send_error(send, 503, f"the {self.engine.name} engine is not healthy")
+            await send_error(send, "/health", 503, f"the {self.engine.name} engine is not healthy")
 
     async def _metrics(self, send: Send) -> None:
         if self._engine_series is not None:  # several workers: summed from the files, this one's written first

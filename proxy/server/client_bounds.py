@@ -53,7 +53,7 @@ logger = logging.getLogger("cachetally.app")
 
 #: What uvicorn's h11 protocol allows a request's header by default (h11's own default).
 H11_MAX_HEADER_BYTES = 16 * 1024
-_REFUSAL = error_body(431, "Request header fields too large")
+_REFUSAL = error_body("", 431, "Request header fields too large")  # before any route is known
 _HEADER_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL))
 

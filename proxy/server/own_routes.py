@@ -1,7 +1,7 @@
 """What cachetally answers itself, the same way in both servers it runs in.
 
 ``/stats`` (and, beside the sim and upstream engines, ``/health`` and ``/metrics``) are
-read-only: ``GET`` and ``HEAD`` only, any other method an OpenAI-shaped 405 with
+read-only: ``GET`` and ``HEAD`` only, any other method an OpenAI error 405 with
 ``Allow``. The ready line is the one log line an operator waits for after a start.
 Used by :mod:`proxy.server.app` and :mod:`proxy.vllm_middleware`.
 """
@@ -15,6 +15,7 @@ import orjson
 from starlette.types import Scope, Send
 
 from proxy.asgi.errors import send_error
+from proxy.asgi.paths import route_path
 from proxy.asgi.replies import send_body
 
 
@@ -23,7 +24,7 @@ async def read_only(scope: Scope, send: Send, answer: Callable[[Send], Awaitable
     if scope["method"] in ("GET", "HEAD"):
         await answer(send)
     else:
-        await send_error(send, 405, "Method Not Allowed", [(b"allow", b"GET, HEAD")])
+        await send_error(send, route_path(scope), 405, "Method Not Allowed", [(b"allow", b"GET, HEAD")])
 
 
 async def send_stats(send: Send, stats: Mapping[str, Any]) -> None:

@@ -9,7 +9,7 @@ The upstream URL is parsed once, into an :class:`Origin`, when the engine is bui
 request then names only its origin-form target (path and query, as the client sent them).
 
 Every failure a client reports is an :class:`UpstreamFailure` carrying the answer the
-client of cachetally gets (OpenAI error JSON): a request that cannot be written as valid
+client of cachetally gets (the route's error JSON, :mod:`proxy.asgi.errors`): a request that cannot be written as valid
 HTTP/1.1 -> 400; no connection, or one that broke -> 502; a timeout -> 504; every
 connection busy past the connect timeout -> 503.
 """

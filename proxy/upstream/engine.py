@@ -28,6 +28,7 @@ from urllib.parse import quote
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.asgi.errors import send_error
+from proxy.asgi.paths import route_path
 from proxy.server.settings import Settings
 from proxy.upstream.client import Origin, UpstreamClient
 from proxy.upstream.forward import Forward
@@ -96,11 +97,11 @@ class UpstreamEngine:
             return
         client = self._client
         if client is None:
-            await send_error(send, 503, "The upstream engine is not running")
+            await send_error(send, route_path(scope), 503, "The upstream engine is not running")
             return
         target = self.target_for(scope)
         if target is None:
-            await send_error(send, 400, "The request target must be an absolute path")
+            await send_error(send, route_path(scope), 400, "The request target must be an absolute path")
             return
         await Forward(client, target, scope, receive, send).run()
 

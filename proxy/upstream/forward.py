@@ -12,7 +12,7 @@ end. Closing a response is synchronous (:class:`~proxy.upstream.client.UpstreamR
 so a cancellation can never land halfway through it and leave a connection checked out.
 
 Failures: no connection or a broken one before the headers -> 502, a timeout -> 504, a
-full connection pool -> 503, all in OpenAI error JSON. After the headers went out, an SSE
+full connection pool -> 503, all in the route's error JSON. After the headers went out, an SSE
 stream gets one SSE error event and ends; any other body is cut off by raising (the
 server then drops the connection) rather than ended cleanly, so a truncated body is never
 mistaken for a complete one.
@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Receive, Scope, Send
 
-from proxy.asgi.errors import ErrorAnswer, send_error, stream_error_event
+from proxy.asgi.errors import ErrorAnswer, error_sse_event, send_error
 from proxy.asgi.headers import Headers
 from proxy.asgi.paths import logged_path, route_path
 from proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
@@ -110,7 +110,7 @@ class Forward:
             if self.gone:
                 return
             logger.warning("upstream %s %s: %s -> %d", scope["method"], logged_path(scope), exc.reason, exc.status)
-            await send_error(self.send, exc.status, exc.message)
+            await send_error(self.send, route_path(scope), exc.status, exc.message)
             return
         try:
             await self._relay(response)
@@ -151,7 +151,7 @@ class Forward:
                 raise UpstreamBodyError(502, exc.message) from None
             # Close a half-sent event first, so the error event is parsed on its own.
             prefix = b"" if tail.endswith(_EVENT_ENDS) else b"\n\n"
-            event = prefix + stream_error_event(route_path(scope), exc.status, exc.message)
+            event = prefix + error_sse_event(route_path(scope), exc.status, exc.message)
             await send({"type": "http.response.body", "body": event, "more_body": False})
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -674,7 +674,7 @@ def test_a_named_stream_ended_by_the_upstream_relays_error_is_an_error(path: str
 
     token = "content_block_delta" if path == "/v1/messages" else "response.output_text.delta"
     stream = [event(token, {"index": 0, "delta": "hi"}), event(token, {"index": 0, "delta": "hi"}),
-              error_sse_event(502, "Upstream server unreachable or connection lost")]
+              error_sse_event(path, 502, "Upstream server unreachable or connection lost")]
     record = _record_of(stream, include_usage=False, ghost=False, path=path)
     assert (record.completion_tokens, record.completion_source, record.outcome) == (2, "stream", "error")
 

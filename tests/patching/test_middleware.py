@@ -887,7 +887,7 @@ async def test_cancelled_request_leaves_nothing_behind(point: str) -> None:
     if point == "before-start":
         assert client.status == 503 and orjson.loads(last["body"])["error"]["message"] == STOPPED
     else:  # a started stream ends with one error event
-        assert last["more_body"] is False and last["body"].endswith(error_sse_event(503, STOPPED))
+        assert last["more_body"] is False and last["body"].endswith(error_sse_event(CHAT, 503, STOPPED))
     assert key_after == [None]
     h.assert_clean()
     assert h.requests() == {"hit": 1}
@@ -973,13 +973,14 @@ def _body(*parts: bytes, more: bool = True) -> list[Message]:
 @pytest.mark.asyncio
 async def test_a_messages_stream_the_stop_cuts_ends_with_anthropics_error_event() -> None:
     """The anthropic SDK reads a Messages stream's error in Anthropic's shape; an OpenAI error
-    object there is no error it can name."""
+    object there is no error it can name. The stop's 503 is Anthropic's overload: try again."""
     opening = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","type":"message",'
                b'"role":"assistant","model":"m","content":[],"usage":{"input_tokens":64,"output_tokens":0}}}\n\n')
     body = b'{"model":"m","max_tokens":2,"stream":true,"messages":[{"role":"user","content":"hi"}]}'
     client = await _stopped_once(_body(opening), body, path="/v1/messages")
     name, data = sse_events(client.body)[-1]
-    assert (name, orjson.loads(data)) == (b"error", {"type": "error", "error": {"type": "api_error", "message": STOPPED}})
+    overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": STOPPED}}
+    assert (name, orjson.loads(data)) == (b"error", overloaded)
     assert client.complete
 
 

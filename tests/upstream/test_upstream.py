@@ -599,7 +599,7 @@ async def test_failures_before_the_headers_are_openai_errors(answer: tuple[int, 
 
     sent = await drive(engine_with(respond))
     assert sent[0]["status"] == status
-    assert sent[1]["body"] == error_body(status, answer[1])
+    assert sent[1]["body"] == error_body("/v1/chat/completions", status, answer[1])
 
 
 @pytest.mark.asyncio
