@@ -163,7 +163,7 @@ class SimEngine:
                 raise RequestError("The engine is not running.", 503, "ServiceUnavailableError")
             req = apis.parse(await request.body(), api, cfg.model, cfg.default_max_tokens)
         except RequestError as exc:
-            return Response(exc.body(), exc.status, media_type="application/json")
+            return Response(exc.body(messages=api == "messages"), exc.status, media_type="application/json")
         rid = apis.new_id()
         key = current_request_key.get() or rid
         self.announce([req.prompt], key)

@@ -29,7 +29,7 @@ Kind = Literal["chat", "completion"]
 
 
 class RequestError(Exception):
-    """A request the engine refuses, with its OpenAI error shape."""
+    """A request the engine refuses, with vLLM's error shape for the route."""
 
     def __init__(
         self,
@@ -41,7 +41,12 @@ class RequestError(Exception):
         super().__init__(message)
         self.message, self.status, self.err_type, self.param = message, status, err_type, param
 
-    def body(self) -> bytes:
+    def body(self, messages: bool = False) -> bytes:
+        """OpenAI's error JSON; on the Messages API (``messages``) Anthropic's envelope, as
+        vLLM's route translates its errors (``translate_error_response``: the OpenAI type
+        name kept, the status as it was)."""
+        if messages:
+            return orjson.dumps({"type": "error", "error": {"type": self.err_type, "message": self.message}})
         info = {"message": self.message, "type": self.err_type, "param": self.param}
         return orjson.dumps({"error": {**info, "code": self.status}})
 

@@ -484,3 +484,19 @@ def test_standalone_cli_with_openai_client(standalone_sim: str) -> None:
     assert usage is not None and usage.prompt_tokens_details is not None
     assert usage.prompt_tokens == first.usage.prompt_tokens == 109
     assert usage.prompt_tokens_details.cached_tokens == 96
+
+
+@pytest.mark.asyncio
+async def test_messages_errors_have_vllms_anthropic_envelope(client: httpx.AsyncClient, sink: ListSink) -> None:
+    """vLLM's Messages route answers its errors as ``{"type": "error", "error": {type, message}}``
+    (``translate_error_response``, the OpenAI type name kept), which the ``anthropic`` SDK
+    reads; the sim answered OpenAI's JSON there."""
+    unknown = await client.post("/v1/messages", json={"model": "gpt-x", "max_tokens": 1, "messages": []})
+    not_object = await client.post("/v1/messages", json=["hi"])
+    assert (unknown.status_code, unknown.json()) == (
+        404, {"type": "error", "error": {"type": "NotFoundError", "message": "The model `gpt-x` does not exist."}})
+    assert (not_object.status_code, not_object.json()) == (
+        400, {"type": "error", "error": {"type": "BadRequestError", "message": "Request body must be a JSON object"}})
+    responses = await client.post("/v1/responses", json={"model": "gpt-x", "input": "hi"})
+    assert responses.json()["error"]["code"] == 404  # the Responses API's stay OpenAI's
+    assert sink.events == []
