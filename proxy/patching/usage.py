@@ -8,9 +8,11 @@
    it is); the request counts as ``cache=unknown``. Nothing is ever estimated.
 
 Cache writes (prompt tokens the engine wrote to its prefix cache) go in the same object
-under vLLM's own name, ``created_cache_tokens``, when the engine event reports them for the
-whole request; otherwise the field stays as the response had it (``source=upstream``: the
-upstream's own count, which the usage record keeps).
+under OpenAI's name, ``cache_write_tokens`` (what the ``openai`` SDK reads), and vLLM's,
+``created_cache_tokens`` (what vLLM's own clients read): the engine event's count when it
+reports them for the whole request; else the response's own under either name (OpenAI's
+wins where both are there), when it is a count of what the reads leave of the prompt, which
+the usage record keeps. Writes past that stay as the response had them, and unknown.
 
 0 is a value. Per-tier detail goes into a separate top-level ``cached_tokens_details``
 object, only when the client asked for it, and never changes the standard fields.
@@ -23,7 +25,7 @@ from typing import Any, Literal
 
 from proxy.accounting.records.record import count
 from proxy.patching.ledger import EngineUsage
-from proxy.patching.vendor_usage import WRITES_KEY, reported_cache_writes, reported_cached_tokens
+from proxy.patching.vendor_usage import OPENAI_WRITES_KEY, WRITES_KEY, reported_cache_writes, reported_cached_tokens
 
 Missing = Literal["zero", "omit"]
 DETAILS_KEY = "cached_tokens_details"
@@ -81,6 +83,12 @@ class UsagePatch:
         if prompt is not None:
             in_response.prompt_tokens = prompt
         in_response.cached_tokens, in_response.source = value, source
+        writes = self._writes(prompt) if source == "engine" else None
+        if writes is None:  # the response's own: the engine's per-prompt chunk's, else believed
+            writes = reported_cache_writes(usage)
+            if source != "engine":
+                writes = believed(prompt, value or 0, writes)[1]
+        in_response.cache_creation_tokens = writes
         changed = False
         if value is not None:
             details = usage.get("prompt_tokens_details")
@@ -90,12 +98,8 @@ class UsagePatch:
             if details.get("cached_tokens") != value or type(details.get("cached_tokens")) is not int:
                 details["cached_tokens"] = value
                 changed = True
-            writes = self._writes(prompt) if source == "engine" else None
-            if writes is not None and details.get(WRITES_KEY) != writes:
-                details[WRITES_KEY] = writes
+            if writes is not None and _name_writes(details, writes):
                 changed = True
-        writes = reported_cache_writes(usage)  # as patched: the engine's, else the upstream's own
-        in_response.cache_creation_tokens = writes if source == "engine" else believed(prompt, value or 0, writes)[1]
         if self.details:
             payload[DETAILS_KEY] = self._details(value, source)
             changed = True
@@ -126,6 +130,15 @@ class UsagePatch:
             "created": engine.cache_creation_tokens if engine else None,
             "source": source or "unknown",
         }
+
+
+def _name_writes(details: dict[str, Any], writes: int) -> bool:
+    """Write ``writes`` under OpenAI's name and vLLM's; whether that changed ``details``."""
+    openai, vllm = details.get(OPENAI_WRITES_KEY), details.get(WRITES_KEY)
+    if openai == vllm == writes and type(openai) is int and type(vllm) is int:
+        return False
+    details[WRITES_KEY] = details[OPENAI_WRITES_KEY] = writes
+    return True
 
 
 def _choice(payload: dict[str, Any]) -> int | None:

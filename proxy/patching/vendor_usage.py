@@ -20,7 +20,10 @@ carries no value. The first reader that knows the value wins. What each engine s
 - Ollama: nothing; the ``missing`` policy applies.
 
 Cache writes on these routes: vLLM's ``usage.prompt_tokens_details.created_cache_tokens``
-(with ``--enable-prompt-tokens-details``); none of the other engines sends them.
+(with ``--enable-prompt-tokens-details``), or OpenAI's ``cache_write_tokens`` in the same
+object (what the ``openai`` SDK reads; a server in OpenAI's own shape, another cachetally);
+none of the other engines sends them. Where both names carry a count, OpenAI's wins, as its
+``cached_tokens`` wins over the vendor fields.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from proxy.accounting.records.record import count as _count
 
 WRITES_KEY = "created_cache_tokens"  # vLLM's name in prompt_tokens_details
+OPENAI_WRITES_KEY = "cache_write_tokens"  # OpenAI's, in the same object
 
 
 def _openai(usage: Any) -> int | None:
@@ -73,6 +77,10 @@ def reported_cached_tokens(payload: dict[str, Any]) -> int | None:
 
 
 def reported_cache_writes(usage: dict[str, Any]) -> int | None:
-    """vLLM's count of the prompt tokens written to its prefix cache, when ``usage`` has one."""
+    """The upstream's count of the prompt tokens written to its prefix cache, when ``usage``
+    has one: under OpenAI's name, else vLLM's."""
     details = usage.get("prompt_tokens_details")
-    return _count(details.get(WRITES_KEY)) if isinstance(details, dict) else None
+    if not isinstance(details, dict):
+        return None
+    writes = _count(details.get(OPENAI_WRITES_KEY))
+    return _count(details.get(WRITES_KEY)) if writes is None else writes

@@ -2,7 +2,8 @@
 what the engine emits for the same request, except the usage patch.
 
 The reference is a standalone sim started with ``--report-cached-tokens``: it writes the
-exact ``prompt_tokens_details.cached_tokens`` itself, where the patch puts it. The
+exact ``prompt_tokens_details.cached_tokens`` itself, where the patch puts it (and its
+writes under vLLM's name, which the patch also writes under OpenAI's). The
 embedded sim reports nothing, so there every ``cached_tokens`` the clients see was
 written by the proxy from the engine's event. In upstream mode the proxy has no engine
 event and keeps the upstream's own report, so that sim reports too; what is checked
@@ -38,6 +39,12 @@ SIM = ["-m", "engine_adapter.sim", "--log-level", "warning", "--token-delay-s", 
 def masked(raw: bytes) -> bytes:
     raw = re.sub(rb'"id":"[^"]*"', b'"id":"X"', raw)
     return re.sub(rb'"created":\d+', b'"created":0', raw)
+
+
+def with_openais_writes(raw: bytes) -> bytes:
+    """The reference sim's bytes as the patch leaves them: its cache writes (vLLM's
+    ``created_cache_tokens``) under OpenAI's name too, ``cache_write_tokens``."""
+    return re.sub(rb'"created_cache_tokens":(\d+)', rb'"created_cache_tokens":\1,"cache_write_tokens":\1', raw)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +117,7 @@ async def test_concurrent_streams_are_the_engines_bytes_plus_the_usage_patch(
     got = await run(servers[mode], requests)
     cached = []
     for want, have in zip(expected, got, strict=True):
-        assert masked(have) == masked(want)
+        assert masked(have) == with_openais_writes(masked(want))
         usage = [e for e in have.split(b"\n\n") if b'"usage"' in e]
         cached += [orjson.loads(e[len(b"data: "):])["usage"]["prompt_tokens_details"]["cached_tokens"] for e in usage]
     assert len(cached) == sum(1 for _, _, body in requests if "stream_options" in body)

@@ -2,8 +2,9 @@
 ``openai`` SDKs: ``cachetally serve --engine sim`` with usage records on (billing on), and
 upstream mode in front of the sim.
 
-Embedded: the engine's figures in every path (JSON and SSE), 0 reads cold, the full
-blocks warm, writes = the blocks the cold request cached; Anthropic's three input figures
+Embedded: the engine's figures in every path (JSON and SSE; chat and completions too, their
+writes under OpenAI's name and vLLM's), 0 reads cold, the full blocks warm, writes = the
+blocks the cold request cached; Anthropic's three input figures
 add up to the prompt; one record per request under its route. Upstream in front of an
 engine that reports the right figures: every stream and body goes through byte for byte,
 and the records and counters carry its reads and writes; in front of Anthropic's own
@@ -55,8 +56,8 @@ def billed(usage_dir: Path) -> Iterator[str]:
         yield url
 
 
-def prompt_size(prompt: str) -> int:
-    return len(tokenize(render_chat([{"role": "user", "content": prompt}])))
+def prompt_size(prompt: str, route: str = "chat") -> int:
+    return len(tokenize(prompt if route == "completions" else render_chat([{"role": "user", "content": prompt}])))
 
 
 def sdk(base: str, route: str) -> anthropic.Anthropic | openai.OpenAI:
@@ -69,11 +70,12 @@ def fresh_prompt() -> str:
     return " ".join([uuid.uuid4().hex, *(f"w{i}" for i in range(60))])
 
 
-@pytest.mark.parametrize("path", list(apis.PATHS))
+@pytest.mark.parametrize("path", [*apis.PATHS, "chat-json", "chat-sse", "chat-continuous", "completions-json",
+                                  "completions-sse"])
 def test_embedded_figures_records_and_counters(billed: str, usage_dir: Path, path: str) -> None:
-    route, ask = apis.PATHS[path]
+    route, ask = ALL_PATHS[path]
     prompt = fresh_prompt()
-    size = prompt_size(prompt)
+    size = prompt_size(prompt, route)
     before = httpx.get(f"{billed}/metrics").text
     ids = [uuid.uuid4().hex, uuid.uuid4().hex]
     with sdk(billed, route) as client:
@@ -180,29 +182,60 @@ def chat_json(client: openai.OpenAI, model: str, prompt: str, rid: str) -> tuple
     return _chat(answer.usage)
 
 
-def chat_sse(client: openai.OpenAI, model: str, prompt: str, rid: str) -> tuple[int, int, int | None]:
+def chat_sse(client: openai.OpenAI, model: str, prompt: str, rid: str, *,
+             continuous: bool = False) -> tuple[int, int, int | None]:
+    """``continuous``: vLLM's ``continuous_usage_stats``, a usage object on every chunk, each
+    with the whole request's figures."""
+    options = {"include_usage": True, **({"continuous_usage_stats": True} if continuous else {})}
     chunks = client.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": prompt}],
-                                            stream=True, stream_options={"include_usage": True},
+                                            stream=True, stream_options=options,  # type: ignore[arg-type]
                                             extra_headers={"x-request-id": rid})
+    usages = [chunk.usage for chunk in chunks if chunk.usage is not None]
+    assert len(usages) == (4 if continuous else 1)  # continuous: the role chunk's, 2 tokens', the final
+    figures = {_chat(usage) for usage in usages}
+    assert len(figures) == 1, figures
+    return _chat(usages[-1])
+
+
+def completions_json(client: openai.OpenAI, model: str, prompt: str, rid: str) -> tuple[int, int, int | None]:
+    answer = client.completions.create(model=model, max_tokens=2, prompt=prompt, extra_headers={"x-request-id": rid})
+    assert answer.usage is not None
+    return _chat(answer.usage)
+
+
+def completions_sse(client: openai.OpenAI, model: str, prompt: str, rid: str) -> tuple[int, int, int | None]:
+    chunks = client.completions.create(model=model, max_tokens=2, prompt=prompt, stream=True,
+                                       stream_options={"include_usage": True}, extra_headers={"x-request-id": rid})
     [usage] = [chunk.usage for chunk in chunks if chunk.usage is not None]
     return _chat(usage)
 
 
 def _chat(usage: Any) -> tuple[int, int, int | None]:
-    details = usage.prompt_tokens_details.model_dump()
-    return usage.prompt_tokens, details["cached_tokens"], details.get("created_cache_tokens")
+    """The writes as the official SDK reads them (OpenAI's ``cache_write_tokens``), which vLLM's
+    own clients read under vLLM's name, ``created_cache_tokens``: the same figure."""
+    details = usage.prompt_tokens_details
+    assert details.cache_write_tokens == details.model_dump().get("created_cache_tokens")
+    return usage.prompt_tokens, details.cached_tokens, details.cache_write_tokens
 
 
-@pytest.mark.parametrize("path", [*apis.PATHS, "chat-json", "chat-sse"])
+ALL_PATHS: dict[str, tuple[str, apis.Ask]] = {
+    **apis.PATHS, "chat-json": ("chat", chat_json), "chat-sse": ("chat", chat_sse),
+    "chat-continuous": ("chat", lambda *ask: chat_sse(*ask, continuous=True)),
+    "completions-json": ("completions", completions_json), "completions-sse": ("completions", completions_sse),
+}
+
+
+@pytest.mark.parametrize("path", [*apis.PATHS, "chat-json", "chat-sse", "completions-json", "completions-sse"])
 def test_upstream_cache_writes_reach_the_record_and_the_counter(
     upstream_pair: tuple[str, str], usage_dir: Path, path: str
 ) -> None:
     """The upstream's own count of the prompt tokens it wrote to its cache, which the client
-    reads, is the record's ``cache_creation_tokens`` and moves the write counter."""
+    reads (a vLLM upstream's ``created_cache_tokens`` also under OpenAI's name), is the
+    record's ``cache_creation_tokens`` and moves the write counter."""
     _, front = upstream_pair
-    route, ask = {**apis.PATHS, "chat-json": ("chat", chat_json), "chat-sse": ("chat", chat_sse)}[path]
+    route, ask = ALL_PATHS[path]
     prompt = fresh_prompt()
-    size = prompt_size(prompt)
+    size = prompt_size(prompt, route)
     rid = uuid.uuid4().hex
     before = httpx.get(f"{front}/metrics").text
     with sdk(front, route) as client:

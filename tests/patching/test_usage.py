@@ -115,6 +115,15 @@ def test_an_upstream_reporting_more_reads_than_its_prompt_is_not_believed(route:
      (10, 4, None, "upstream")),
     ({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4, "created_cache_tokens": 6}},
      (10, 4, 6, "upstream")),
+    # OpenAI's name for them, the same rule; it wins where both names are there
+    ({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 7}},
+     (10, 4, None, "upstream")),
+    ({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 6}},
+     (10, 4, 6, "upstream")),
+    ({"prompt_tokens": 10, "prompt_tokens_details": {
+        "cached_tokens": 4, "cache_write_tokens": 5, "created_cache_tokens": 6}}, (10, 4, 5, "upstream")),
+    ({"prompt_tokens": 10, "prompt_tokens_details": {
+        "cached_tokens": 4, "cache_write_tokens": None, "created_cache_tokens": 6}}, (10, 4, 6, "upstream")),
 ])
 def test_an_upstreams_figures_are_believed_only_as_counts_of_its_prompt(
     usage: dict[str, Any], recorded: tuple[Any, ...]
@@ -231,7 +240,8 @@ def test_details_adds_the_tier_object_from_the_engine() -> None:
     assert UsagePatch(tiers, details=True).apply(payload, ResponseUsage()) is True
     assert payload[DETAILS_KEY] == {"local": 32, "external": 16, "created": 16, "source": "engine"}
     # The standard fields are the same as without details.
-    assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 48, "created_cache_tokens": 16}
+    assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 48, "created_cache_tokens": 16,
+                                                         "cache_write_tokens": 16}
 
 
 @pytest.mark.parametrize(
@@ -258,20 +268,25 @@ def test_no_details_by_default() -> None:
     assert DETAILS_KEY not in payload
 
 
-def test_cache_writes_go_in_vllms_field_for_the_whole_request_only() -> None:
-    """``created_cache_tokens`` (vLLM's name) is the engine's count of prompt tokens written
-    to the cache; a per-prompt usage chunk of a two-prompt request gets none, since the
-    engine reports writes for the request as a whole."""
+def test_cache_writes_go_in_openais_and_vllms_fields_for_the_whole_request_only() -> None:
+    """``cache_write_tokens`` (OpenAI's name, the ``openai`` SDK's) and ``created_cache_tokens``
+    (vLLM's) are the engine's count of prompt tokens written to the cache, 0 included; a
+    per-prompt usage chunk of a two-prompt request gets none, since the engine reports writes
+    for the request as a whole."""
     writes = engine(
         Scheduled("k", 40, 32, cache_creation_tokens=0),
         Scheduled("k", 24, 0, cache_creation_tokens=16),
     )
-    whole = body()
+    whole = body(prompt_tokens_details={"cached_tokens": 32, "created_cache_tokens": 16, "cache_write_tokens": 9})
     assert UsagePatch(writes).apply(whole, ResponseUsage()) is True
-    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 32, "created_cache_tokens": 16}
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 32, "created_cache_tokens": 16,
+                                                       "cache_write_tokens": 16}
     per_prompt = body(prompt_tokens=24)
     UsagePatch(writes).apply(per_prompt, ResponseUsage())
     assert per_prompt["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    none_written = body()
+    UsagePatch(engine(Scheduled("k", 64, 64, cache_creation_tokens=0))).apply(none_written, ResponseUsage())
+    assert b'"created_cache_tokens":0,"cache_write_tokens":0' in orjson.dumps(none_written)
 
 
 def test_a_responses_upstreams_writes_past_its_prompt_are_not_recorded() -> None:

@@ -176,6 +176,18 @@ def sse_events(raw: bytes) -> list[bytes]:
     return [normalized(event) for event in raw.split(b"\n\n")[:-1]]
 
 
+OPENAI_WRITES = re.compile(rb',"cache_write_tokens":(\d+)')
+
+
+def as_vllm_sent(raw: bytes) -> bytes:
+    """The proxy's bytes less the one thing it adds to vLLM's own report: the cache writes vLLM
+    names ``created_cache_tokens`` also under OpenAI's name, ``cache_write_tokens`` (what the
+    ``openai`` SDK reads), the same figure."""
+    for match in OPENAI_WRITES.finditer(raw):
+        assert b'"created_cache_tokens":' + match[1] in raw, raw
+    return OPENAI_WRITES.sub(b"", raw)
+
+
 def data(event: bytes) -> Any:
     assert event.startswith(b"data: "), event
     payload = event[len(b"data: ") :]
@@ -240,12 +252,16 @@ def test_cached_tokens_and_bytes_equal_vllms_own(stack: Stack, route: str, strea
     expected = warm_value(cold["prompt_tokens"])
     assert usage_of(direct, stream)["prompt_tokens_details"]["cached_tokens"] == expected
     assert usage_of(proxied, stream)["prompt_tokens_details"]["cached_tokens"] == expected
-    # vLLM already wrote the exact value, so the proxy patched nothing: the whole response
-    # (the usage chunk included) is what vLLM sent, ids and timestamps aside.
+    # vLLM already wrote the exact value, so the proxy patched nothing but vLLM's cache writes,
+    # also under OpenAI's name (chat; vLLM's completions report none): the whole response (the
+    # usage chunk included) is what vLLM sent, ids and timestamps aside.
+    writes = usage_of(direct, stream)["prompt_tokens_details"].get("created_cache_tokens")
+    assert (route == "chat") == (writes is not None)
+    assert usage_of(proxied, stream)["prompt_tokens_details"].get("cache_write_tokens") == writes
     if stream:
-        assert sse_events(proxied) == sse_events(direct)
+        assert sse_events(as_vllm_sent(proxied)) == sse_events(direct)
     else:
-        assert normalized(proxied) == normalized(direct)
+        assert normalized(as_vllm_sent(proxied)) == normalized(direct)
     assert counts.requests(route, stream) == {"hit": 1, "miss": 1, "unknown": 0}
     assert counts.delta("cachetally_cached_tokens_total", source="upstream", tier="all") == expected
 
@@ -325,8 +341,9 @@ def test_continuous_usage_chunks_gain_cached_tokens(stack: Stack, route: str) ->
     assert counts.requests(route, True) == {"hit": 1, "miss": 0, "unknown": 0}
 
     assert len(proxied) == len(direct) >= 5  # 4 tokens (+ the role chunk for chat), usage, [DONE]
-    # vLLM's final usage chunk carries the value; the proxy leaves it byte for byte.
-    assert proxied[-2] == direct[-2] and proxied[-1] == direct[-1] == b"data: [DONE]"
+    # vLLM's final usage chunk carries the value; the proxy leaves it byte for byte, but for
+    # vLLM's cache writes, also under OpenAI's name.
+    assert as_vllm_sent(proxied[-2]) == direct[-2] and proxied[-1] == direct[-1] == b"data: [DONE]"
     final = data(direct[-2])["usage"]
     expected = warm_value(final["prompt_tokens"])
     assert final["prompt_tokens_details"]["cached_tokens"] == expected
@@ -350,7 +367,7 @@ def test_continuous_usage_chunks_with_missing_omit_stay_as_vllm_sent_them(stack:
     stack.send(stack.vllm, "chat", body("chat", prompt, stream=False))  # warm
     direct = sse_events(stack.send(stack.vllm, "chat", body("chat", prompt, True, options)))
     proxied = sse_events(stack.send(stack.omit, "chat", body("chat", prompt, True, options)))
-    assert proxied == direct
+    assert [as_vllm_sent(event) for event in proxied] == direct  # the final one's writes under both names
     assert data(proxied[-2])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 

@@ -130,6 +130,11 @@ ANSWERS: dict[str, Callable[[bool], bytes]] = {
     "per-choice": lambda streamed: per_choice_usage_stream(),
     "llama.cpp": lambda streamed: llama_cpp_stream(),
     "fair": lambda streamed: (stream if streamed else completion)(FAIR),
+    **{f"writes-{name}": (lambda details: lambda streamed: (stream if streamed else completion)(
+        {**FAIR, "prompt_tokens_details": {"cached_tokens": 4, **details}}))(details)
+       for name, details in (("openai", {"cache_write_tokens": 5}), ("vllm", {"created_cache_tokens": 5}),
+                             ("both", {"cache_write_tokens": 5, "created_cache_tokens": 6}),
+                             ("past-the-prompt", {"cache_write_tokens": 7}))},
     "past-int64": lambda streamed: (stream if streamed else completion)(huge(PAST_INT64)),
     "past-u64": lambda streamed: (stream if streamed else completion)(huge(PAST_U64)),
 }
@@ -211,6 +216,28 @@ def records(directory: Path, expected: int, timeout_s: float = 5.0) -> list[dict
         found = [orjson.loads(line) for path in sorted(directory.glob("*.jsonl")) for line in path.read_bytes().splitlines()]
         if len(found) >= expected or time.monotonic() > deadline:
             return found
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize(("case", "seen", "recorded"), [
+    ("writes-openai", (5, 5), 5),
+    ("writes-vllm", (5, 5), 5),
+    ("writes-both", (5, 5), 5),  # they disagree: OpenAI's name wins, as its cached_tokens wins
+    ("writes-past-the-prompt", (7, None), None),  # 4 reads + 7 writes > 10: as it came, and unknown
+], ids=["openai", "vllm", "both", "past-the-prompt"])
+def test_an_upstreams_cache_writes_under_either_name_reach_the_client_under_both_and_the_record(
+        tmp_path: Path, case: str, seen: tuple[int, int | None], recorded: int | None, streamed: bool) -> None:
+    """Cache writes under OpenAI's name (``cache_write_tokens``, what the ``openai`` SDK reads)
+    or vLLM's (``created_cache_tokens``): the client reads the believed figure under both, and
+    the record keeps it."""
+    with proxied(tmp_path) as (client, app):
+        _, usage = ask(client, case, streamed)
+        metrics = app.metrics.exposition().decode()
+    details = usage.prompt_tokens_details
+    assert (details.cache_write_tokens, details.model_dump().get("created_cache_tokens")) == seen
+    (record,) = records(tmp_path, 1)
+    assert (record["source"], record["cached_tokens"], record["cache_creation_tokens"]) == ("upstream", 4, recorded)
+    assert metric_value(metrics, "cachetally_cache_write_tokens_total", source="upstream") == (recorded or 0)
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
