@@ -193,7 +193,9 @@ class ClientBoundsProtocol(HttpToolsProtocol):
         if self._owed is _HEADER:
             logger.debug("a connection sent no whole request header in %g s (client_receive_timeout_s): "
                          "it is closed", self._receive_timeout_s)
-            self.transport.close()
+            # Aborted, not closed: over TLS a close waits for the client's close_notify, which a
+            # silent client never sends, for the loop's ssl_shutdown_timeout (30 s) past the bound.
+            self.transport.abort()
             return
         logger.warning("a client sent none of its request body for %g s (client_receive_timeout_s): its "
                        "connection is closed, and its request ends as a disconnect", self._receive_timeout_s)
