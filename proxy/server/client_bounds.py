@@ -24,7 +24,7 @@ waiting ``send`` returns, ``receive`` says ``http.disconnect``, and the request 
 disconnect does (in upstream mode its upstream connection is closed, never pooled; its usage
 record, if it reached the engine, says ``disconnected``). Nothing is cancelled inside
 uvicorn's ``send`` or ``receive``, so no traceback; one warning says it. A connection with no
-request begun is closed with a debug line only (load balancers' probes open such sockets).
+request begun is aborted with a debug line only (load balancers' probes open such sockets).
 
 Only ``asyncio.Protocol``'s calls, uvicorn's parser callbacks and its flow control's
 ``resume_reading`` are overridden, each calling uvicorn's own. vLLM's server is vLLM's
@@ -192,7 +192,7 @@ class ClientBoundsProtocol(HttpToolsProtocol):
             return
         if self._owed is _HEADER:
             logger.debug("a connection sent no whole request header in %g s (client_receive_timeout_s): "
-                         "it is closed", self._receive_timeout_s)
+                         "it is aborted", self._receive_timeout_s)
             # Aborted, not closed: over TLS a close waits for the client's close_notify, which a
             # silent client never sends, for the loop's ssl_shutdown_timeout (30 s) past the bound.
             self.transport.abort()
