@@ -95,6 +95,8 @@ class CachetallyApp:
             finally:
                 if publishing is not None:
                     publishing.cancel()
+                if self._engine_series is not None:  # the worker may exit whole: no one would drop its gauges
+                    self._engine_series.retire()
                 self._patched, self._stopped = None, True
                 await self.engine.stop()
 
@@ -143,7 +145,8 @@ class CachetallyApp:
 
     async def _metrics(self, send: Send) -> None:
         if self._engine_series is not None:  # several workers: summed from the files, this one's written first
-            self._engine_series.publish()
+            if self._patched is not None:  # a stopped engine's gauges stay retired
+                self._engine_series.publish()
             body = self.metrics.exposition()
         else:
             body = self.metrics.exposition() + self.engine.metrics_text()

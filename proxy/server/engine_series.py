@@ -12,6 +12,10 @@ multiprocess files, which every scrape sums over the workers: a counter by what 
 since the last write, a gauge as a ``livesum`` (the live workers' sum; a dead worker's
 files are dropped, :mod:`proxy.server.workers`). Each worker writes at each scrape it
 answers and every :data:`PUBLISH_INTERVAL_S`, so another worker's figure is at most that old.
+A gauge the engine no longer reports reads 0, and so does each of a worker's whose engine
+stopped (:meth:`SharedEngineSeries.retire`): a worker that exits whole (uvicorn's SIGHUP
+restart, SIGTTOU) is not dead to the next worker's check if it still runs then, or is not
+replaced at all, so its last figures would stay in the sum for good.
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ class SharedEngineSeries:
         self._series: dict[str, Counter | Gauge] = {}
         #: Each counter child's value at the last write, to add what it grew since.
         self._written: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+        #: Each gauge child written, to write 0 for one the engine stops reporting.
+        self._gauges: dict[tuple[str, frozenset[tuple[str, str]]], Gauge] = {}
 
     def publish(self) -> None:
+        reported = set()
         for family in text_string_to_metric_families(self._text().decode()):
             for sample in family.samples:
                 if family.type == "counter" and sample.name == f"{family.name}_total":  # not _created
@@ -45,7 +52,18 @@ class SharedEngineSeries:
                     self._written[key] = sample.value
                     self._child(Counter, family.name, family.documentation, sample.labels).inc(max(grown, 0.0))
                 elif family.type == "gauge":
-                    self._child(Gauge, family.name, family.documentation, sample.labels).set(sample.value)
+                    key = (family.name, frozenset(sample.labels.items()))
+                    gauge = self._gauges[key] = self._child(Gauge, family.name, family.documentation, sample.labels)
+                    gauge.set(sample.value)
+                    reported.add(key)
+        for key, gauge in self._gauges.items():
+            if key not in reported:
+                gauge.set(0)
+
+    def retire(self) -> None:
+        """This worker's engine stopped: its gauges read 0 in the sum (module docstring)."""
+        for gauge in self._gauges.values():
+            gauge.set(0)
 
     def _child(self, kind: type[Counter] | type[Gauge], name: str, doc: str, labels: dict[str, str]) -> Counter | Gauge:
         series = self._series.get(name)

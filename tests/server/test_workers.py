@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -327,3 +328,33 @@ def test_the_sim_engines_own_counters_sum_every_worker() -> None:
             assert time.monotonic() < deadline, "the counter never summed both workers"
             time.sleep(0.2)
         assert [scraped() for _ in range(20)] == [sent] * 20
+
+
+def _children(pid: int) -> set[int]:
+    return set(map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()))
+
+
+def test_a_worker_that_exits_whole_leaves_none_of_its_engine_gauges_in_the_sum() -> None:
+    """SIGHUP: uvicorn starts each new worker before it stops the old one, so the new one's
+    check finds the old alive, and nothing dropped the old one's gauge files:
+    ``sim_prefix_cache_blocks`` read the old simulators' blocks (200 of 300) for good, where
+    two fresh simulators hold none."""
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--workers", "2", "--log-level", "warning"]
+    with running_server(args, timeout_s=60) as (url, proc):
+        for i in range(12):
+            with httpx.Client(timeout=10) as client:  # a new connection each time: the kernel picks the worker
+                client.post(f"{url}/v1/completions", json={"prompt": f"request {i} " * 200, "max_tokens": 1})
+
+        def cached_blocks() -> float:
+            return metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "sim_prefix_cache_blocks")
+
+        deadline = time.monotonic() + 30
+        while cached_blocks() == 0:  # each worker writes its share within a second
+            assert time.monotonic() < deadline, "the gauge never showed the cached blocks"
+            time.sleep(0.2)
+        old = _children(proc.pid)  # the two workers and multiprocessing's resource tracker
+        os.kill(proc.pid, signal.SIGHUP)
+        while len(_children(proc.pid) - old) < 2 or len(_children(proc.pid)) > len(old):  # both old workers gone
+            assert time.monotonic() < deadline + 60, "uvicorn never replaced the workers"
+            time.sleep(0.2)
+        assert [cached_blocks() for _ in range(10)] == [0] * 10
