@@ -53,17 +53,18 @@ class ApiKeyGuard:
         if path in self._exempt:
             return False
         guarded = path.startswith(GUARDED_PREFIXES) or path in self._metered
-        return guarded or (self._prefixed and self._under_a_prefix(path))
+        return guarded or (self._prefixed and self._route_under_a_prefix(path) is not None)
 
-    def _under_a_prefix(self, path: str) -> bool:
-        """Whether a guarded prefix starts after some leading segments: an engine behind a root
-        path unknown here (an upstream's ``--root-path /api``) routes ``/api/v1/...`` as ``/v1/...``."""
+    def _route_under_a_prefix(self, path: str) -> str | None:
+        """The guarded route ``path`` is after some leading segments, or ``None``: an engine
+        behind a root path unknown here (an upstream's ``--root-path /api``) routes
+        ``/api/v1/...`` as ``/v1/...``."""
         cut = path.find("/", 1)
         while cut != -1:
             if path.startswith(GUARDED_PREFIXES, cut):
-                return True
+                return path[cut:]
             cut = path.find("/", cut + 1)
-        return any(tail in self._metered for tail in tails(path, self._longest))
+        return next((tail for tail in tails(path, self._longest) if tail in self._metered), None)
 
     def allows(self, scope: Scope) -> bool:
         if not self.guards(scope):
@@ -75,6 +76,7 @@ class ApiKeyGuard:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation
             return
-        await send_error(
-            send, route_path(scope), 401, "Missing or invalid API key", headers=[(b"www-authenticate", b"Bearer")]
-        )
+        path = route_path(scope)
+        if self._prefixed and not (path.startswith(GUARDED_PREFIXES) or path in self._metered):
+            path = self._route_under_a_prefix(path) or path  # the route the upstream serves names the error's shape
+        await send_error(send, path, 401, "Missing or invalid API key", headers=[(b"www-authenticate", b"Bearer")])

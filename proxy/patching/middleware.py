@@ -142,7 +142,7 @@ class UsagePatchMiddleware:
             await send({"type": "websocket.close", "code": 1008, "reason": "not metered"})
             return
         why = f"{path} runs the engine unmetered: it is refused while billing is on"
-        await send_error(send, route_path(scope), 403, why)
+        await send_error(send, path, 403, why)  # the route refused names the error's shape
 
     def _take(self, key: str) -> bool:
         return key not in self.ledger

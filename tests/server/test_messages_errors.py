@@ -135,6 +135,23 @@ def test_an_unreachable_upstream_and_the_proxys_refusals_are_anthropics_shape_on
                      "Upstream server unreachable or connection lost")
 
 
+def test_the_messages_api_under_an_upstreams_root_path_is_refused_in_anthropics_shape() -> None:
+    """Billing on, ``/api/v1/messages`` is the Messages API of an upstream behind
+    ``--root-path /api``, which cachetally cannot meter there: its 403 was OpenAI's JSON
+    (``ForbiddenError``), and a wrong key's 401 too (``AuthenticationError``), since both
+    refusals named the raw path, not the route the upstream serves it as."""
+    with proxy(f"http://127.0.0.1:{free_port()}", api_key=KEY) as url:
+        refused = raised(f"{url}/api", create)
+        no_key = raised(f"{url}/api", create, key="wrong")
+        count_no_key = raised(f"{url}/api", lambda c: c.messages.count_tokens(model="m", messages=MESSAGE), key="wrong")
+    route = "/v1/messages"
+    assert_anthropic(refused, anthropic.PermissionDeniedError, 403, "permission_error",
+                     f"{route} runs the engine unmetered: it is refused while billing is on")
+    for refused_key in (no_key, count_no_key):
+        assert_anthropic(refused_key, anthropic.AuthenticationError, 401, "authentication_error",
+                         "Missing or invalid API key")
+
+
 async def _slow_messages(request: Any) -> JSONResponse:
     await asyncio.sleep(5)  # past the proxy's read timeout; cancelled when the upstream stops
     return JSONResponse({})
