@@ -83,7 +83,8 @@ def cut_by_stop(scope: dict) -> None:
     """The server's stop cut the current task's response, which could not be told of it (its
     client was not taking it, or part of a body that is not SSE had gone out): the task ends
     with the response unfinished, and uvicorn closes the connection without the body's end,
-    so the client sees it short. Let through, the cancellation was logged with a traceback."""
+    so the client sees it short; uvicorn logs its own line for that ("ASGI callable returned
+    without completing response."). Let through, the cancellation was logged with a traceback."""
     logger.warning("the server's stop cut a response on %s that could not be ended with an error: its "
                    "client was not taking it, or part of its body had gone out", logged_path(scope))
     stop_answered()
