@@ -49,61 +49,58 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     """Read the request body once, refuse what cannot be metered, rewrite the body and the
     headers this route owns, and run the inner app with ``r`` patching its response.
     ``r.request_headers`` noted :data:`READ_HEADERS` and dropped :data:`REPLACED_HEADERS`."""
+    # One try around it all, not a coroutine of its own: a body still coming when the drain
+    # ends is answered too, not only the inner app (the server's stop: proxy.patching.stopped).
     try:
-        await _read_and_run(r, scope, receive)
-    except asyncio.CancelledError as cancelled:  # the server's stop (proxy.patching.stopped)
-        # A body still coming when the drain ends is answered too, not only the inner app.
+        config = r.ctx.config
+        headers = r.request_headers
+        try:
+            body = await read_body(receive, headers.values(b"content-length"), config.max_request_bytes)
+        except BodyTooLarge as too_large:
+            if config.pd_legs and not await _read_oversized_leg(r, too_large, receive):
+                return
+            await send_error(r.send, route_path(scope), 413, f"Request body exceeds {config.max_request_bytes} bytes")
+            return
+        except ClientGone:
+            r.notes.client_left()
+            return
+        try:
+            payload, r.options = parse_request(body, stream_options=r.shape is None)
+        except ValueError as exc:
+            await send_error(r.send, route_path(scope), 400, str(exc))
+            return
+        if config.pd_legs:
+            r.leg = leg_of(payload)
+            r.handed = handed(payload) if r.leg == DECODE else None
+        # use_beam_search is a chat and completions field: the Responses and Messages models drop it.
+        beam_search = r.shape is None and r.options.beam_search
+        if beam_search:
+            # vLLM's beam search runs one engine request per beam per step, each on the prompt
+            # plus the tokens so far: the client's prompt is the first, which the response reports.
+            r.ctx.ledger.first_event_only(r.key)
+        if config.refuse_unmetered and (why := _refusal(r, payload, beam_search)):
+            r.ctx.metrics.refused_unmetered.labels(route_path(scope)).inc()
+            await send_error(r.send, route_path(scope), 400, why)
+            return
+        body = _rewrite(r, payload, body)
+        # This route's headers are ours to rewrite: the request key, the length of the body
+        # as replayed, and an unencoded response, because it is parsed and patched.
+        forwarded = [
+            *headers.forwarded,
+            (b"x-request-id", r.key.encode()),
+            (b"content-length", b"%d" % len(body)),
+            (b"accept-encoding", b"identity"),
+        ]
+        scope, receive = {**scope, "headers": forwarded}, replay(body, _watch(r, receive))
+        guard = r.ctx.guard
+        if guard is None:
+            await r.ctx.app(scope, receive, r.send)
+        else:  # r.send rewrites a framework's 404 or 405 itself: one layer less on every message
+            await guard.serve(scope, receive, r.send, r.started)
+    except asyncio.CancelledError as cancelled:
         if not server_stop(cancelled):
             raise
         await end_stopped(r, scope)
-
-
-async def _read_and_run(r: Responder, scope: Scope, receive: Receive) -> None:
-    config = r.ctx.config
-    headers = r.request_headers
-    try:
-        body = await read_body(receive, headers.values(b"content-length"), config.max_request_bytes)
-    except BodyTooLarge as too_large:
-        if config.pd_legs and not await _read_oversized_leg(r, too_large, receive):
-            return
-        await send_error(r.send, route_path(scope), 413, f"Request body exceeds {config.max_request_bytes} bytes")
-        return
-    except ClientGone:
-        r.notes.client_left()
-        return
-    try:
-        payload, r.options = parse_request(body, stream_options=r.shape is None)
-    except ValueError as exc:
-        await send_error(r.send, route_path(scope), 400, str(exc))
-        return
-    if config.pd_legs:
-        r.leg = leg_of(payload)
-        r.handed = handed(payload) if r.leg == DECODE else None
-    # use_beam_search is a chat and completions field: the Responses and Messages models drop it.
-    beam_search = r.shape is None and r.options.beam_search
-    if beam_search:
-        # vLLM's beam search runs one engine request per beam per step, each on the prompt
-        # plus the tokens so far: the client's prompt is the first, which the response reports.
-        r.ctx.ledger.first_event_only(r.key)
-    if config.refuse_unmetered and (why := _refusal(r, payload, beam_search)):
-        r.ctx.metrics.refused_unmetered.labels(route_path(scope)).inc()
-        await send_error(r.send, route_path(scope), 400, why)
-        return
-    body = _rewrite(r, payload, body)
-    # This route's headers are ours to rewrite: the request key, the length of the body
-    # as replayed, and an unencoded response, because it is parsed and patched.
-    forwarded = [
-        *headers.forwarded,
-        (b"x-request-id", r.key.encode()),
-        (b"content-length", b"%d" % len(body)),
-        (b"accept-encoding", b"identity"),
-    ]
-    scope, receive = {**scope, "headers": forwarded}, replay(body, _watch(r, receive))
-    guard = r.ctx.guard
-    if guard is None:
-        await r.ctx.app(scope, receive, r.send)
-    else:  # r.send rewrites a framework's 404 or 405 itself: one layer less on every message
-        await guard.serve(scope, receive, r.send, r.started)
 
 
 async def _read_oversized_leg(r: Responder, too_large: BodyTooLarge, receive: Receive) -> bool:
