@@ -69,7 +69,7 @@ class Counts:
 
 QUICK = Counts(
     rounds=2, c1_requests=10, c64_per_conn=2, sse1_tokens=40, sse1_streams=1, sse100_tokens=4,
-    ttft_conns=2, ttft_per_conn=2, paced_delay_s=0.05, held_streams=20, embedded_per_conn=2,
+    ttft_conns=2, ttft_per_conn=2, paced_delay_s=0.05, held_streams=20, embedded_per_conn=10,
     inprocess_requests=50, micro_events=2000,
 )
 

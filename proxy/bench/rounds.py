@@ -51,6 +51,9 @@ def summarize(
             ys = [r[key] for r in sides[side]]
             out[f"{prefix or b + '_'}{key}"] = median(ys)
             out[f"{prefix}added_{key}"] = median([y - x for x, y in zip(xs, ys, strict=True)])
-            out[f"{prefix}ratio_{key}"] = median([y / x for x, y in zip(xs, ys, strict=True) if x])
+            # None when no round has a base to divide by: a CPU time read in 10 ms ticks can be
+            # 0 for a short side (--quick), which must not end the whole run.
+            ratios = [y / x for x, y in zip(xs, ys, strict=True) if x]
+            out[f"{prefix}ratio_{key}"] = median(ratios) if ratios else None
         out[f"{a}_{key}"] = median(xs)
     return out

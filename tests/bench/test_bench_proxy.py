@@ -194,3 +194,13 @@ def test_no_server_left_behind(figures: dict[str, Any], children_before_bench: s
     """Every server the bench started is gone once it returns (another module's may be alive)."""
     assert _children() - children_before_bench == set()
 
+
+
+def test_a_side_whose_cpu_read_0_in_every_round_has_no_ratio_and_ends_no_run() -> None:
+    """CPU time is read in 10 ms ticks: a short side (``--quick``) can read 0 in every round.
+    Its ratio is unknown, and the run goes on (it ended in StatisticsError, all figures lost)."""
+    from proxy.bench.rounds import summarize
+
+    sides = {"direct": [{"cpu_us_per_req": 0.0}] * 2, "proxied": [{"cpu_us_per_req": 78.0}, {"cpu_us_per_req": 0.0}]}
+    s = summarize(sides, ["cpu_us_per_req"], a="without", b="with")
+    assert (s["without_cpu_us_per_req"], s["with_cpu_us_per_req"], s["ratio_cpu_us_per_req"]) == (0.0, 39.0, None)
