@@ -37,14 +37,6 @@ class PrefixCache:
         self.capacity_blocks = capacity_blocks
         # Block hash -> None; order is recency, least recently used first.
         self._blocks: OrderedDict[int, None] = OrderedDict()
-        #: Number of ``lookup`` calls.
-        self.requests = 0
-        #: Prompt tokens looked up (vLLM's ``PrefixCacheStats.queries``).
-        self.queries = 0
-        #: Prompt tokens served from the cache (vLLM's ``PrefixCacheStats.hits``).
-        self.hits = 0
-        #: Blocks evicted to stay within capacity.
-        self.evicted_blocks = 0
 
     @property
     def num_cached_blocks(self) -> int:
@@ -68,11 +60,7 @@ class PrefixCache:
             if block_hash not in self._blocks:
                 break
             cached_blocks += 1
-        cached = cached_blocks * self.block_size
-        self.requests += 1
-        self.queries += len(token_ids)
-        self.hits += cached
-        return cached
+        return cached_blocks * self.block_size
 
     def insert(self, token_ids: Sequence[int]) -> int:
         """Cache every full block of the prompt; return the tokens newly cached.
@@ -89,7 +77,6 @@ class PrefixCache:
                 new_blocks += 1
         while len(self._blocks) > self.capacity_blocks:
             self._blocks.popitem(last=False)
-            self.evicted_blocks += 1
         return new_blocks * self.block_size
 
     def clear(self) -> None:
