@@ -155,6 +155,12 @@ class Metrics:
             "cachetally_refused_unmetered", "Requests refused because the engine would run unmetered", ["route"],
             registry=registry,
         )
+        #: Requests answered 503: their process held all it may of bodies still arriving
+        #: (proxy.patching.body_budget).
+        self.bodies_refused = Counter(
+            "cachetally_request_bodies_refused", "Requests refused (503) because the process held "
+            "max_request_bytes_held of request bodies still arriving", registry=registry,
+        )
         ledger.observer = _LedgerMetrics(registry, ledger)
 
         series = Native(registry) if mp_dir else Tally(registry)

@@ -14,6 +14,7 @@ from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.recorder import Recorder
 from proxy.accounting.tenants import Tenancy
 from proxy.asgi.error_guard import ErrorGuard
+from proxy.patching.body_budget import BodyBudget
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.routes import PATCHED, REFUSED
 from proxy.patching.served_models import ServedModels
@@ -29,6 +30,8 @@ class PatchConfig:
     max_request_bytes: int = 32 << 20
     max_response_bytes: int = 64 << 20
     max_event_bytes: int = 1 << 20
+    #: Bytes of request bodies still arriving that one process may hold (proxy.patching.body_budget).
+    max_request_bytes_held: int = 1 << 30
     #: Ask the inner app for a usage chunk the client did not request, and drop it
     #: before the client sees it, so every streamed request is counted (upstream mode).
     ghost_usage: bool = False
@@ -69,3 +72,5 @@ class PatchContext:
     recorder: Recorder | None
     #: The request-id header echoed in every response, lower-case.
     echo_header: bytes
+    #: This process's request bodies being received, bounded.
+    bodies: BodyBudget

@@ -42,6 +42,7 @@ from proxy.asgi.error_guard import ErrorGuard
 from proxy.asgi.errors import send_error
 from proxy.asgi.headers import RequestHeaders, without
 from proxy.asgi.paths import route_path, tails
+from proxy.patching.body_budget import BodyBudget
 from proxy.patching.context import PatchConfig, PatchContext
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.metering import meter
@@ -71,7 +72,8 @@ class UsagePatchMiddleware:
         self.process_tag = process_tag
         self.echo_header = request_ids.header.lower().encode("latin-1")
         guard = app if isinstance(app, ErrorGuard) else None
-        self.context = PatchContext(app, guard, config, ledger, metrics, recorder, self.echo_header)
+        self.context = PatchContext(app, guard, config, ledger, metrics, recorder, self.echo_header,
+                                    BodyBudget(config.max_request_bytes_held))
         #: Every request header a decision reads, and those the inner app gets replaced.
         self._noted = READ_HEADERS | REPLACED_HEADERS | config.tenancy.reads | {self.echo_header}
         # Read on every request: looked up once here.

@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 from starlette.types import Message, Receive
 
+from proxy.patching.body_budget import BodyBudgetFull, Hold
 from proxy.patching.json_exact import dumps, may_hold_wide_ints, standard_dumps
 
 DETAILS_FLAG = "return_cached_tokens_details"
@@ -50,12 +51,17 @@ class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
-async def read_body(receive: Receive, declared_lengths: Iterable[bytes], limit: int) -> bytes:
-    """The whole body; ``BodyTooLarge`` before reading any of it when a ``Content-Length``
-    (``declared_lengths``: every value the client sent) says it would be."""
+async def read_body(receive: Receive, declared_lengths: Iterable[bytes], limit: int, hold: Hold) -> bytes:
+    """The whole body, taken into ``hold`` as it arrives; ``BodyTooLarge`` before reading any
+    of it when a ``Content-Length`` (``declared_lengths``: every value the client sent) says
+    it would be, and ``BodyBudgetFull`` when it says, or the bytes read say, that it does not
+    fit in what the process may still hold (:mod:`proxy.patching.body_budget`)."""
     for value in declared_lengths:
-        if value.isdigit() and int(value) > limit:
-            raise BodyTooLarge
+        if value.isdigit():
+            if int(value) > limit:
+                raise BodyTooLarge
+            if not hold.fits(int(value)):
+                raise BodyBudgetFull
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -67,6 +73,7 @@ async def read_body(receive: Receive, declared_lengths: Iterable[bytes], limit: 
         chunks.append(chunk)
         if size > limit:
             raise BodyTooLarge(chunks, message.get("more_body", False))
+        hold.take(len(chunk))
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -223,15 +230,19 @@ def editable(
         return payload, dumps
 
 
-def replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that yields ``body`` once, then defers to the real one (disconnects)."""
-    sent = False
+def replay(body: bytes, receive: Receive, handed: Callable[[], None]) -> Receive:
+    """A ``receive`` that yields ``body`` once, then defers to the real one (disconnects).
+    ``handed`` is called when the body is, and the body is no longer held here: the inner
+    app holds its own."""
+    held: bytes | None = body
 
     async def wrapped() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        nonlocal held
+        if held is not None:
+            message = {"type": "http.request", "body": held, "more_body": False}
+            held = None
+            handed()
+            return message
         return await receive()
 
     return wrapped

@@ -21,6 +21,7 @@ from starlette.types import Message, Receive, Scope
 
 from proxy.asgi.errors import send_error, server_stop
 from proxy.asgi.paths import route_path
+from proxy.patching.body_budget import BodyBudgetFull
 from proxy.patching.oversized_leg import member_of
 from proxy.patching.pd_leg import DECODE, handed, leg_of
 from proxy.patching.request_body import (
@@ -39,6 +40,10 @@ from proxy.patching.stopped import end_stopped
 INTERVAL = "stream_interval"
 TRANSFER = "kv_transfer_params"
 
+#: A body that does not fit in what the process may still hold (proxy.patching.body_budget).
+BODIES_FULL = "The server is receiving as many request bodies as it may hold; retry"
+RETRY_AFTER = [(b"retry-after", b"1")]
+
 #: Request headers replaced before the inner app sees them.
 REPLACED_HEADERS = frozenset((b"x-request-id", b"content-length", b"accept-encoding"))
 #: Request headers read here and by :func:`proxy.patching.metering.meter`.
@@ -51,15 +56,21 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     ``r.request_headers`` noted :data:`READ_HEADERS` and dropped :data:`REPLACED_HEADERS`."""
     # One try around it all, not a coroutine of its own: a body still coming when the drain
     # ends is answered too, not only the inner app (the server's stop: proxy.patching.stopped).
+    hold = r.ctx.bodies.hold()
     try:
         config = r.ctx.config
         headers = r.request_headers
         try:
-            body = await read_body(receive, headers.values(b"content-length"), config.max_request_bytes)
+            body = await read_body(receive, headers.values(b"content-length"), config.max_request_bytes, hold)
         except BodyTooLarge as too_large:
             if config.pd_legs and not await _read_oversized_leg(r, too_large, receive):
                 return
             await send_error(r.send, route_path(scope), 413, f"Request body exceeds {config.max_request_bytes} bytes")
+            return
+        except BodyBudgetFull:
+            r.ctx.bodies.refused()
+            r.ctx.metrics.bodies_refused.inc()
+            await send_error(r.send, route_path(scope), 503, BODIES_FULL, RETRY_AFTER)
             return
         except ClientGone:
             r.notes.client_left()
@@ -91,7 +102,9 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
             (b"content-length", b"%d" % len(body)),
             (b"accept-encoding", b"identity"),
         ]
-        scope, receive = {**scope, "headers": forwarded}, replay(body, _watch(r, receive))
+        scope, receive = {**scope, "headers": forwarded}, replay(body, _watch(r, receive), hold.release)
+        # The inner app gets the body from replay and keeps its own: not held here for its whole run.
+        del body, payload
         guard = r.ctx.guard
         if guard is None:
             await r.ctx.app(scope, receive, r.send)
@@ -101,6 +114,8 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         if not server_stop(cancelled):
             raise
         await end_stopped(r, scope)
+    finally:
+        hold.release()
 
 
 async def _read_oversized_leg(r: Responder, too_large: BodyTooLarge, receive: Receive) -> bool:

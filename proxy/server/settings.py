@@ -74,6 +74,7 @@ class Settings:
     max_request_bytes: int = 32 << 20
     max_response_bytes: int = 64 << 20
     max_event_bytes: int = 1 << 20
+    max_request_bytes_held: int = 1 << 30  # bodies still arriving, one process (proxy.patching.body_budget)
     ledger_ttl_s: float = 900.0
     ledger_max_slots: int = 100_000
     # upstream mode
@@ -132,6 +133,8 @@ class Settings:
         for name in ("max_request_bytes", "max_response_bytes", "max_event_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1")
+        if self.max_request_bytes_held < self.max_request_bytes:
+            raise SettingsError("max_request_bytes_held must be >= max_request_bytes: no body of that size could be read")
         if not self.ledger_ttl_s > 0:
             raise SettingsError("ledger_ttl_s must be > 0")
         for name in ("sim_token_delay_s", "sim_prefill_delay_s"):

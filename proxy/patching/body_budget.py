@@ -1,0 +1,85 @@
+"""The request bodies one process holds at once, bounded (``max_request_bytes_held``).
+
+A metered request's body is read whole before the inner app sees it
+(:mod:`proxy.patching.request_side`), each up to ``max_request_bytes``. Without a bound
+across requests, clients that each send most of a large body and then trickle the rest make
+the process hold every one of them: 20 such clients held 580 MiB of a sim server, and memory
+grows with their number until the process (in ``cachetally serve``, vLLM's API server with
+it) is killed. uvicorn holds at most 64 KiB of a body the app has not asked for, so what a
+request holds beyond that is what it reads here.
+
+A request's :class:`Hold` takes bytes as they arrive, never for a ``Content-Length`` that
+has not arrived: a client that only announces a large body holds nothing. A body that does
+not fit is answered 503 with ``Retry-After`` (the ``openai`` and ``anthropic`` SDKs retry
+it), and so is one whose announced length does not fit at its start, before any of it is
+read. The hold is given back when the body is handed to the inner app, which then holds its
+own copy, or when the request ends, whichever comes first.
+
+Clients that fill the budget make others' bodies wait for it, not the process die: the
+budget is what one process may spend on bodies still arriving, chosen from its memory
+(docs/RELIABILITY.md §4).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("cachetally.app")
+
+#: At most one warning a minute that bodies were refused, with the count since the last.
+LOG_EVERY_S = 60.0
+
+
+class BodyBudgetFull(Exception):
+    """The body does not fit in what the process may still hold."""
+
+
+class BodyBudget:
+    """One process's bytes of request bodies held, against ``limit``. Event loop only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._refused = 0
+        self._logged_at: float | None = None
+
+    def hold(self) -> Hold:
+        return Hold(self)
+
+    def fits(self, n: int) -> bool:
+        return self.held + n <= self.limit
+
+    def refused(self) -> None:
+        """A body was refused: warn, at most once a minute, with the count since the last warning."""
+        self._refused += 1
+        now = time.monotonic()
+        if self._logged_at is None or now - self._logged_at >= LOG_EVERY_S:
+            logger.warning("%d request bodies refused (503): this process held max_request_bytes_held "
+                           "(%d bytes) of bodies still arriving", self._refused, self.limit)
+            self._logged_at, self._refused = now, 0
+
+
+class Hold:
+    """One request's share of its process's :class:`BodyBudget`: taken as its body arrives,
+    given back once, by :meth:`release`."""
+
+    __slots__ = ("_budget", "_n")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+        self._n = 0
+
+    def fits(self, n: int) -> bool:
+        return self._budget.fits(n)
+
+    def take(self, n: int) -> None:
+        budget = self._budget
+        if budget.held + n > budget.limit:
+            raise BodyBudgetFull
+        budget.held += n
+        self._n += n
+
+    def release(self) -> None:
+        self._budget.held -= self._n
+        self._n = 0
