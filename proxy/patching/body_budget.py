@@ -44,12 +44,6 @@ class BodyBudget:
         self._refused = 0
         self._logged_at: float | None = None
 
-    def hold(self) -> Hold:
-        return Hold(self)
-
-    def fits(self, n: int) -> bool:
-        return self.held + n <= self.limit
-
     def refused(self) -> None:
         """A body was refused: warn, at most once a minute, with the count since the last warning."""
         self._refused += 1
@@ -71,7 +65,8 @@ class Hold:
         self._n = 0
 
     def fits(self, n: int) -> bool:
-        return self._budget.fits(n)
+        budget = self._budget
+        return budget.held + n <= budget.limit
 
     def take(self, n: int) -> None:
         budget = self._budget
@@ -81,5 +76,6 @@ class Hold:
         self._n += n
 
     def release(self) -> None:
-        self._budget.held -= self._n
-        self._n = 0
+        if n := self._n:
+            self._budget.held -= n
+            self._n = 0

@@ -21,7 +21,7 @@ from starlette.types import Message, Receive, Scope
 
 from proxy.asgi.errors import send_error, server_stop
 from proxy.asgi.paths import route_path
-from proxy.patching.body_budget import BodyBudgetFull
+from proxy.patching.body_budget import BodyBudgetFull, Hold
 from proxy.patching.oversized_leg import member_of
 from proxy.patching.pd_leg import DECODE, handed, leg_of
 from proxy.patching.request_body import (
@@ -56,7 +56,7 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
     ``r.request_headers`` noted :data:`READ_HEADERS` and dropped :data:`REPLACED_HEADERS`."""
     # One try around it all, not a coroutine of its own: a body still coming when the drain
     # ends is answered too, not only the inner app (the server's stop: proxy.patching.stopped).
-    hold = r.ctx.bodies.hold()
+    hold = Hold(r.ctx.bodies)
     try:
         config = r.ctx.config
         headers = r.request_headers
