@@ -27,6 +27,7 @@ cachetally adds, without the noise of the rest (``api-server-cpu`` measures the 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import sys
@@ -157,6 +158,13 @@ async def measure(requests: int = 1000, rounds: int = 7, pause_s: float = 1.3) -
 
 
 if __name__ == "__main__":
-    counts = [int(a) for a in sys.argv[1:3]]
-    pause = [float(a) for a in sys.argv[3:4]]
-    print(orjson.dumps(asyncio.run(measure(*counts, *pause))).decode())
+    parser = argparse.ArgumentParser(
+        prog="python -m proxy.bench.vllm_cpu",
+        description="CPU and Python opcodes that CachetallyMiddleware adds per request to an app answering as "
+        "vLLM's chat route does, in process; accounting as CACHETALLY_* says. Prints one JSON line.")
+    parser.add_argument("requests", type=int, nargs="?", default=1000, help="requests per round (default: 1000)")
+    parser.add_argument("rounds", type=int, nargs="?", default=7, help="rounds of each app (default: 7)")
+    parser.add_argument("pause_s", type=float, nargs="?", default=1.3,
+                        help="pause inside each round, so the records' 1 s flush lands in it (default: 1.3; 0: a hot loop)")
+    args = parser.parse_args()
+    print(orjson.dumps(asyncio.run(measure(args.requests, args.rounds, args.pause_s))).decode())
