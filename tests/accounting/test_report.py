@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.accounting.records.report import PriceList
+from proxy.accounting.records.prices import PriceList
 from proxy.server.cli import main
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.accounting.records.report import PriceList
+from proxy.accounting.records.prices import PriceList
 from proxy.server.cli import main
 
 MAX_COUNT = (1 << 63) - 1  # the largest figure a record holds (an OTLP int64)

@@ -25,33 +25,28 @@ names. It is counted in ``invalid_records`` and named on stderr. With ``--since`
 the period: it is counted in ``undated`` and named on stderr, never added; one without a
 UTC offset is read as UTC, as ``--since`` reads its own.
 
-Prices (``--prices FILE``, TOML) are per million tokens, with a ``[default]`` table and
-optional per-model tables that override it. A total over rows of which one has no price
-(a model with no table, and no ``[default]``) has no cost: it would be a partial sum read
-as the whole bill. :meth:`Report.unpriced` names those models. The fields, with an
-example: ``config/prices.example.toml``.
+Prices (``--prices FILE``: :mod:`proxy.accounting.records.prices`) are per model. A total
+over rows of which one has no price (a model with no table, and no ``[default]``) has no
+cost: it would be a partial sum read as the whole bill. :meth:`Report.unpriced` names those
+models.
 """
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, Inexact, InvalidOperation, Overflow, localcontext
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from proxy.accounting.records.prices import EXACT, PriceList
 from proxy.accounting.records.record import count
 
-PRICE_KEYS = ("input", "cached_input", "output")
 #: A record's token figures: each null (unknown) or a :func:`~proxy.accounting.records.record.count`.
 FIGURES = ("prompt_tokens", "cached_tokens", "cache_creation_tokens", "completion_tokens")
-OPTIONAL_PRICE_KEYS = ("cache_write_input",)
-#: Money arithmetic: wide enough that no product or sum is ever rounded (one would raise).
-EXACT = Context(prec=MAX_PREC, Emax=MAX_EMAX, Emin=MIN_EMIN, traps=[Inexact, InvalidOperation, Overflow])
 
 
 @dataclass(slots=True)
@@ -113,67 +108,6 @@ class Totals:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class Prices:
-    """Per million tokens: uncached input, cached input, output; cache writes (``None``: as input)."""
-
-    input: Decimal
-    cached_input: Decimal
-    output: Decimal
-    cache_write_input: Decimal | None = None
-
-    def cost(self, t: Totals) -> Decimal:
-        write = self.input if self.cache_write_input is None else self.cache_write_input
-        fresh = t.uncached_tokens - t.cache_write_tokens
-        with localcontext(EXACT):
-            return (fresh * self.input + t.cache_write_tokens * write + t.cached_tokens * self.cached_input
-                    + t.completion_tokens * self.output).scaleb(-6)
-
-
-@dataclass(slots=True)
-class PriceList:
-    default: Prices | None
-    models: dict[str, Prices] = field(default_factory=dict)
-
-    def for_model(self, model: str) -> Prices | None:
-        return self.models.get(model, self.default)
-
-    @classmethod
-    def load(cls, path: Path) -> PriceList:
-        try:
-            with path.open("rb") as fh:
-                data = tomllib.load(fh, parse_float=Decimal)  # 0.1 stays 0.1, not 0.1000000000000000055
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"cannot read prices {path}: {exc}") from None
-        unknown = set(data) - {"default", "models"}
-        if unknown:
-            raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; expected [default] and [models.NAME]")
-        default = _prices(data["default"], f"{path} [default]", None) if "default" in data else None
-        models = {
-            name: _prices(table, f"{path} [models.{name}]", default)
-            for name, table in data.get("models", {}).items()
-        }
-        if default is None and not models:
-            raise ValueError(f"{path}: no prices ([default] or [models.NAME])")
-        return cls(default, models)
-
-
-def _prices(table: Any, where: str, base: Prices | None) -> Prices:
-    if not isinstance(table, dict) or set(table) - set(PRICE_KEYS) - set(OPTIONAL_PRICE_KEYS):
-        raise ValueError(f"{where}: only {', '.join(PRICE_KEYS + OPTIONAL_PRICE_KEYS)} (per million tokens)")
-    values: dict[str, Decimal | None] = {}
-    for key in PRICE_KEYS + OPTIONAL_PRICE_KEYS:
-        value = table.get(key, getattr(base, key) if base else None)
-        if value is None and key in OPTIONAL_PRICE_KEYS:
-            values[key] = None
-            continue
-        price = None if isinstance(value, bool) or not isinstance(value, int | Decimal) else Decimal(value)
-        if price is None or not price.is_finite() or price < 0:  # inf and nan made every cost null
-            raise ValueError(f"{where}: {key} must be a number >= 0")
-        values[key] = price.copy_abs()  # -0.0 is 0: no cost printed "-0"
-    return Prices(**values)  # type: ignore[arg-type]
-
-
 @dataclass(slots=True)
 class Report:
     rows: dict[tuple[str, str], Totals] = field(default_factory=dict)
@@ -225,7 +159,8 @@ class Report:
     def price(self, prices: PriceList) -> None:
         for (_, model), totals in self.rows.items():
             model_prices = prices.for_model(model)
-            totals.cost = model_prices.cost(totals) if model_prices else None
+            totals.cost = (model_prices.cost(totals.uncached_tokens, totals.cache_write_tokens, totals.cached_tokens,
+                                             totals.completion_tokens) if model_prices else None)
             totals.unpriced = int(model_prices is None)
 
     def unpriced(self) -> list[str]:

@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 
-from proxy.accounting.records.report import EXACT, PriceList, Report, Totals, read
+from proxy.accounting.records.prices import EXACT, PriceList
+from proxy.accounting.records.report import Report, Totals, read
 
 PROGRESS_BYTES = 16 << 20
 

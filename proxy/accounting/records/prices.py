@@ -1,0 +1,82 @@
+"""Prices per million tokens (``cachetally report --prices FILE``, TOML), and exact money.
+
+A ``[default]`` table and optional per-model tables that override it, each with ``input``,
+``cached_input``, ``output`` and optionally ``cache_write_input`` (else cache writes are
+priced as ``input``). Prices are read as :class:`~decimal.Decimal` (``0.1`` stays 0.1), and
+every cost is computed in :data:`EXACT`, so no sum or product is ever rounded. The fields,
+with an example: ``config/prices.example.toml``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, Inexact, InvalidOperation, Overflow, localcontext
+from pathlib import Path
+from typing import Any
+
+PRICE_KEYS = ("input", "cached_input", "output")
+OPTIONAL_PRICE_KEYS = ("cache_write_input",)
+#: Money arithmetic: wide enough that no product or sum is ever rounded (one would raise).
+EXACT = Context(prec=MAX_PREC, Emax=MAX_EMAX, Emin=MIN_EMIN, traps=[Inexact, InvalidOperation, Overflow])
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    """Per million tokens: uncached input, cached input, output; cache writes (``None``: as input)."""
+
+    input: Decimal
+    cached_input: Decimal
+    output: Decimal
+    cache_write_input: Decimal | None = None
+
+    def cost(self, uncached: int, cache_writes: int, cached: int, completion: int) -> Decimal:
+        """Of ``uncached`` input tokens, ``cache_writes`` were written to the cache."""
+        write = self.input if self.cache_write_input is None else self.cache_write_input
+        with localcontext(EXACT):
+            return ((uncached - cache_writes) * self.input + cache_writes * write + cached * self.cached_input
+                    + completion * self.output).scaleb(-6)
+
+
+@dataclass(slots=True)
+class PriceList:
+    default: Prices | None
+    models: dict[str, Prices] = field(default_factory=dict)
+
+    def for_model(self, model: str) -> Prices | None:
+        return self.models.get(model, self.default)
+
+    @classmethod
+    def load(cls, path: Path) -> PriceList:
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh, parse_float=Decimal)  # 0.1 stays 0.1, not 0.1000000000000000055
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"cannot read prices {path}: {exc}") from None
+        unknown = set(data) - {"default", "models"}
+        if unknown:
+            raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; expected [default] and [models.NAME]")
+        default = _prices(data["default"], f"{path} [default]", None) if "default" in data else None
+        models = {
+            name: _prices(table, f"{path} [models.{name}]", default)
+            for name, table in data.get("models", {}).items()
+        }
+        if default is None and not models:
+            raise ValueError(f"{path}: no prices ([default] or [models.NAME])")
+        return cls(default, models)
+
+
+def _prices(table: Any, where: str, base: Prices | None) -> Prices:
+    if not isinstance(table, dict) or set(table) - set(PRICE_KEYS) - set(OPTIONAL_PRICE_KEYS):
+        raise ValueError(f"{where}: only {', '.join(PRICE_KEYS + OPTIONAL_PRICE_KEYS)} (per million tokens)")
+    values: dict[str, Decimal | None] = {}
+    for key in PRICE_KEYS + OPTIONAL_PRICE_KEYS:
+        value = table.get(key, getattr(base, key) if base else None)
+        if value is None and key in OPTIONAL_PRICE_KEYS:
+            values[key] = None
+            continue
+        price = None if isinstance(value, bool) or not isinstance(value, int | Decimal) else Decimal(value)
+        if price is None or not price.is_finite() or price < 0:  # inf and nan made every cost null
+            raise ValueError(f"{where}: {key} must be a number >= 0")
+        values[key] = price.copy_abs()  # -0.0 is 0: no cost printed "-0"
+    return Prices(**values)  # type: ignore[arg-type]
