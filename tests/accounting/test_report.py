@@ -73,6 +73,10 @@ def test_totals_cost_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     # The bill, by hand: acme m1 3,600 + acme m2 1,100 + zeta m1 (300 x 2.0 + 27 x 10.0) 870, per million.
     assert report["total"]["cost"] == pytest.approx(5570 / 1e6)
     assert report["tenants"]["zeta"]["cost"] == pytest.approx(870 / 1e6)
+    # zeta's first streamed 7 tokens with no prompt count (a stream cut before its usage chunk
+    # upstream): its prompt is in no total, and the operator is told how many such records.
+    assert report["unknown_prompts"] == 1
+    assert "1 record(s) generated tokens with no prompt_tokens" in err
 
 
 def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -81,7 +85,7 @@ def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["report", str(path), "--plot", str(png)]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert err == f"cachetally report: plot written to {png}\n"
+    assert err.splitlines()[-1] == f"cachetally report: plot written to {png}"
     assert lines[0].split() == ["tenant", "model", "requests", "disconnected", "prompt", "cached", "completion", "hit_ratio"]
     assert lines[1].split() == ["acme", "m1", "2", "1", "1500", "600", "150", "0.4000"]
     assert lines[-2].split()[:3] == ["TOTAL", "5", "2"]

@@ -8,8 +8,9 @@ or said again; one whose content differs (a file edited, two writers minting one
 also ``conflicting``, said on stderr, since which copy is right cannot be told here. The
 client's ``request_id`` is never a key: clients reuse it. Records written before
 ``record_id`` existed (schema 1) have none and each counts. A record with no
-``prompt_tokens`` (refused or abandoned before the engine saw it) adds a request and its
-completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
+``prompt_tokens`` (refused or abandoned before the engine saw it, or a stream cut before
+its usage in upstream mode: counted in ``unknown_prompts`` when it generated tokens) adds a
+request and its completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
 billed as uncached input; one past its prompt (written by an upstream before cachetally
 stopped believing such figures) counts as the whole prompt cached, and is counted in
 ``clamped``. Cache writes (``cache_creation_tokens``: uncached prompt tokens the engine
@@ -125,6 +126,8 @@ class Report:
     invalid_records: int = 0
     #: With a period (--since/--until): records with no readable start_time, added to no total.
     undated: int = 0
+    #: Records that generated tokens but have no prompt_tokens: their prompts are in no total.
+    unknown_prompts: int = 0
 
     def add(self, record: dict[str, Any], period: tuple[datetime | None, datetime | None] | None = None) -> None:
         """Total ``record``, unless a copy, not valid, or outside ``period`` (since, until)."""
@@ -153,8 +156,9 @@ class Report:
             totals = self.rows[key] = Totals()
         totals.add(record)
         self.records += 1
-        prompt, cached = record.get("prompt_tokens"), record.get("cached_tokens")
+        prompt, cached, completion = (record.get(f"{figure}_tokens") for figure in ("prompt", "cached", "completion"))
         self.clamped += isinstance(prompt, int) and isinstance(cached, int) and cached > prompt
+        self.unknown_prompts += prompt is None and isinstance(completion, int) and completion > 0
 
     def price(self, prices: PriceList) -> None:
         for (_, model), totals in self.rows.items():
@@ -187,8 +191,7 @@ class Report:
             "files": self.files, "records": self.records, "skipped_lines": self.skipped_lines,
             "duplicates": self.duplicates, "conflicting_duplicates": self.conflicting,
             "clamped": self.clamped, "invalid_records": self.invalid_records,
-            "undated": self.undated,
-            "unpriced_models": self.unpriced(),
+            "undated": self.undated, "unknown_prompts": self.unknown_prompts, "unpriced_models": self.unpriced(),
         }
 
 

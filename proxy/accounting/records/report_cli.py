@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
                          "not counted"),
         (report.clamped, "{} record(s) report more cached tokens than their prompt; "
                          "counted as the whole prompt cached"),
+        (report.unknown_prompts, "{} record(s) generated tokens with no prompt_tokens (in upstream mode, a "
+                                 "stream cut before its usage chunk): their prompts are in no total"),
     ):
         if count:
             print("cachetally report: " + said.format(count), file=sys.stderr)
