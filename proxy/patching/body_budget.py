@@ -12,8 +12,10 @@ A request's :class:`Hold` takes bytes as they arrive, never for a ``Content-Leng
 has not arrived: a client that only announces a large body holds nothing. A body that does
 not fit is answered 503 with ``Retry-After`` (the ``openai`` and ``anthropic`` SDKs retry
 it), and so is one whose announced length does not fit at its start, before any of it is
-read. The hold is given back when the body is handed to the inner app, which then holds its
-own copy, or when the request ends, whichever comes first.
+read. A P/D leg over ``max_request_bytes`` holds the ``kv_transfer_params`` it keeps while
+the rest passes (:mod:`proxy.patching.oversized_leg`), counted the same way. The hold is
+given back when the body is handed to the inner app, which then holds its own copy, or
+when the request ends, whichever comes first.
 
 Clients that fill the budget make others' bodies wait for it, not the process die: the
 budget is what one process may spend on bodies still arriving, chosen from its memory
@@ -74,6 +76,15 @@ class Hold:
             raise BodyBudgetFull
         budget.held += n
         self._n += n
+
+    def holds(self, n: int) -> None:
+        """The request now holds ``n`` bytes (a P/D leg's kept ``kv_transfer_params``): its
+        share follows, ``BodyBudgetFull`` where more does not fit."""
+        if n > self._n:
+            self.take(n - self._n)
+        else:
+            self._budget.held -= self._n - n
+            self._n = n
 
     def release(self) -> None:
         if n := self._n:

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 from starlette.types import Receive
 
+from proxy.patching.body_budget import Hold
 from proxy.patching.request_body import ClientGone
 
 #: A run of string content, escapes included; it stops at the closing quote, or at a
@@ -117,6 +118,11 @@ class TopLevelMember:
         except ValueError:
             self._target = False
 
+    @property
+    def kept(self) -> int:
+        """Bytes of the member's value held: the one being read and the last complete one."""
+        return (0 if self._value is None else len(self._value)) + (0 if self.value is None else len(self.value))
+
     def _value_part(self, part: bytes) -> None:
         if self._value is None:
             return
@@ -131,21 +137,29 @@ class TopLevelMember:
             self.value, self._value = bytes(self._value), None
 
 
-async def member_of(head: list[bytes], more: bool, receive: Receive, name: str, cap: int) -> dict[str, Any]:
+async def member_of(
+    head: list[bytes], more: bool, receive: Receive, name: str, cap: int, hold: Hold
+) -> dict[str, Any]:
     """``{name: value}`` of a body whose first chunks were read (``head``; ``more``: the rest
     is still to be received), read to its end and not kept; ``{}`` where it has none that
-    parses. Raises :class:`ClientGone` if the client leaves before the end."""
+    parses. ``hold`` follows what is held, the head not yet read and the value kept (up to
+    ``cap`` for each of many clients that stop after it): ``BodyBudgetFull`` where it does not
+    fit. Raises :class:`ClientGone` if the client leaves before the end."""
     member = TopLevelMember(name, cap)
+    unread = sum(map(len, head))
     while head:
         chunk = head.pop(0)  # emptied as it is read: the head is not held beside the rest
         for start in range(0, len(chunk), _SLICE):
             member.feed(chunk[start : start + _SLICE])
             await asyncio.sleep(0)
+        unread -= len(chunk)
+        hold.holds(unread + member.kept)
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
         member.feed(message.get("body", b""))
+        hold.holds(member.kept)
         more = message.get("more_body", False)
     if member.value is None:
         return {}

@@ -63,14 +63,12 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         try:
             body = await read_body(receive, headers.values(b"content-length"), config.max_request_bytes, hold)
         except BodyTooLarge as too_large:
-            if config.pd_legs and not await _read_oversized_leg(r, too_large, receive):
+            if config.pd_legs and not await _read_oversized_leg(r, scope, too_large, receive, hold):
                 return
             await send_error(r.send, route_path(scope), 413, f"Request body exceeds {config.max_request_bytes} bytes")
             return
         except BodyBudgetFull:
-            r.ctx.bodies.refused()
-            r.ctx.metrics.bodies_refused.inc()
-            await send_error(r.send, route_path(scope), 503, BODIES_FULL, RETRY_AFTER)
+            await _refuse_full(r, scope)
             return
         except ClientGone:
             r.notes.client_left()
@@ -118,14 +116,28 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         hold.release()
 
 
-async def _read_oversized_leg(r: Responder, too_large: BodyTooLarge, receive: Receive) -> bool:
+async def _refuse_full(r: Responder, scope: Scope) -> None:
+    """503 for a body that does not fit in what the process may still hold, counted."""
+    r.ctx.bodies.refused()
+    r.ctx.metrics.bodies_refused.inc()
+    await send_error(r.send, route_path(scope), 503, BODIES_FULL, RETRY_AFTER)
+
+
+async def _read_oversized_leg(
+    r: Responder, scope: Scope, too_large: BodyTooLarge, receive: Receive, hold: Hold
+) -> bool:
     """The leg of a body refused as too large, and a decode leg's handed figures, so that a
     decode leg the router made larger than its prefill leg still bills its prefill
-    (:mod:`proxy.patching.oversized_leg`). ``False`` if the client left before the end."""
+    (:mod:`proxy.patching.oversized_leg`). ``False`` if the client left before the end, or
+    what the leg keeps did not fit in the process's budget (answered 503)."""
     try:
-        params = await member_of(too_large.head, too_large.more, receive, TRANSFER, r.ctx.config.max_request_bytes)
+        params = await member_of(too_large.head, too_large.more, receive, TRANSFER,
+                                 r.ctx.config.max_request_bytes, hold)
     except ClientGone:
         r.notes.client_left()
+        return False
+    except BodyBudgetFull:
+        await _refuse_full(r, scope)
         return False
     r.leg = leg_of(params)
     r.handed = handed(params) if r.leg == DECODE else None

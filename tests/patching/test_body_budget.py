@@ -197,3 +197,37 @@ async def test_a_body_handed_to_the_engine_holds_nothing_while_its_answer_runs()
     answering.set()
     await asyncio.gather(*tasks)
     assert [c.status for c in running] == [200] * 6
+
+
+def stalled_leg() -> Stalled:
+    """A P/D decode leg past ``SIZE`` in its first bytes, its ``kv_transfer_params`` (900
+    bytes, which ``pd_legs`` keeps) among them, the rest still to come."""
+    head = b'{"model": "m", "messages": [], "kv_transfer_params": {"x": "'
+    client = Stalled(1, length_header=False)
+    client.pending[0]["body"] = head + b"a" * (900 - len(head)) + b'"}, "pad": "' + b" " * 200
+    client.rest = b'"}'
+    return client
+
+
+@pytest.mark.asyncio
+async def test_the_transfer_params_an_oversized_leg_keeps_count_against_the_budget() -> None:
+    ledger = UsageLedger()
+    inner = middleware().app
+    mw = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger),
+                              config=PatchConfig(max_request_bytes=SIZE, max_request_bytes_held=3 * SIZE, pd_legs=True))
+    legs = [stalled_leg() for _ in range(4)]
+    tasks = [asyncio.ensure_future(mw(c.scope, c.receive, c.send)) for c in legs]
+    await settle()
+    assert [refused(c) for c in legs] == [False, False, False, True]  # 900 more do not fit beside 2,700
+    for c in legs[:3]:
+        c.finish()
+    await asyncio.gather(*tasks)
+    assert [c.status for c in legs] == [413, 413, 413, 503]
+    # Every leg gave its share back: three bodies that fill the budget at once are served.
+    clients = [Stalled(SIZE - 1) for _ in range(3)]
+    tasks = [asyncio.ensure_future(mw(c.scope, c.receive, c.send)) for c in clients]
+    await settle()
+    for c in clients:
+        c.finish()
+    await asyncio.gather(*tasks)
+    assert [c.status for c in clients] == [200, 200, 200]

@@ -128,3 +128,47 @@ async def test_bodies_still_arriving_are_held_only_up_to_the_budget(server: tupl
         full = await asyncio.gather(*(client.post("/v1/completions", content=body_of(LIMIT),
                                                   headers={"content-type": "application/json"}) for _ in range(2)))
     assert [r.status_code for r in full] == [200, 200], [r.text[:200] for r in full]
+
+
+def leg_of(size: int) -> bytes:
+    """A P/D decode leg of ``size`` bytes, over ``LIMIT``: most of it a ``kv_transfer_params``
+    value of ``SENT`` bytes, which ``pd_legs`` keeps while the rest arrives."""
+    head = b'{"prompt": "hello", "max_tokens": 2, "kv_transfer_params": {"x": "'
+    value = head + b"a" * (SENT - len(head)) + b'"}, "pad": "'
+    return value + b" " * (size - len(value) - 2) + b'"}'
+
+
+@pytest.mark.loopback
+@pytest.mark.asyncio
+async def test_oversized_legs_hold_their_transfer_params_only_within_the_budget() -> None:
+    """With ``pd_legs``, a leg over ``max_request_bytes`` is read to its end for its
+    ``kv_transfer_params``, and that value is held while the rest arrives: ten legs that
+    each sent a 7 MiB value and stopped held 74 MiB of a server with an 8 MiB budget, refused none."""
+    body = leg_of(LIMIT + MIB)
+    serve = ["-m", "proxy.server.cli", "serve", "--log-level", "warning", "--engine", "sim"]
+    with running_server(serve, env={**ENV, "CACHETALLY_PD_LEGS": "1"}) as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        rss_before = rss_mib(proc.pid)
+        clients = [Uploader(*await asyncio.open_connection("127.0.0.1", port)) for _ in range(CLIENTS)]
+        try:
+            for c in clients:
+                c.writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                               b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+                c.writer.write(body[:SENT + 4])
+                await asyncio.wait_for(c.writer.drain(), 30)
+            await asyncio.sleep(1)  # the server reads what was sent
+            grown = rss_mib(proc.pid) - rss_before
+            statuses = []
+            for c in clients:  # the rest: a leg still held is read to its end and refused as too large
+                c.writer.write(body[SENT + 4:])
+                with contextlib.suppress(ConnectionError):
+                    await c.writer.drain()
+                statuses.append(status_of(await asyncio.wait_for(c.read_answer(), 30)))
+        finally:
+            for c in clients:
+                c.writer.close()
+        refused = statuses.count(503)
+        assert statuses.count(413) * SENT <= HELD and refused, statuses
+        assert grown < 64, f"{grown:.0f} MiB more for {CLIENTS} legs sent"
+        text = httpx.get(f"{url}/metrics").text
+        assert metric_value(text, "cachetally_request_bodies_refused_total") == refused
