@@ -18,19 +18,20 @@ for a client as long as its socket stays open (docs/RELIABILITY.md §3 has what 
 - A header's size: uvicorn's h11 protocol bounds it (``h11_max_incomplete_event_size``, 16 KiB
   by default; vLLM sets 4 MiB and 256 fields), httptools holds it in memory as it comes. Past
   the bound while it still arrives, or past the fields when it ends: a 431 in OpenAI error JSON.
+- Pipelined requests: uvicorn queues them behind the running response without a bound, reading
+  on at each response's end (docs/RELIABILITY.md §4); past :data:`MAX_PIPELINED`, a reset.
 
-A client past a timeout is let go as one that left: uvicorn sees ``connection_lost``, a
-waiting ``send`` returns, ``receive`` says ``http.disconnect``, and the request ends as any
-disconnect does (in upstream mode its upstream connection is closed, never pooled; its usage
-record, if it reached the engine, says ``disconnected``). Nothing is cancelled inside
-uvicorn's ``send`` or ``receive``, so no traceback; one warning says it. A connection with no
-request begun is aborted with a debug line only (load balancers' probes open such sockets).
+A client past a timeout is let go as one that left: uvicorn sees ``connection_lost``, a waiting
+``send`` returns, ``receive`` says ``http.disconnect``, and the request ends as any disconnect
+does (in upstream mode its upstream connection is closed, never pooled; its usage record, if it
+reached the engine, says ``disconnected``). Nothing is cancelled inside uvicorn's ``send`` or
+``receive``, so no traceback; one warning says it. A connection with no request begun is
+aborted with a debug line only (load balancers' probes open such sockets).
 
 Only ``asyncio.Protocol``'s calls, uvicorn's parser callbacks and its flow control's
-``resume_reading`` are overridden, each calling uvicorn's own. vLLM's server is vLLM's
-uvicorn, built before any cachetally code runs: the middleware puts this protocol in its
-config at the lifespan's startup (:func:`bound_vllms_clients`), before uvicorn opens its
-listener.
+``resume_reading`` are overridden, each calling uvicorn's own. vLLM's server is vLLM's uvicorn,
+built before any cachetally code runs: the middleware puts this protocol in its config at the
+lifespan's startup (:func:`bound_vllms_clients`), before uvicorn opens its listener.
 """
 
 from __future__ import annotations
@@ -53,13 +54,15 @@ logger = logging.getLogger("cachetally.app")
 
 #: What uvicorn's h11 protocol allows a request's header by default (h11's own default).
 H11_MAX_HEADER_BYTES = 16 * 1024
+#: Requests queued behind a running one on a connection (HTTP clients pipeline few, if any).
+MAX_PIPELINED = 16
 _REFUSAL = error_body("", 431, "Request header fields too large")  # before any route is known
 _HEADER_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL))
 
 
 class HeaderTooLarge(Exception):
-    """Raised in the parser's callback, to stop it at a header with too many fields."""
+    """Raised in the parser's callback to stop it: a header with too many fields, a request pipelined too deep."""
 
 
 # What the connection is receiving: nothing the client owes (a request arrived whole, or a
@@ -87,7 +90,7 @@ class ClientBoundsProtocol(HttpToolsProtocol):
         self._max_header_bytes = self.config.h11_max_incomplete_event_size or H11_MAX_HEADER_BYTES
         self._max_header_fields: int | None = getattr(self.config, "h11_max_header_count", None)
         self._header_bytes = 0  # received since the last header was whole: the next one's
-        self._header_refused = False
+        self._header_refused = self._pipeline_refused = False
 
     # -- receiving ---------------------------------------------------------------------
 
@@ -107,6 +110,9 @@ class ClientBoundsProtocol(HttpToolsProtocol):
         if fields is not None and len(self.headers) > fields:  # in one read: the parser stops here
             self._header_refused = True
             raise HeaderTooLarge  # uvicorn takes it for a malformed request: send_400_response
+        if self.cycle is not None and not self.cycle.response_complete and len(self.pipeline) >= MAX_PIPELINED:
+            self._pipeline_refused = True  # uvicorn would queue it: the parser stops here, mid-read
+            raise HeaderTooLarge
         super().on_headers_complete()
         self._owe(_BODY)
         self._header_bytes = 0
@@ -114,6 +120,9 @@ class ClientBoundsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         if self._header_refused:
             self._refuse_header()
+        elif self._pipeline_refused:
+            logger.warning("a client pipelined over %d requests behind a running one: connection reset", MAX_PIPELINED)
+            self._reset()  # the response running owns the connection's bytes: no answer can go
         else:
             super().send_400_response(msg)
 
