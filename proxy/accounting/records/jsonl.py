@@ -128,17 +128,23 @@ class JsonlSink:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         path = self.directory / f"usage-{stamp}-{os.getpid()}-{self._files:04d}.jsonl"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags, 0o640)
-        try:  # the new name on disk too, or a power loss could take a file of fsync'd records
-            directory = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        # The directory first, to fsync the new name through (or a power loss could take a
+        # file of fsync'd records): opened after the file, a failure there (EMFILE, with one
+        # descriptor free: the old file's) left the file behind empty, one more every retry.
+        directory = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fd = os.open(path, flags, 0o640)
             try:
                 os.fsync(directory)
-            finally:
-                os.close(directory)
-        except OSError:
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # nothing is in it
+                raise
+        finally:
             with contextlib.suppress(OSError):
-                os.close(fd)
-            raise
+                os.close(directory)
         self._fd, self._size = fd, 0
         self.paths.append(path)
 
