@@ -28,6 +28,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import anyio
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -91,6 +92,11 @@ class SimEngine:
         )
 
     async def start(self) -> Starlette:
+        # starlette's StreamingResponse loads anyio's task groups and asyncio backend at the
+        # first stream, and an import opens files: a server out of descriptors answered every
+        # stream 500 until one got through. A task group loads them now.
+        async with anyio.create_task_group():
+            pass
         self._running = True
         return self._app
 

@@ -70,6 +70,18 @@ def kept_alive() -> httpx.Client:
     return httpx.Client(timeout=30, limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
 
 
+def test_streams_are_answered_by_a_sim_that_ran_out_of_descriptors_before_its_first() -> None:
+    """starlette's StreamingResponse imports anyio's task groups and asyncio backend at the
+    first stream, and an import opens files: every stream was a 500 with a traceback while
+    the table was full (OSError EMFILE on anyio/_core/_tasks.py), until one got through."""
+    with running_server([*LIMITED_CLI, "serve", "--engine", "sim", "--log-level", "warning"]) as (url, proc):
+        with kept_alive() as client:
+            assert client.get(f"{url}/health").status_code == 200
+            with descriptors_filled(int(url.rsplit(":", 1)[1]), proc.pid):
+                statuses = [complete(client, url, stream=True)[1] for _ in range(4)]
+    assert statuses == [200] * 4
+
+
 def test_usage_records_while_out_of_descriptors_are_written_once_and_leave_no_empty_file(tmp_path: Path) -> None:
     """A new usage file needs two descriptors (the file, its directory to fsync its name),
     and rotation frees one, the old file's: the file was created, the directory's open
