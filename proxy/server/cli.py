@@ -62,6 +62,20 @@ def _terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
 
+def _raise_descriptor_limit() -> None:
+    """The soft RLIMIT_NOFILE up to the hard one (vLLM's server raises its own to 65,535): each
+    stream holds a client's socket and, in upstream mode, one of up to 1,024 upstream
+    connections, and a shell's usual soft 1,024 failed most of 800 concurrent streams (502)."""
+    with contextlib.suppress(ImportError, ValueError, OSError):  # no resource module, or refused
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # An unlimited hard limit: Linux's default fs.nr_open, as no process gets more.
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         settings = serve_settings(args)
@@ -71,6 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     if settings.engine == "vllm":
         return _serve_vllm(settings)
+    _raise_descriptor_limit()  # before uvicorn starts any worker: they inherit it
     import uvicorn
 
     from proxy.server.app import CachetallyApp

@@ -10,8 +10,10 @@ it is out of descriptors may be left behind.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import resource
 import socket
 import time
 import uuid
@@ -21,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import running_server
+from tests.servers import running_server, running_servers
 from tests.sink_counts import ids_in_files
 
 pytestmark = [pytest.mark.loopback, pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc")]
@@ -102,3 +104,34 @@ def test_usage_records_while_out_of_descriptors_are_written_once_and_leave_no_em
             time.sleep(0.1)
     assert ids_in_files(usage) == {request_id: 1 for request_id, _ in answered}
     assert [path.name for path in usage.iterdir() if path.stat().st_size == 0] == []
+
+
+SOFT = 128
+#: The soft limit lowered, the hard one kept: as a shell's usual 1,024 under a higher hard limit.
+SOFT_LIMITED_CLI = ["-c", "import resource, sys; hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+                          f"resource.setrlimit(resource.RLIMIT_NOFILE, ({SOFT}, hard)); "
+                          "from proxy.server.cli import main; sys.exit(main(sys.argv[1:]))"]
+STREAMS = 100
+
+
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4 * STREAMS, reason="a hard limit this low")
+@pytest.mark.asyncio
+async def test_concurrent_upstream_streams_are_not_capped_by_a_soft_descriptor_limit_below_the_hard_one() -> None:
+    """Each stream holds a client's socket and, in upstream mode, a pooled upstream connection
+    (up to 1,024). Under the usual soft RLIMIT_NOFILE of 1,024 (vLLM raises its own to 65,535),
+    800 concurrent streams got 590 502s, logged "OSError" (EMFILE at connect). Here a soft
+    limit of 128 and 100 streams."""
+    upstream = (["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"],
+                {"CACHETALLY_SIM_TOKEN_DELAY_S": "0.05"}, None)
+    with running_servers([upstream]) as [(upstream_url, _)]:
+        proxy = ([*SOFT_LIMITED_CLI, "serve", "--upstream", upstream_url, "--log-level", "warning"], None, None)
+        with running_servers([proxy]) as [(url, _)]:
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=STREAMS)) as client:
+                async def stream(i: int) -> tuple[int, bytes]:
+                    body = {"model": "sim-model", "prompt": f"p {i}", "max_tokens": 20, "stream": True}
+                    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                        return response.status_code, await response.aread()
+
+                answers = await asyncio.gather(*(stream(i) for i in range(STREAMS)))
+    assert [status for status, _ in answers] == [200] * STREAMS
+    assert all(text.endswith(b"data: [DONE]\n\n") for _, text in answers)
