@@ -74,7 +74,9 @@ class Settings:
     max_request_bytes: int = 32 << 20
     max_response_bytes: int = 64 << 20
     max_event_bytes: int = 1 << 20
-    max_request_bytes_held: int = 1 << 30  # bodies still arriving, one process (proxy.patching.body_budget)
+    # Bodies still arriving, one process (proxy.patching.body_budget); 0: the larger of 1 GiB and
+    # max_request_bytes, so a configuration with bodies above 1 GiB starts as it did before the budget.
+    max_request_bytes_held: int = 0
     ledger_ttl_s: float = 900.0
     ledger_max_slots: int = 100_000
     # upstream mode
@@ -133,8 +135,8 @@ class Settings:
         for name in ("max_request_bytes", "max_response_bytes", "max_event_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1")
-        if self.max_request_bytes_held < self.max_request_bytes:
-            raise SettingsError("max_request_bytes_held must be >= max_request_bytes: no body of that size could be read")
+        if self.max_request_bytes_held < 0 or 0 < self.max_request_bytes_held < self.max_request_bytes:
+            raise SettingsError("max_request_bytes_held must be 0 or >= max_request_bytes: no body of that size could be read")
         if not self.ledger_ttl_s > 0:
             raise SettingsError("ledger_ttl_s must be > 0")
         for name in ("sim_token_delay_s", "sim_prefill_delay_s"):

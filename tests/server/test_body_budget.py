@@ -172,3 +172,15 @@ async def test_oversized_legs_hold_their_transfer_params_only_within_the_budget(
         assert grown < 64, f"{grown:.0f} MiB more for {CLIENTS} legs sent"
         text = httpx.get(f"{url}/metrics").text
         assert metric_value(text, "cachetally_request_bodies_refused_total") == refused
+
+
+def test_a_max_request_bytes_above_the_default_budget_still_starts_and_serves() -> None:
+    """A ``max_request_bytes`` above 1 GiB started the server before the budget; with the
+    budget's default fixed at 1 GiB, ``cachetally serve`` (and ``vllm serve --middleware``)
+    refused to start on that configuration. Unset, the budget is one such body at least."""
+    env = {"CACHETALLY_MAX_REQUEST_BYTES": str(2 << 30)}
+    serve = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "warning"]
+    with running_server(serve, env=env) as (url, _):
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=30)
+    assert answer.status_code == 200
+    assert answer.json()["usage"]["completion_tokens"] == 2
