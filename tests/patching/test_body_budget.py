@@ -88,6 +88,17 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def assert_nothing_held(mw: UsagePatchMiddleware) -> None:
+    """Nothing is held: three whole bodies at once fill the budget, and all are served."""
+    clients = [Stalled(SIZE - 1) for _ in range(3)]
+    tasks = [asyncio.ensure_future(mw(c.scope, c.receive, c.send)) for c in clients]
+    await settle()
+    for c in clients:
+        c.finish()
+    await asyncio.gather(*tasks)
+    assert [c.status for c in clients] == [200, 200, 200], [orjson.loads(c.body) for c in clients]
+
+
 def refused(client: Client) -> bool:
     if not client.sent or client.status != 503:
         return False
@@ -168,14 +179,7 @@ async def test_every_way_a_request_ends_gives_its_share_back(
         n = data.draw(st.integers(1, len(schedule)))
         group, schedule = schedule[:n], schedule[n:]
         await asyncio.gather(*(end_one_way(mw, ending, sent) for ending, sent in group))
-    # Nothing is held now: three whole bodies at once fill the budget, and all are served.
-    clients = [Stalled(SIZE - 1) for _ in range(3)]
-    tasks = [asyncio.ensure_future(mw(c.scope, c.receive, c.send)) for c in clients]
-    await settle()
-    for c in clients:
-        c.finish()
-    await asyncio.gather(*tasks)
-    assert [c.status for c in clients] == [200, 200, 200], [orjson.loads(c.body) for c in clients]
+    await assert_nothing_held(mw)
 
 
 @pytest.mark.asyncio
@@ -223,11 +227,4 @@ async def test_the_transfer_params_an_oversized_leg_keeps_count_against_the_budg
         c.finish()
     await asyncio.gather(*tasks)
     assert [c.status for c in legs] == [413, 413, 413, 503]
-    # Every leg gave its share back: three bodies that fill the budget at once are served.
-    clients = [Stalled(SIZE - 1) for _ in range(3)]
-    tasks = [asyncio.ensure_future(mw(c.scope, c.receive, c.send)) for c in clients]
-    await settle()
-    for c in clients:
-        c.finish()
-    await asyncio.gather(*tasks)
-    assert [c.status for c in clients] == [200, 200, 200]
+    await assert_nothing_held(mw)  # every leg gave its share back
