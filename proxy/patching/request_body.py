@@ -58,9 +58,9 @@ async def read_body(receive: Receive, declared_lengths: Iterable[bytes], limit: 
     fit in what the process may still hold (:mod:`proxy.patching.body_budget`)."""
     for value in declared_lengths:
         if value.isdigit():
-            if int(value) > limit:
+            if (declared := int(value)) > limit:
                 raise BodyTooLarge
-            if not hold.fits(int(value)):
+            if not hold.fits(declared):
                 raise BodyBudgetFull
     chunks: list[bytes] = []
     size = 0

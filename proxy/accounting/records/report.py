@@ -156,7 +156,8 @@ class Report:
             totals = self.rows[key] = Totals()
         totals.add(record)
         self.records += 1
-        prompt, cached, completion = (record.get(f"{figure}_tokens") for figure in ("prompt", "cached", "completion"))
+        prompt, cached = record.get("prompt_tokens"), record.get("cached_tokens")
+        completion = record.get("completion_tokens")
         self.clamped += isinstance(prompt, int) and isinstance(cached, int) and cached > prompt
         self.unknown_prompts += prompt is None and isinstance(completion, int) and completion > 0
 
