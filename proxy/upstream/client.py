@@ -63,7 +63,9 @@ class Origin:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {redacted(url)!r}")
-        if parts.username is not None or parts.query or parts.fragment:
+        # An "@" after a "/" is not userinfo to urlsplit: "http://user:2024/pw@host" is host "user",
+        # port 2024 and a path holding the password, which the ready line would show.
+        if parts.username is not None or "@" in url or parts.query or parts.fragment:
             raise ValueError(f"the upstream URL takes no user, query or fragment: {redacted(url)!r}")
         tls = parts.scheme == "https"
         port = parts.port or (443 if tls else 80)  # .port raises ValueError when out of range

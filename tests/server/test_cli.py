@@ -254,6 +254,7 @@ def test_only_the_bench_command_loads_the_benchmark_harness(argv: list[str], loa
 @pytest.mark.parametrize(("setting", "url"), [
     ("upstream", "http://user:s3cret@127.0.0.1:8001"),  # credentials are refused: the message must not repeat them
     ("upstream", "http://user:s3cr/et@127.0.0.1:8001"),  # a malformed one
+    ("upstream", "http://user:2024/s3cret@127.0.0.1:8001"),  # read by urlsplit as host "user", port 2024
     ("upstream", "127.0.0.1:s3cret@8001"),  # no scheme at all
     ("upstream", "http://127.0.0.1:8001/v1?token=s3cret"),  # a token in the query
     ("otlp_endpoint", "ftp://user:s3cret@127.0.0.1:4318/v1/traces?token=s3cret"),
