@@ -9,8 +9,12 @@ the root logger's level to ``$LOG_LEVEL`` (default ``ERROR``) and leaves it ther
 ``logging.basicConfig`` alone that dropped the debug stats line and the ready line.
 
 Nothing secret reaches a line: URLs the operator gives are :func:`redacted`, and uvicorn's
-access log (on by default, in every mode, vLLM's too) loses the query string, where
-clients put keys (``?api_key=...``).
+access log (on by default, in every mode, vLLM's too) and its WebSocket handshake lines lose
+the query string, where clients put keys (``?api_key=...``; a browser's WebSocket cannot send
+a header, so its key is most often there). At debug, uvicorn hands its logger to the
+``websockets`` library, which writes every handshake header (``Authorization``, ``Cookie``,
+a key sent as a subprotocol) and every frame (prompt and completion text) as a line of its
+own: those lines are not written.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def configure_logging(level: str) -> logging.Logger:
         handler.setFormatter(logging.Formatter(FORMAT))
         handler._cachetally = True  # type: ignore[attr-defined]  # idempotent re-configuration
         root.addHandler(handler)
-    _keep_queries_out_of_the_access_log()
+    _keep_secrets_out_of_uvicorns_lines()
     return root
 
 
@@ -54,19 +58,37 @@ def quiet_check() -> Iterator[None]:
 
 
 class _NoQuery(logging.Filter):
-    """uvicorn's access line (``'%s - "%s %s HTTP/%s" %d'``) with its path's query as ``?***``."""
+    """uvicorn's lines that show a request's target with its query as ``?***``: the access line
+    (``'%s - "%s %s HTTP/%s" %d'``, the target third) and, on ``uvicorn.error``, a WebSocket
+    handshake's (``'%s - "WebSocket %s" 403'``, second). A target is the one argument that
+    starts with ``/``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and len(args) > 2 and isinstance(path := args[2], str) and "?" in path:
-            record.args = (*args[:2], path[: path.index("?")] + "?***", *args[3:])
+        if isinstance(record.args, tuple):
+            record.args = tuple(map(_without_query, record.args))
         return True
 
 
-def _keep_queries_out_of_the_access_log() -> None:
-    access = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, _NoQuery) for f in access.filters):
-        access.addFilter(_NoQuery())
+def _without_query(arg: object) -> object:
+    if isinstance(arg, str) and arg.startswith("/") and "?" in arg:
+        return arg[: arg.index("?")] + "?***"
+    return arg
+
+
+class _NoWebSocketWire(logging.Filter):
+    """Without the ``websockets`` library's debug trace of the wire: ``< %s: %s`` (a header),
+    ``< %s`` (a frame), and the ``>`` lines of what is sent."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.DEBUG and str(record.msg).startswith(("< ", "> ")))
+
+
+def _keep_secrets_out_of_uvicorns_lines() -> None:
+    for name, kinds in (("uvicorn.access", (_NoQuery,)), ("uvicorn.error", (_NoQuery, _NoWebSocketWire))):
+        lines = logging.getLogger(name)
+        for kind in kinds:
+            if not any(isinstance(f, kind) for f in lines.filters):
+                lines.addFilter(kind())
 
 
 def redacted(url: str) -> str:
