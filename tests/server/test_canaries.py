@@ -6,7 +6,7 @@ operator sees searched for every marker.
 Two servers at ``--log-level debug`` (the most cachetally logs: uvicorn's access lines and
 the per-request stats line), each writing usage records to a directory and exporting OTLP
 spans to a test collector whose URL holds a password and a token, with
-``OTEL_EXPORTER_OTLP_HEADERS`` holding a token:
+``OTEL_EXPORTER_OTLP_HEADERS`` holding a token in a well-formed entry and in a malformed one:
 
 - upstream mode in front of the sim, with API keys (``CACHETALLY_API_KEY`` and a keys file);
 - the sim engine with a trusted tenant header (refused beside keys).
@@ -57,12 +57,14 @@ FILE_KEY, SHARED_KEY, WRONG_KEY, X_API_KEY, UNCHECKED_KEY = map(canary, ("fileke
                                                                          "xapikey", "uncheckedkey"))
 TENANT, QUERY, COOKIE, WS_QUERY, WS_PROTOCOL = map(canary, ("tenant", "query", "cookie", "wsquery", "wsprotocol"))
 # What the operator hands over.
-OTLP_PASSWORD, OTLP_TOKEN, OTEL_HEADER = map(canary, ("otlppass", "otlptoken", "otelheader"))
+OTLP_PASSWORD, OTLP_TOKEN, OTEL_HEADER, OTEL_BAD_HEADER = map(canary, ("otlppass", "otlptoken", "otelheader",
+                                                                       "otelbadheader"))
 ALL = (SYSTEM, USER, TOOL_ARGS, TOOL_TEXT, PROMPT, INPUT, MSG_SYSTEM, MSG_USER, MODEL, BAD_JSON, TOO_LARGE, REFUSED,
        CUT, IN_FLIGHT, FILE_KEY, SHARED_KEY, WRONG_KEY, X_API_KEY, UNCHECKED_KEY, TENANT, QUERY, COOKIE, WS_QUERY,
-       WS_PROTOCOL,        OTLP_PASSWORD, OTLP_TOKEN, OTEL_HEADER)
+       WS_PROTOCOL,        OTLP_PASSWORD, OTLP_TOKEN, OTEL_HEADER, OTEL_BAD_HEADER)
 
-OTEL_HEADERS = f"authorization=Bearer%20{OTEL_HEADER}"
+#: A token in a well-formed entry, and one in the form people write by mistake (a colon).
+OTEL_HEADERS = f"authorization=Bearer%20{OTEL_HEADER},x-collector-token: {OTEL_BAD_HEADER}"
 
 
 def found(text: str) -> set[str]:
@@ -203,6 +205,8 @@ def test_no_log_line_holds_a_secret_and_queries_show_as_stars(hunt: dict[str, ob
         assert "OTLP spans to http://***@127.0.0.1:" in log and "/v1/traces?***" in log
         assert '"POST /v1/chat/completions?*** HTTP/1.1" 400' in log
         assert "WebSocket /v1/realtime?***" in log or "Unsupported upgrade request" in log
+        # The malformed OTEL header entry is said, without its value.
+        assert "OTEL_EXPORTER_OTLP_HEADERS" in log and "not name=value" in log
 
 
 def test_stats_metrics_and_every_answer_hold_no_secret(hunt: dict[str, object]) -> None:

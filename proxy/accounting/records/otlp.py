@@ -38,7 +38,9 @@ trace sample:
   have been delivered (:mod:`proxy.accounting.records.otlp_session`).
 
 The exporter's own per-failure log lines are silenced: the recorder's once-a-minute line
-says the same.
+says the same. So is the SDK's line for an ``OTEL_EXPORTER_OTLP_HEADERS`` entry it cannot
+read, which quotes the entry, credentials and all (``Authorization: Bearer ...`` written
+for ``authorization=Bearer%20...``): ours names the variable, not the value.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from proxy.accounting.records.queue import Delivery
 from proxy.accounting.records.record import UsageRecord
 
 MAX_BATCH = 512
+logger = logging.getLogger("cachetally.records")
 _OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat", "messages": "chat"}
 
 
@@ -86,6 +89,17 @@ def span_attributes(record: UsageRecord) -> dict[str, Any]:
     return attrs
 
 
+class _HeaderEntryUnshown(logging.Filter):
+    """In place of the SDK's warning that quotes a headers entry it skips: one without it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Header format invalid"):
+            return True
+        logger.warning("OTEL_EXPORTER_OTLP_HEADERS (or OTEL_EXPORTER_OTLP_TRACES_HEADERS): an entry that is "
+                       "not name=value (URL-encoded, comma-separated) is not sent; its value is not shown")
+        return False
+
+
 class OtlpSink:
     name = "otlp"
     failure = "export_failed"
@@ -106,6 +120,9 @@ class OtlpSink:
         from proxy.accounting.records.otlp_session import ExportSession
 
         logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.CRITICAL)
+        headers = logging.getLogger("opentelemetry.util.re")  # read when the exporter is made
+        if not any(isinstance(f, _HeaderEntryUnshown) for f in headers.filters):
+            headers.addFilter(_HeaderEntryUnshown())
         self._session = ExportSession()  # what the SDK does not pass on: the answer, an attempt's fate
         self._parse_answer, self._not_protobuf = ExportTraceServiceResponse.FromString, DecodeError
         self._exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s, session=self._session)
