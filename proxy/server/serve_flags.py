@@ -7,6 +7,8 @@ and where each setting comes from.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import textwrap
 from pathlib import Path
 
 from proxy.server.settings import Settings, load_settings
@@ -50,7 +52,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve with exact cached_tokens (vLLM's own server by default)",
         description="Serve an engine's OpenAI-compatible and Anthropic APIs with exact prompt-cache usage.",
-        epilog=_SERVE_EPILOG,
+        epilog=_SERVE_EPILOG + _settings_by_name(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--engine", choices=["vllm", "sim"], help="engine to serve (default: vllm)")
@@ -186,37 +188,35 @@ def _accounting_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: The setting each flag sets, by the flag's ``dest``.
+_FLAGS = {
+    "engine": "engine", "upstream": "upstream", "upstream_ca": "upstream_ca", "model": "model", "host": "host",
+    "port": "port", "workers": "workers", "log_level": "log_level", "missing": "missing", "api_key": "api_key",
+    "auth_exempt_paths": "auth_exempt_path", "api_keys_file": "api_keys", "tenant_header": "tenant_header",
+    "tenants": "tenants", "usage_dir": "usage_dir", "usage_flush_interval_s": "usage_flush_interval",
+    "usage_max_file_bytes": "usage_max_file_bytes", "usage_queue_size": "usage_queue_size",
+    "otlp_endpoint": "otlp_endpoint", "otlp_timeout_s": "otlp_timeout", "pd_legs": "pd_legs",
+    "client_send_timeout_s": "client_send_timeout", "client_receive_timeout_s": "client_receive_timeout",
+}
+
+
+def _settings_by_name() -> str:
+    """Each setting's own name where no flag above says it: a misspelt ``CACHETALLY_*``
+    variable (``CACHETALLY_API_KEYS`` for ``CACHETALLY_API_KEYS_FILE``) is logged as naming
+    no setting, and that line points here."""
+    renamed = [f"{name} (--{dest.replace('_', '-')})" for name, dest in _FLAGS.items() if name != dest]
+    unflagged = [f"{f.name} ({f.default})" for f in dataclasses.fields(Settings)
+                 if f.name not in _FLAGS and f.name != "engine_args"]
+    return ("\nSettings by name, as the file and CACHETALLY_<NAME> (CACHETALLY_READ_TIMEOUT_S=30) say them;\n"
+            "config/default.toml says what each does. Named otherwise than their flag:\n"
+            + textwrap.fill(", ".join(renamed), 88, break_on_hyphens=False) + "\nWithout a flag, with their defaults:\n"
+            + textwrap.fill(", ".join(unflagged), 88, break_on_hyphens=False) + "\n")
+
+
 def serve_settings(args: argparse.Namespace) -> Settings:
     """The settings ``serve`` runs with: file, then environment, then these flags."""
     engine_args = list(args.engine_args or [])
     if engine_args[:1] == ["--"]:
         engine_args = engine_args[1:]
-    return load_settings(
-        args.config,
-        overrides={
-            "engine": args.engine,
-            "upstream": args.upstream,
-            "upstream_ca": args.upstream_ca,
-            "model": args.model,
-            "host": args.host,
-            "port": args.port,
-            "workers": args.workers,
-            "log_level": args.log_level,
-            "missing": args.missing,
-            "api_key": args.api_key,
-            "auth_exempt_paths": args.auth_exempt_path,
-            "engine_args": engine_args or None,
-            "api_keys_file": args.api_keys,
-            "tenant_header": args.tenant_header,
-            "tenants": args.tenants,
-            "usage_dir": args.usage_dir,
-            "usage_flush_interval_s": args.usage_flush_interval,
-            "usage_max_file_bytes": args.usage_max_file_bytes,
-            "usage_queue_size": args.usage_queue_size,
-            "otlp_endpoint": args.otlp_endpoint,
-            "otlp_timeout_s": args.otlp_timeout,
-            "pd_legs": args.pd_legs,
-            "client_send_timeout_s": args.client_send_timeout,
-            "client_receive_timeout_s": args.client_receive_timeout,
-        },
-    )
+    overrides = {setting: getattr(args, dest) for setting, dest in _FLAGS.items()}
+    return load_settings(args.config, overrides={**overrides, "engine_args": engine_args or None})

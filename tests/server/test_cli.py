@@ -167,6 +167,22 @@ def test_serve_help_names_every_metered_route() -> None:
     assert [path for path in PATCHED if path not in out] == []
 
 
+def test_serve_help_lists_every_setting_as_the_warning_on_a_misspelt_variable_says() -> None:
+    """``CACHETALLY_READ_TIMEOUT=30`` is logged as naming no setting, "cachetally serve --help
+    lists them": the help named only flags, so read_timeout_s, the body limits and the
+    ledger's were nowhere, nor api_keys_file, the setting behind --api-keys."""
+    import dataclasses
+
+    from proxy.server.settings import Settings
+
+    out = subprocess.run([sys.executable, "-m", "proxy.server.cli", "serve", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    unnamed = [f.name for f in dataclasses.fields(Settings)
+               if f.name not in out and "--" + f.name.replace("_", "-") not in out]
+    assert unnamed == []
+    assert "api_keys_file (--api-keys)" in out and "read_timeout_s (600.0)" in out
+
+
 def test_usage_dir_help_says_every_metered_route_leaves_a_record() -> None:
     """It said "one JSON line per chat/completions request": Responses, Messages and
     /invocations requests are recorded too, and an operator billing them read otherwise."""
