@@ -5,7 +5,7 @@ operator sees searched for every marker.
 
 Two servers at ``--log-level debug`` (the most cachetally logs: uvicorn's access lines and
 the per-request stats line), each writing usage records to a directory and exporting OTLP
-spans to a test collector whose URL holds a password and a token, with
+spans to a test collector (which refuses one export) whose URL holds a password and a token, with
 ``OTEL_EXPORTER_OTLP_HEADERS`` holding a token in a well-formed entry and in a malformed one:
 
 - upstream mode in front of the sim, with API keys (``CACHETALLY_API_KEY`` and a keys file);
@@ -61,7 +61,7 @@ OTLP_PASSWORD, OTLP_TOKEN, OTEL_HEADER, OTEL_BAD_HEADER = map(canary, ("otlppass
                                                                        "otelbadheader"))
 ALL = (SYSTEM, USER, TOOL_ARGS, TOOL_TEXT, PROMPT, INPUT, MSG_SYSTEM, MSG_USER, MODEL, BAD_JSON, TOO_LARGE, REFUSED,
        CUT, IN_FLIGHT, FILE_KEY, SHARED_KEY, WRONG_KEY, X_API_KEY, UNCHECKED_KEY, TENANT, QUERY, COOKIE, WS_QUERY,
-       WS_PROTOCOL,        OTLP_PASSWORD, OTLP_TOKEN, OTEL_HEADER, OTEL_BAD_HEADER)
+       WS_PROTOCOL, OTLP_PASSWORD, OTLP_TOKEN, OTEL_HEADER, OTEL_BAD_HEADER)
 
 #: A token in a well-formed entry, and one in the form people write by mistake (a colon).
 OTEL_HEADERS = f"authorization=Bearer%20{OTEL_HEADER},x-collector-token: {OTEL_BAD_HEADER}"
@@ -74,9 +74,9 @@ def found(text: str) -> set[str]:
 Answers = list[tuple[bool, str]]  # (whether the request named MODEL, what its client got)
 
 
-def _raw(url: str, answers: Answers, *, named_model: bool = False, **request: object) -> int:
+def _raw(url: str, answers: Answers, **request: object) -> int:
     response = httpx.post(url, timeout=30, **request)  # type: ignore[arg-type]
-    answers.append((named_model, response.text))
+    answers.append((False, response.text))
     return response.status_code
 
 
@@ -163,6 +163,7 @@ def hunt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]
     out: dict[str, object] = {"answers": answers, "tmp": tmp}
     with otlp_receiver() as collector, running_server(["-m", "engine_adapter.sim"]) as (upstream, sim):
         endpoint = collector.url.replace("://", f"://cachetally:{OTLP_PASSWORD}@") + f"?token={OTLP_TOKEN}"
+        collector.script = [(400, 0)]  # the first export fails: the drop is logged
         keyed = [*debug, "--upstream", upstream, "--api-keys", str(keys), "--usage-dir", str(tmp / "usage-keyed"),
                  "--otlp-endpoint", endpoint]
         tenants = [*debug, "--engine", "sim", "--tenant-header", "x-tenant", "--tenants", "acme",
@@ -199,6 +200,7 @@ def hunt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]
 
 def test_no_log_line_holds_a_secret_and_queries_show_as_stars(hunt: dict[str, object]) -> None:
     keyed, tenants = hunt["logs"]  # type: ignore[misc]
+    assert "usage records dropped: " in keyed + tenants  # the collector's refusal
     for log in (keyed, tenants):
         assert " DEBUG cachetally.stats: " in log and "Traceback" not in log, log[-3000:]
         assert not found(log), found(log)
