@@ -127,9 +127,13 @@ class SimEngine:
             for token_ids in prompts:
                 self.sink.added(key, len(token_ids))
 
-    def schedule(self, token_ids: list[int], key: str) -> tuple[int, int]:
+    def schedule(
+        self, token_ids: list[int], key: str, first_choice: int | None = None, choices: int = 1
+    ) -> tuple[int, int]:
         """Look the prompt up, cache it, publish its ``Scheduled``; return the cached tokens
-        and the tokens written to the cache."""
+        and the tokens written to the cache. ``first_choice``, ``choices``: the response's
+        choices this prompt makes, as vLLM's tap says them, so a per-prompt usage chunk gets
+        its own prompt's reads even where two prompts of one length differ in them."""
         cached = self.cache.lookup(token_ids)
         created = self.cache.insert(token_ids)
         self.requests_total += 1
@@ -145,6 +149,8 @@ class SimEngine:
                     external_cached_tokens=0,
                     cache_creation_tokens=created,
                     source="engine",
+                    first_choice=first_choice,
+                    choices=choices,
                 )
             )
         return cached, created
@@ -203,7 +209,8 @@ class SimEngine:
         self.announce(req.prompts, key)
         if not await _client_stays(request, cfg.prefill_delay_s):  # the prompts prefill together
             return _client_left()
-        figures = [self.schedule(ids, key) for ids in req.prompts]
+        # Prompt p makes choices p*n to p*n+n-1, as vLLM numbers them.
+        figures = [self.schedule(ids, key, p * req.n, req.n) for p, ids in enumerate(req.prompts)]
         reported = (sum(c for c, _ in figures), sum(w for _, w in figures)) if cfg.report_cached_tokens else None
         created = int(time.time())
         if req.stream:

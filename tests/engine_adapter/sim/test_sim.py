@@ -90,8 +90,8 @@ async def test_cold_then_repeated_prompt(client: httpx.AsyncClient, sink: ListSi
     assert cold["usage"] == {"prompt_tokens": 600, "total_tokens": 603, "completion_tokens": 3}
     assert "prompt_tokens_details" not in warm["usage"]
     assert sink.events == [
-        Scheduled(cold["id"], 600, 0, 0, 0, cache_creation_tokens=592, source="engine"),
-        Scheduled(warm["id"], 600, 592, 592, 0, cache_creation_tokens=0, source="engine"),
+        Scheduled(cold["id"], 600, 0, 0, 0, cache_creation_tokens=592, source="engine", first_choice=0),
+        Scheduled(warm["id"], 600, 592, 592, 0, cache_creation_tokens=0, source="engine", first_choice=0),
     ]
 
 
