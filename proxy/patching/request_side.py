@@ -187,7 +187,9 @@ def _rewrite(r: Responder, payload: dict[str, Any], body: bytes) -> bytes:
     if transfer:
         del payload[TRANSFER]
     if ghost:
+        # The client's other options stay (OpenAI's include_obfuscation shapes its stream).
         # continuous_usage_stats only applies with include_usage; keep it off.
-        payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
+        asked = payload.get("stream_options") or {}  # null or an object: a stream vLLM serves
+        payload["stream_options"] = {**asked, "include_usage": True, "continuous_usage_stats": False}
         r.ghost_asked = True
     return encode(payload)

@@ -122,6 +122,19 @@ def failing_stream() -> bytes:
     return b"data: " + dumps(token) + b"\n\ndata: " + dumps(error) + b"\n\ndata: [DONE]\n\n"
 
 
+def obfuscated_stream(options: dict[str, Any]) -> bytes:
+    """OpenAI's stream: an ``obfuscation`` field on each chunk unless ``stream_options`` turns
+    it off with ``include_obfuscation: false``, and the usage chunk when it asks for one."""
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    chunks: list[dict[str, Any]] = [{**head, "choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}]},
+                                    {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    if options.get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": FAIR})
+    if options.get("include_obfuscation", True):
+        chunks = [{**chunk, "obfuscation": "kD3h"} for chunk in chunks]
+    return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
 ANSWERS: dict[str, Callable[[bool], bytes]] = {
     "error-event": lambda streamed: failing_stream(),
     "no-usage": lambda streamed: completion({}).replace(b',"usage":{}', b""),
@@ -144,6 +157,9 @@ async def answer(request: Request) -> Response:
     body = await request.json()
     streamed = bool(body.get("stream"))
     case = body["messages"][0]["content"]
+    if case == "obfuscated":
+        return StreamingResponse(iter([obfuscated_stream(body.get("stream_options") or {})]),
+                                 media_type="text/event-stream")
     if case == "slow-end":
         return StreamingResponse(ended_late(), media_type="text/event-stream")
     if case == "slow-end-no-usage":
@@ -428,3 +444,22 @@ def test_a_json_answer_without_usage_has_unknown_tokens_not_none(tmp_path: Path)
         assert (text, usage) == ("Hello", None)
         (record,) = records(tmp_path, 1)
     assert (record["outcome"], record["completion_tokens"], record["completion_source"]) == ("completed", 0, "unknown")
+
+
+def test_the_clients_own_stream_options_reach_the_upstream_beside_the_usage_chunk_asked_for(tmp_path: Path) -> None:
+    """OpenAI's ``include_obfuscation: false`` (the ``openai`` SDK's ``stream_options``): asking
+    for the usage chunk the client did not replaced its ``stream_options`` whole, so its stream
+    came with the ``obfuscation`` field it turned off."""
+    with proxied(tmp_path) as (client, _):
+        answer = client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "obfuscated"}], stream=True,
+            stream_options={"include_obfuscation": False}).http_response
+        raw = answer.read()
+        (record,) = records(tmp_path, 1)
+    events = [json.loads(event.removeprefix(b"data: ")) for event in raw.split(b"\n\n")[:-2]]
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert [(event["choices"], "obfuscation" in event, "usage" in event) for event in events] == [
+        ([{"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}], False, False),
+        ([{"index": 0, "delta": {}, "finish_reason": "stop"}], False, False),
+    ]
+    assert (record["prompt_tokens"], record["cached_tokens"], record["completion_source"]) == (10, 4, "usage")
