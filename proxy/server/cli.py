@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from proxy.accounting.records.report_cli import add_report_parser
@@ -62,6 +63,29 @@ def _terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
 
+def _stopped_or_failed(run: Callable[[], int]) -> int:
+    """``run()``, where a stop (Ctrl-C, SIGTERM) or a default model that cannot be made ends in one line.
+
+    SIGTERM's own default killed the process mid-pull, leaving a 100 MB temp folder beside
+    the model; raised as an exception it unwinds as Ctrl-C does, through the pull's cleanup
+    (its pip child killed, its temp folder removed). vLLM puts its own SIGTERM handler in
+    place once it binds, with the same effect. A stop asked for exits 0, as a served one does.
+    """
+    from engine_adapter.vllm.model_store import ModelStoreError
+
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return run()
+    except (KeyboardInterrupt, _Terminated):
+        print("cachetally: stopped", file=sys.stderr)
+        return 0
+    except ModelStoreError as exc:
+        print(f"cachetally: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _raise_descriptor_limit() -> None:
     """The soft RLIMIT_NOFILE up to the hard one (vLLM's server raises its own to 65,535): each
     stream holds a client's socket and, in upstream mode, one of up to 1,024 upstream
@@ -84,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_level)
     if settings.engine == "vllm":
-        return _serve_vllm(settings)
+        return _stopped_or_failed(lambda: _serve_vllm(settings))
     _raise_descriptor_limit()  # before uvicorn starts any worker: they inherit it
     import uvicorn
 
@@ -195,8 +219,11 @@ def _port_taken(host: str, port: int) -> str | None:
 def _model(args: argparse.Namespace) -> int:
     from engine_adapter.vllm.model_store import ensure_default_model
 
-    print(ensure_default_model(args.dir))
-    return 0
+    def pull() -> int:
+        print(ensure_default_model(args.dir))
+        return 0
+
+    return _stopped_or_failed(pull)
 
 
 def main(argv: list[str] | None = None) -> int:

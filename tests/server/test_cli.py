@@ -371,3 +371,61 @@ def test_a_port_in_use_fails_a_vllm_start_in_one_line() -> None:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode == 3
     assert out.stderr == f"cachetally: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_a_model_folder_that_cannot_be_made_fails_the_pull_in_one_line(tmp_path) -> None:
+    """A default-model folder under a file, read-only or on a full disk ended `cachetally
+    serve` and `cachetally model pull` on a 20-line traceback from pathlib."""
+    (tmp_path / "file").write_text("")
+    target = tmp_path / "file" / "model"
+    out = subprocess.run([sys.executable, "-m", "proxy.server.cli", "model", "pull", "--dir", str(target)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.startswith(f"cachetally: cannot materialize the default model in {target}: ")
+    assert len(out.stderr.splitlines()) == 1
+
+
+_SLOW_PULL = """
+import sys, time
+from engine_adapter.vllm import model_store
+from proxy.server.cli import main
+
+def slow_materialize(out, workdir, progress):  # the wheel's GGUF is in the temp folder: stop now
+    (workdir / "gguf").mkdir()
+    (workdir / "gguf" / "model.gguf").write_bytes(bytes(4096))
+    print("converting", flush=True)
+    time.sleep(300)
+
+model_store._materialize = slow_materialize
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "signal_name"),
+    [pytest.param(["serve", "--port", str(free_port())], "SIGTERM", marks=pytest.mark.vllm, id="serve-SIGTERM"),
+     pytest.param(["model", "pull"], "SIGINT", id="pull-SIGINT")],
+)
+def test_a_stop_during_the_model_pull_exits_0_in_one_line_and_leaves_no_temp_folder(
+    tmp_path, command: list[str], signal_name: str
+) -> None:
+    """SIGTERM killed the process mid-pull and left the temp folder (the 94 MB GGUF) beside
+    the model; Ctrl-C printed a 30-line KeyboardInterrupt traceback."""
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETALLY_")}
+    env["CACHETALLY_MODEL_DIR"] = str(tmp_path / "store" / "model")
+    # A shell's background job inherits SIGINT ignored: give the server Python's own handler.
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PULL, *command], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "converting\n"
+        proc.send_signal(getattr(signal, signal_name))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    assert (proc.returncode, err.splitlines()[-1:]) == (0, ["cachetally: stopped"]), err[-2000:]
+    assert "Traceback" not in err
+    assert [p.name for p in (tmp_path / "store").iterdir()] == [".model.lock"]
+

