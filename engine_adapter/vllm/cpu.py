@@ -9,8 +9,9 @@
   several times as long as in float32. "Native" is what vLLM itself checks before it
   loads its bf16 kernels: AVX512-BF16 or AMX on x86; elsewhere oneDNN's own bf16 check.
 
-The user's own flags always win: each default is added only when the user did not pass
-that flag (after ``--``), or the matching ``VLLM_CPU_*`` variable.
+The user's own settings always win: each default is added only when the user's flags (after
+``--``, in any spelling vLLM's parser reads, a ``--config`` file included) did not set it, nor
+the matching ``VLLM_CPU_*`` variable.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import os
 import platform
 from collections.abc import Sequence
 
+from engine_adapter.vllm.serve_parser import settings_given
+
 CPU_KV_CACHE_BYTES = 4 * 1024**3
-_KV_SIZE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--num-gpu-blocks-override")
+#: vLLM's settings that size the KV cache: the default yields to any of them.
+_KV_SIZE_SETTINGS = ("kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override")
 
 
 def native_bf16() -> bool:
@@ -33,19 +37,20 @@ def native_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _given(flags: Sequence[str], names: Sequence[str]) -> bool:
-    return any(arg.split("=", 1)[0] in names for arg in flags)
-
-
 def machine_flags(user_args: Sequence[str]) -> list[str]:
-    """The defaults above that ``user_args`` leave open, as vLLM serve flags; none with CUDA."""
+    """The defaults above that ``user_args`` leave open, as vLLM serve flags; none with CUDA.
+
+    The flags are read first, with CUDA too: a bad one stops the start here, before the
+    default model's pull and vLLM's engine.
+    """
     import torch
 
+    given = settings_given(user_args, ("dtype", *_KV_SIZE_SETTINGS))
     if torch.cuda.is_available():
         return []
     flags = ["--enforce-eager"]
-    if not _given(user_args, _KV_SIZE_FLAGS) and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    if not given & set(_KV_SIZE_SETTINGS) and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         flags += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
-    if not _given(user_args, ("--dtype",)) and not native_bf16():
+    if "dtype" not in given and not native_bf16():
         flags += ["--dtype", "float32"]
     return flags

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from engine_adapter.vllm import compat
 from engine_adapter.vllm.cpu import machine_flags
+from engine_adapter.vllm.serve_parser import serve_parser
 
 logger = logging.getLogger("cachetally.engine.vllm")
 
@@ -34,11 +35,15 @@ logger = logging.getLogger("cachetally.engine.vllm")
 SHUTDOWN_TIMEOUT_S = 10
 
 
-def serve_argv(model: str, user_args: Sequence[str], middleware: str, host: str, port: int) -> list[str]:
-    """vLLM serve flags: cachetally's defaults first, the user's flags last (they win)."""
+def serve_flags(user_args: Sequence[str], middleware: str, host: str, port: int) -> list[str]:
+    """vLLM serve flags, the model left out: cachetally's defaults first, the user's last (they win).
+
+    vLLM's parser reads the user's flags here (:func:`machine_flags`): a bad one exits as
+    ``vllm serve`` does on it, before the caller pulls the default model.
+    """
     user = list(user_args)
     return [
-        model, "--enable-prefix-caching", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        "--enable-prefix-caching", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         "--middleware", middleware, "--host", host, "--port", str(port),
         *machine_flags(user), *user,
     ]
@@ -53,10 +58,7 @@ def vllm_serve(argv: Sequence[str]) -> None:
     setup = compat.resolve("cli_env_setup")
     if setup is not None:
         setup()  # spawn the engine core, as `vllm serve` does
-    parser = compat.require("FlexibleArgumentParser")(prog="vllm")
-    subparsers = parser.add_subparsers(required=True, dest="subparser")
-    (serve,) = [cmd for cmd in compat.require("cmd_init")() if cmd.name == "serve"]
-    serve.subparser_init(subparsers).set_defaults(dispatch_function=serve.cmd)
+    parser, serve, _ = serve_parser()
     args = parser.parse_args(["serve", *argv])
     configure_logging = compat.resolve("configure_logging_from_args")
     if configure_logging is not None:

@@ -189,15 +189,13 @@ def _serve_vllm(settings: Settings) -> int:
     # Read by vLLM when it is first imported, and inherited by its engine processes.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if settings.log_level == "debug" else "WARNING")
     from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
-    from engine_adapter.vllm.serve import serve_argv, vllm_serve
+    from engine_adapter.vllm.serve import serve_flags, vllm_serve
 
-    user = list(settings.engine_args)
-    if settings.model:
-        model = settings.model
-    else:  # the default model, served under its name, not its cache path; user flags still win
-        model, user = str(ensure_default_model()), ["--served-model-name", DEFAULT_MODEL_NAME, *user]
-    uvicorn_level = ["--uvicorn-log-level", settings.log_level]
-    vllm_serve(serve_argv(model, [*uvicorn_level, *user], VLLM_MIDDLEWARE, settings.host, settings.port))
+    user = ["--uvicorn-log-level", settings.log_level, *settings.engine_args]
+    if not settings.model:  # the default model, served under its name, not its cache path; user flags still win
+        user = ["--served-model-name", DEFAULT_MODEL_NAME, *user]
+    flags = serve_flags(user, VLLM_MIDDLEWARE, settings.host, settings.port)  # a bad flag ends the start here
+    vllm_serve([settings.model or str(ensure_default_model()), *flags])
     return 0
 
 

@@ -74,7 +74,7 @@ def vllm_server(details: bool, log_path: Path) -> Iterator[str]:
         "--enable-prefix-caching", *ENGINE_KV_FLAGS,
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    args += machine_flags(args)  # the embedded engine's CPU defaults (eager, float32 without bf16)
+    args += machine_flags(ENGINE_KV_FLAGS)  # the embedded engine's CPU defaults (eager, float32 without bf16)
     if details:
         args.append("--enable-prompt-tokens-details")
     # Children are collected while the server runs: once the parent is gone, orphans can

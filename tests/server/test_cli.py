@@ -429,3 +429,15 @@ def test_a_stop_during_the_model_pull_exits_0_in_one_line_and_leaves_no_temp_fol
     assert "Traceback" not in err
     assert [p.name for p in (tmp_path / "store").iterdir()] == [".model.lock"]
 
+
+@pytest.mark.vllm
+def test_a_bad_vllm_flag_fails_the_start_before_the_default_model_is_pulled(tmp_path) -> None:
+    """A typo after "--" was found by vLLM's parser only after the pull (half a minute of
+    download and conversion on a fresh store)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETALLY_")}
+    env["CACHETALLY_MODEL_DIR"] = str(tmp_path / "store" / "model")
+    argv = [sys.executable, "-m", "proxy.server.cli", "serve", "--port", str(free_port()), "--", "--max-model-lem", "512"]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1] == "vllm: error: unrecognized arguments: --max-model-lem 512"
+    assert not (tmp_path / "store").exists()

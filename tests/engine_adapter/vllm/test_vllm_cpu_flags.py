@@ -49,10 +49,37 @@ def test_float32_only_without_native_bf16_and_never_over_the_users_dtype(
     assert (flags[flags.index("--dtype"):] if "--dtype" in flags else []) == dtype
 
 
-@pytest.mark.parametrize("user", [["--kv-cache-memory-bytes", "1073741824"], ["--gpu-memory-utilization=0.5"]])
+@pytest.mark.parametrize(
+    "user",
+    [["--kv-cache-memory-bytes", "1073741824"], ["--gpu-memory-utilization=0.5"],
+     # Spellings vLLM's parser reads as the same settings, which a match on flag names missed:
+     ["--gpu_memory_utilization", "0.5"], ["--device-memory-utilization=0.5"], ["--num-gpu-blocks", "64"],
+     ["--kv_cache_memory_bytes=1073741824"]],
+)
 def test_the_kv_cache_default_yields_to_any_size_the_user_gave(no_cuda: None, user: list[str]) -> None:
     assert "--kv-cache-memory-bytes" in cpu.machine_flags([])
     assert "--kv-cache-memory-bytes" not in cpu.machine_flags(user)
+
+
+@pytest.mark.parametrize(("setting", "default"), [("gpu-memory-utilization: 0.5", "--kv-cache-memory-bytes"),
+                                                  ("dtype: bfloat16", "--dtype")])
+def test_a_setting_in_the_users_vllm_config_file_is_not_overridden(
+    monkeypatch: pytest.MonkeyPatch, no_cuda: None, tmp_path: Path, setting: str, default: str
+) -> None:
+    """vLLM ranks a --config file below every command-line flag, so a default added there
+    silently replaced the file's value (vLLM's own parse shows which one it keeps)."""
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)
+    config = tmp_path / "vllm.yaml"
+    config.write_text(setting + "\n")
+    assert default in cpu.machine_flags([])
+    assert default not in cpu.machine_flags(["--config", str(config)])
+
+
+def test_a_bad_flag_is_refused_as_vllm_serve_refuses_it(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cpu.machine_flags(["--max-model-lem", "512"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "vllm: error: unrecognized arguments: --max-model-lem 512"
 
 
 def test_nothing_is_added_with_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
