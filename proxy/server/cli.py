@@ -55,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Terminated(Exception):
-    """SIGTERM, as uvicorn re-raises it after the graceful stop it started."""
+class _Terminated(BaseException):
+    """SIGTERM, as uvicorn re-raises it after the graceful stop it started, or during vLLM's start.
+
+    A BaseException, as KeyboardInterrupt: code that catches Exception (each vLLM module that
+    compat tries in turn) took a SIGTERM during vLLM's imports for an import that failed.
+    """
 
 
 def _terminated(signum: int, frame: object) -> None:

@@ -385,49 +385,60 @@ def test_a_model_folder_that_cannot_be_made_fails_the_pull_in_one_line(tmp_path)
     assert len(out.stderr.splitlines()) == 1
 
 
-_SLOW_PULL = """
-import sys, time
+_SLOW_START = """
+import importlib, sys, time
 from engine_adapter.vllm import model_store
 from proxy.server.cli import main
 
 def slow_materialize(out, workdir, progress):  # the wheel's GGUF is in the temp folder: stop now
     (workdir / "gguf").mkdir()
     (workdir / "gguf" / "model.gguf").write_bytes(bytes(4096))
-    print("converting", flush=True)
+    print("waiting", flush=True)
     time.sleep(300)
 
+def slow_import(name, *args, _import_module=importlib.import_module, **kwargs):
+    if name.startswith("vllm.entrypoints.cli"):  # seconds of vLLM's imports: stop during them
+        print("waiting", flush=True)
+        time.sleep(300)
+    return _import_module(name, *args, **kwargs)
+
 model_store._materialize = slow_materialize
-sys.exit(main(sys.argv[1:]))
+if sys.argv[1] == "import":
+    importlib.import_module = slow_import
+sys.exit(main(sys.argv[2:]))
 """
 
 
 @pytest.mark.parametrize(
-    ("command", "signal_name"),
-    [pytest.param(["serve", "--port", str(free_port())], "SIGTERM", marks=pytest.mark.vllm, id="serve-SIGTERM"),
-     pytest.param(["model", "pull"], "SIGINT", id="pull-SIGINT")],
+    ("phase", "command", "signal_name"),
+    [pytest.param("pull", ["serve", "--port", str(free_port())], "SIGTERM", marks=pytest.mark.vllm, id="serve-SIGTERM"),
+     pytest.param("import", ["serve", "--port", str(free_port())], "SIGTERM", id="serve-SIGTERM-vllm-import"),
+     pytest.param("pull", ["model", "pull"], "SIGINT", id="pull-SIGINT")],
 )
-def test_a_stop_during_the_model_pull_exits_0_in_one_line_and_leaves_no_temp_folder(
-    tmp_path, command: list[str], signal_name: str
+def test_a_stop_during_the_start_exits_0_in_one_line_and_leaves_no_temp_folder(
+    tmp_path, phase: str, command: list[str], signal_name: str
 ) -> None:
     """SIGTERM killed the process mid-pull and left the temp folder (the 94 MB GGUF) beside
-    the model; Ctrl-C printed a 30-line KeyboardInterrupt traceback."""
+    the model; Ctrl-C printed a 30-line KeyboardInterrupt traceback. During vLLM's imports a
+    SIGTERM was caught as an import failure: a 20-line ImportError traceback, exit status 1."""
     import signal
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETALLY_")}
     env["CACHETALLY_MODEL_DIR"] = str(tmp_path / "store" / "model")
     # A shell's background job inherits SIGINT ignored: give the server Python's own handler.
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PULL, *command], env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_START, phase, *command], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == "converting\n"
+        assert proc.stdout is not None and proc.stdout.readline() == "waiting\n"
         proc.send_signal(getattr(signal, signal_name))
         _, err = proc.communicate(timeout=60)
     finally:
         stop(proc)
     assert (proc.returncode, err.splitlines()[-1:]) == (0, ["cachetally: stopped"]), err[-2000:]
     assert "Traceback" not in err
-    assert [p.name for p in (tmp_path / "store").iterdir()] == [".model.lock"]
+    store = tmp_path / "store"
+    assert [p.name for p in store.iterdir()] == [".model.lock"] if phase == "pull" else not store.exists()
 
 
 @pytest.mark.vllm
