@@ -60,19 +60,19 @@ def quiet_check() -> Iterator[None]:
 class _NoQuery(logging.Filter):
     """uvicorn's lines that show a request's target with its query as ``?***``: the access line
     (``'%s - "%s %s HTTP/%s" %d'``, the target third) and, on ``uvicorn.error``, a WebSocket
-    handshake's (``'%s - "WebSocket %s" 403'``, second). A target is the one argument that
-    starts with ``/``."""
+    handshake's (``'%s - "WebSocket %s" 403'``, second). The target is known by its place in
+    the line, not by a leading ``/``: ``GET *?api_key=...`` is served, and logged as ``%2A?...``."""
+
+    def __init__(self, at: int, line: str = "") -> None:
+        super().__init__()
+        self.at, self.line = at, line  # the target's argument, in lines whose format starts so
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple):
-            record.args = tuple(map(_without_query, record.args))
+        args, at = record.args, self.at
+        if (isinstance(args, tuple) and len(args) > at and str(record.msg).startswith(self.line)
+                and isinstance(target := args[at], str) and "?" in target):
+            record.args = (*args[:at], target[: target.index("?")] + "?***", *args[at + 1:])
         return True
-
-
-def _without_query(arg: object) -> object:
-    if isinstance(arg, str) and arg.startswith("/") and "?" in arg:
-        return arg[: arg.index("?")] + "?***"
-    return arg
 
 
 class _NoWebSocketWire(logging.Filter):
@@ -84,11 +84,13 @@ class _NoWebSocketWire(logging.Filter):
 
 
 def _keep_secrets_out_of_uvicorns_lines() -> None:
-    for name, kinds in (("uvicorn.access", (_NoQuery,)), ("uvicorn.error", (_NoQuery, _NoWebSocketWire))):
+    websocket_line = '%s - "WebSocket %s"'
+    for name, filters in (("uvicorn.access", (_NoQuery(2),)),
+                          ("uvicorn.error", (_NoQuery(1, websocket_line), _NoWebSocketWire()))):
         lines = logging.getLogger(name)
-        for kind in kinds:
-            if not any(isinstance(f, kind) for f in lines.filters):
-                lines.addFilter(kind())
+        for new in filters:
+            if not any(type(f) is type(new) for f in lines.filters):
+                lines.addFilter(new)
 
 
 def redacted(url: str) -> str:

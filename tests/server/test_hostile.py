@@ -472,7 +472,16 @@ def test_secrets_in_urls_and_query_strings_never_reach_the_log(tmp_path: Path) -
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert httpx.post(f"{url}/v1/chat/completions?api_key=SECRET-QUERY&x=1", json=chat).status_code == 200
         assert httpx.get(f"{url}/health?token=SECRET-HEALTH").status_code == 200
+        # A target that does not start with "/" has a query too: "*" (uvicorn logs "%2A"),
+        # as a request and as a WebSocket handshake.
+        port = int(url.rsplit(":", 1)[1])
+        for upgrade in ("", "upgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-version: 13\r\n"
+                            "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(f"GET *?api_key=SECRET-STAR HTTP/1.1\r\nhost: h\r\n{upgrade}\r\n".encode())
+                assert sock.recv(65536).startswith((b"HTTP/1.1 404", b"HTTP/1.1 403"))
     text = log.read_text(errors="replace")
     assert "SECRET" not in text
+    assert '"GET %2A?*** HTTP/1.1" 404' in text and '"WebSocket %2A?***" 403' in text
     assert "OTLP spans to http://***@127.0.0.1:9/v1/traces?***" in text
     assert '"POST /v1/chat/completions?*** HTTP/1.1" 200' in text and '"GET /health?*** HTTP/1.1" 200' in text
