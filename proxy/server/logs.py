@@ -77,10 +77,11 @@ class _NoQuery(logging.Filter):
 
 class _NoWebSocketWire(logging.Filter):
     """Without the ``websockets`` library's debug trace of the wire: ``< %s: %s`` (a header),
-    ``< %s`` (a frame), and the ``>`` lines of what is sent."""
+    ``< %s`` (a frame), the ``>`` lines of what is sent, and the ``!`` lines of a handshake it
+    refused, whose traceback quotes the header it could not read (a subprotocol holding a key)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno <= logging.DEBUG and str(record.msg).startswith(("< ", "> ")))
+        return not (record.levelno <= logging.DEBUG and str(record.msg).startswith(("< ", "> ", "! ")))
 
 
 def _keep_secrets_out_of_uvicorns_lines() -> None:

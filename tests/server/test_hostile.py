@@ -482,6 +482,24 @@ def test_secrets_in_urls_and_query_strings_never_reach_the_log(tmp_path: Path) -
                 assert sock.recv(65536).startswith((b"HTTP/1.1 404", b"HTTP/1.1 403"))
     text = log.read_text(errors="replace")
     assert "SECRET" not in text
-    assert '"GET %2A?*** HTTP/1.1" 404' in text and '"WebSocket %2A?***" 403' in text
     assert "OTLP spans to http://***@127.0.0.1:9/v1/traces?***" in text
     assert '"POST /v1/chat/completions?*** HTTP/1.1" 200' in text and '"GET /health?*** HTTP/1.1" 200' in text
+    assert '"GET %2A?*** HTTP/1.1" 404' in text and '"WebSocket %2A?***" 403' in text
+
+
+def test_a_malformed_websocket_handshake_keeps_its_headers_out_of_the_debug_log(tmp_path: Path) -> None:
+    """At debug the websockets library writes why it refused a handshake, with the traceback
+    of the header it could not read, value and all: a key sent as a subprotocol
+    (``openai-insecure-api-key.KEY``) in a list it cannot parse reached the log."""
+    log = tmp_path / "serve.log"
+    args = ["-m", "proxy.server.cli", "serve", "--engine", "sim", "--log-level", "debug"]
+    with running_server(args, log_path=log) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        for header in ("sec-websocket-protocol: realtime openai-insecure-api-key.SECRET-PROTOCOL",
+                       "sec-websocket-key: SECRET-KEY"):
+            handshake = ["GET /v1/realtime HTTP/1.1", "host: h", "upgrade: websocket", "connection: Upgrade",
+                         "sec-websocket-version: 13", "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==", header]
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(("\r\n".join(handshake) + "\r\n\r\n").encode())
+                assert sock.recv(65536).startswith(b"HTTP/1.1 400")
+    assert "SECRET" not in log.read_text(errors="replace")
