@@ -13,13 +13,14 @@ dir beside the target and renamed into place, with a marker file written last; a
 complete folder is reused, a partial one is replaced. One pull at a time per folder (a
 lock file beside it): a second start waits for the first's folder instead of converting
 it again, and the pull holding the lock removes the temp dirs of pulls killed before
-they could (SIGKILL, a power cut), about 100 MB each. Heavy imports stay inside functions
-so importing this module is cheap.
+they could (SIGKILL, a power cut), about 100 MB each; a filesystem without locks pulls
+unlocked. Heavy imports stay inside functions so importing this module is cheap.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -86,17 +87,23 @@ def ensure_default_model(target: Path | None = None, progress: bool = True) -> P
     if is_materialized(target):
         return target
     try:
-        with _pull_lock(target):
+        with _pull_lock(target) as alone:
             if not is_materialized(target):  # another start may have made it while this one waited
-                _build(target, progress)
+                _build(target, progress, alone)
     except OSError as exc:  # a folder that cannot be made or written in, a full disk
         raise ModelStoreError(f"cannot materialize the default model in {target}: {exc}") from exc
     logger.info("default model ready at %s", target)
     return target
 
 
+#: What flock answers where the filesystem cannot lock (NFS without its lock service).
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
 @contextlib.contextmanager
-def _pull_lock(target: Path) -> Iterator[None]:
+def _pull_lock(target: Path) -> Iterator[bool]:
+    """Held while this pull runs, one at a time per folder; ``True`` if it is the only one,
+    ``False`` where the filesystem has no locks: the pull goes on, as it did before locks."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with (target.parent / f".{target.name}.lock").open("a") as lock:
         try:
@@ -104,19 +111,30 @@ def _pull_lock(target: Path) -> Iterator[None]:
         except BlockingIOError:
             logger.info("another start is materializing the default model in %s: waiting for it", target)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # the lock goes with the file's close
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:
+                raise
+            logger.warning("%s cannot be locked (%s): this pull does not wait for another", lock.name, exc)
+            yield False
+            return
+        yield True  # the lock goes with the file's close
 
 
-def _build(target: Path, progress: bool) -> None:
+def _build(target: Path, progress: bool, alone: bool) -> None:
     prefix = f".{target.name}.tmp-"
-    for stale in target.parent.glob(f"{prefix}*"):  # no live pull has one while this holds the lock
-        shutil.rmtree(stale, ignore_errors=True)
+    if alone:  # no live pull has a temp folder while this holds the lock
+        for stale in target.parent.glob(f"{prefix}*"):
+            shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=prefix) as tmp:
         build = Path(tmp) / "model"
         _materialize(build, Path(tmp), progress)
-        if target.exists():
+        if target.exists() and not is_materialized(target):
             shutil.rmtree(target)  # a partial folder: an interrupted copy, or one a user edited
-        build.rename(target)
+        try:
+            build.rename(target)
+        except OSError:
+            if not is_materialized(target):  # unlocked, another pull may have won: its folder serves
+                raise
 
 
 def _materialize(out: Path, workdir: Path, progress: bool) -> None:

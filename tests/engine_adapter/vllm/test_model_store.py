@@ -136,3 +136,22 @@ def test_a_full_disk_is_an_error_naming_the_folder_and_leaves_nothing(
         model_store.ensure_default_model(tmp_path / "model", progress=False)
     assert str(tmp_path / "model") in str(raised.value)
     assert [p.name for p in tmp_path.iterdir()] == [LOCK]
+
+
+def test_a_folder_on_a_filesystem_without_locks_is_still_pulled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flock fails with ENOLCK on NFS without its lock service: the start was refused ("cannot
+    materialize the default model ... No locks available") where the pull, unlocked, worked.
+    Unlocked, a temp folder beside it may be another pull's, live: it stays."""
+    import errno
+    import os
+
+    def no_locks(fd: object, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    other = tmp_path / ".model.tmp-another"
+    other.mkdir()
+    monkeypatch.setattr(model_store.fcntl, "flock", no_locks)
+    monkeypatch.setattr(model_store, "_materialize", _fake_materialize)
+    assert model_store.ensure_default_model(tmp_path / "model", progress=False) == tmp_path / "model"
+    assert model_store.is_materialized(tmp_path / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, other.name, "model"]
