@@ -48,7 +48,8 @@ def test_vllm_engine_runs_vllm_serve_with_the_middleware_and_the_users_flags_las
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the exports stay in this test
     usage, model = tmp_path / "usage", tmp_path / "m"
     model.mkdir()  # a local folder must exist: a missing one is refused before vLLM starts
-    argv = ["serve", "--model", str(model), "--port", "8123", "--tenant-header", "X-Team", "--tenants", "red,blue",
+    port = free_port()  # the start refuses a port another process holds
+    argv = ["serve", "--model", str(model), "--port", str(port), "--tenant-header", "X-Team", "--tenants", "red,blue",
             "--usage-dir", str(usage), "--", "--api-server-count", "2", "--dtype", "bfloat16"]
     assert main(argv) == 0
     (vllm_argv,) = calls
@@ -56,11 +57,11 @@ def test_vllm_engine_runs_vllm_serve_with_the_middleware_and_the_users_flags_las
     middleware = vllm_argv.index("--middleware")
     assert vllm_argv[middleware + 1] == "proxy.vllm_middleware.CachetallyMiddleware"
     assert vllm_argv[-4:] == ["--api-server-count", "2", "--dtype", "bfloat16"]  # the user's, last: they win
-    assert vllm_argv[vllm_argv.index("--port") + 1] == "8123"
+    assert vllm_argv[vllm_argv.index("--port") + 1] == str(port)
     assert "float32" not in vllm_argv  # the user's --dtype leaves the CPU default out
     # The middleware in each API server process loads these settings from the environment alone.
     child = load_settings(env={k: v for k, v in os.environ.items() if k.startswith("CACHETALLY_")})
-    assert (child.tenant_header, child.tenants, child.usage_dir, child.port) == ("X-Team", ["red", "blue"], str(usage), 8123)
+    assert (child.tenant_header, child.tenants, child.usage_dir, child.port) == ("X-Team", ["red", "blue"], str(usage), port)
 
 
 def test_a_vllm_start_says_where_usage_records_go_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
