@@ -501,5 +501,7 @@ def test_a_malformed_websocket_handshake_keeps_its_headers_out_of_the_debug_log(
                          "sec-websocket-version: 13", "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==", header]
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
                 sock.sendall(("\r\n".join(handshake) + "\r\n\r\n").encode())
-                assert sock.recv(65536).startswith(b"HTTP/1.1 400")
+                # Refused either way: by the library (400), or, where an older one reads the list,
+                # by the app, which closes it unaccepted (uvicorn 0.30: 403).
+                assert sock.recv(65536).startswith((b"HTTP/1.1 400", b"HTTP/1.1 403"))
     assert "SECRET" not in log.read_text(errors="replace")
