@@ -141,7 +141,10 @@ def _serve(args: argparse.Namespace) -> int:
             config = uvicorn.Config(app, **serving)
             # Bound before the app starts (as uvicorn binds for its workers), so that the
             # app's ready line is never printed for a port it cannot have.
-            sockets = [config.bind_socket()]
+            try:
+                sockets = [config.bind_socket()]  # logs why, then exits: 3 from uvicorn 0.50 on, 1 before
+            except SystemExit:
+                return 3
             server = StoppingServer(config)
             previous = signal.signal(signal.SIGTERM, _terminated)
             try:
