@@ -94,6 +94,9 @@ class RequestOptions:
     #: One choice streams (``n`` 1, one prompt): the usage on any of its chunks covers the
     #: whole request so far, not one choice of several. Read for streams only (True otherwise).
     one_choice: bool = True
+    #: One engine request (not a completions batch of prompts): an upstream's own cache
+    #: figures can be the request's (:class:`~proxy.patching.usage.UsagePatch`).
+    one_prompt: bool = True
 
 
 _TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
@@ -168,16 +171,20 @@ def parse_request(body: bytes, stream_options: bool = True) -> tuple[dict[str, A
         orjson_read=orjson_read,
         beam_search=_beam_search(payload),
         one_choice=not stream or _one_choice(payload),  # read for a stream's chunks alone
+        one_prompt=_one_prompt(payload),
     )
 
 
 def _one_choice(payload: dict[str, Any]) -> bool:
     """One choice streams: ``n`` absent, null or 1 (``true`` too is 1 to pydantic, but not
-    surely: taken for several), and one prompt. vLLM's completions run each of
-    ``prompt_embeds`` (one, or a list) as a prompt of its own, then ``prompt``'s."""
+    surely: taken for several), and one prompt."""
     n = payload.get("n")
-    if not (n is None or (n == 1 and n is not True)):
-        return False
+    return (n is None or (n == 1 and n is not True)) and _one_prompt(payload)
+
+
+def _one_prompt(payload: dict[str, Any]) -> bool:
+    """The body is one engine request. vLLM's completions run each of ``prompt_embeds`` (one,
+    or a list) as a prompt of its own, then ``prompt``'s."""
     prompt, embeds = payload.get("prompt"), payload.get("prompt_embeds")
     if embeds is None:
         return prompt is None or not several_prompts(prompt)

@@ -264,11 +264,8 @@ class Responder:
             return self._patch_shape(payload)
         options = self.options
         assert options is not None
-        return UsagePatch(
-            engine=self.ctx.ledger.usage(self.key),
-            missing=self.ctx.config.missing,
-            details=options.want_details,
-        ).apply(payload, self.in_response)
+        return UsagePatch(self.ctx.ledger.usage(self.key), self.ctx.config.missing, options.want_details,
+                          options.one_prompt).apply(payload, self.in_response)
 
     def _patch_shape(self, payload: dict[str, Any]) -> bool | None:
         assert self.shape is not None
@@ -290,9 +287,8 @@ class Responder:
             return False
         if options.want_details and payload.get("choices"):
             # Tier details belong to the final usage chunk only, not continuous ones.
-            return UsagePatch(self.ctx.ledger.usage(self.key), self.ctx.config.missing).apply(
-                payload, self.in_response
-            )
+            return UsagePatch(self.ctx.ledger.usage(self.key), self.ctx.config.missing,
+                              one_prompt=options.one_prompt).apply(payload, self.in_response)
         return self._patch(payload)
 
     def _count_skip(self, reason: str, unread: bool = True) -> None:

@@ -3,7 +3,10 @@
 1. An engine event exists: its value is exact and wins. A different value already in the
    response is overwritten and counted as a mismatch.
 2. No event, but the response carries a value (standard or vendor field): keep it,
-   written into the standard field, ``source=upstream``.
+   written into the standard field, ``source=upstream``; but not for a completions request
+   of several prompts, whose one figure no upstream can be trusted to sum: vLLM 0.32
+   reports one prompt's reads there (the last prompt's in JSON, the first to answer in a
+   stream), and no writes.
 3. Neither: the ``missing`` policy, ``zero`` (write 0) or ``omit`` (leave the response as
    it is); the request counts as ``cache=unknown``. Nothing is ever estimated.
 
@@ -66,6 +69,8 @@ class UsagePatch:
     engine: EngineUsage | None
     missing: Missing = "zero"
     details: bool = False
+    #: The request is one engine request: the response's own figures can be its (rule 2).
+    one_prompt: bool = True
 
     def apply(self, payload: dict[str, Any], in_response: ResponseUsage) -> bool | None:
         """Patch ``payload`` in place. ``True`` if changed, ``None`` if untouched."""
@@ -87,7 +92,7 @@ class UsagePatch:
         if writes is None:  # the response's own: the engine's per-prompt chunk's, else believed
             writes = reported_cache_writes(usage)
             if source != "engine":
-                writes = believed(prompt, value or 0, writes)[1]
+                writes = believed(prompt, value or 0, writes)[1] if self.one_prompt else None
         in_response.cache_creation_tokens = writes
         changed = False
         if value is not None:
@@ -118,7 +123,7 @@ class UsagePatch:
             value = engine.cached_for(prompt_tokens, _choice(payload))
             if value is not None:
                 return value, "engine"
-        if (reads := believed(prompt_tokens, reported, None)[0]) is not None:
+        if self.one_prompt and (reads := believed(prompt_tokens, reported, None)[0]) is not None:
             return reads, "upstream"
         return (0 if self.missing == "zero" else None), None
 

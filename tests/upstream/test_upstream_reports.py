@@ -186,7 +186,30 @@ async def answer_message(request: Request) -> Response:
     return Response(message(usage), media_type="application/json")
 
 
+def two_prompts_answer(streamed: bool) -> bytes:
+    """vLLM 0.32's completions for two prompts with ``--enable-prompt-tokens-details`` (its
+    bytes, trimmed): ``cached_tokens`` is one prompt's reads, not their sum: the last
+    prompt's in JSON, the first to answer's in a stream; ``created_cache_tokens`` null or
+    absent."""
+    head = {"id": "cmpl-b6c0", "object": "text_completion", "created": 1, "model": "m"}
+    usage = {"prompt_tokens": 184, "total_tokens": 186, "completion_tokens": 2}
+    choices = [{"index": i, "text": "a", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+               for i in range(2)]
+    if not streamed:
+        details = {"cached_tokens": 128, "created_cache_tokens": None, "multimodal_tokens": None}
+        return dumps({**head, "choices": choices, "system_fingerprint": "vllm-0.32.0",
+                      "usage": {**usage, "prompt_tokens_details": details, "completion_tokens_details": None}})
+    chunks = [{**head, "choices": [choice]} for choice in choices]
+    chunks.append({**head, "choices": [], "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 128}},
+                   "system_fingerprint": "vllm-0.32.0"})
+    return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
 async def answer_completion(request: Request) -> Response:
+    body = await request.json()
+    if isinstance(body.get("prompt"), list):
+        streamed = bool(body.get("stream"))
+        return Response(two_prompts_answer(streamed), media_type="text/event-stream" if streamed else "application/json")
     return Response(per_prompt_usage_stream(), media_type="text/event-stream")
 
 
@@ -390,6 +413,29 @@ def test_a_prompts_own_usage_is_not_taken_for_the_requests_when_prompt_embeds_ad
         assert sorted(c.choices[0].text for c in chunks) == ["a", "b", "c", "d"]
         (record,) = records(tmp_path, 1)
     assert (record["completion_tokens"], record["completion_source"]) == (4, "stream")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_an_upstreams_one_figure_for_several_prompts_is_unknown_not_billed(tmp_path: Path, streamed: bool) -> None:
+    """vLLM reports one prompt's cache reads for a completions request of several (its JSON
+    the last prompt's, its stream the first to answer's): no upstream's figure there is
+    taken for the request's. The client gets the ``missing`` policy's 0, the record says
+    unknown, and no reads are counted."""
+    with proxied(tmp_path) as (client, app):
+        if streamed:
+            chunks = list(client.completions.create(model="m", prompt=["cold", "warm"], stream=True,
+                                                    stream_options={"include_usage": True}))
+            usage = next(c.usage for c in chunks if c.usage is not None)
+        else:
+            usage = client.completions.create(model="m", prompt=["cold", "warm"]).usage
+        metrics = app.metrics.exposition().decode()
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) == (184, 0)
+    (record,) = records(tmp_path, 1)
+    assert (record["prompt_tokens"], record["cached_tokens"], record["cache_creation_tokens"]) == (184, None, None)
+    assert record["source"] is None
+    assert metric_value(metrics, "cachetally_requests_total", cache="unknown") == 1
+    assert metric_value(metrics, "cachetally_cached_tokens_total") == 0
 
 
 def test_a_200_whose_body_is_an_error_is_recorded_as_an_error(tmp_path: Path) -> None:
