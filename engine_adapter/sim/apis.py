@@ -10,8 +10,9 @@ reduced to what accounting and the official SDKs need:
   at its own default length, ``response.incomplete`` when it hit ``max_output_tokens``.
 - Messages: ``input_tokens`` excludes reads and writes only when they are reported (vLLM
   with ``--enable-prompt-tokens-details``); otherwise it is the whole prompt and the cache
-  fields are absent. A stream: ``message_start`` (the prompt's usage), one content block,
-  ``message_delta`` with the final usage, ``message_stop``.
+  fields are absent. A stream: ``message_start`` (the whole prompt as ``input_tokens``, no
+  cache fields even when reported: vLLM's first chunk has no details yet), one content
+  block, ``message_delta`` with the final usage, ``message_stop``.
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ def messages_usage(prompt: int, output: int, reported: Reported) -> dict[str, An
     if reported is None:
         return {"input_tokens": prompt, "output_tokens": output}
     reads, writes = reported
-    return {"input_tokens": prompt - reads - writes, "cache_creation_input_tokens": writes,
-            "cache_read_input_tokens": reads, "output_tokens": output}
+    return {"input_tokens": prompt - reads - writes, "output_tokens": output,
+            "cache_creation_input_tokens": writes, "cache_read_input_tokens": reads}
 
 
 def message_object(req: ApiRequest, rid: str, text: str | None, usage: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +161,7 @@ def messages_json(req: ApiRequest, rid: str, reported: Reported) -> dict[str, An
 async def messages_stream(req: ApiRequest, rid: str, reported: Reported,
                           step: Callable[[], Any]) -> AsyncIterator[bytes]:
     prompt = len(req.prompt)
-    yield _event("message_start", {"message": message_object(req, rid, None, messages_usage(prompt, 0, reported))})
+    yield _event("message_start", {"message": message_object(req, rid, None, messages_usage(prompt, 0, None))})
     yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     for k in range(req.max_tokens):
         await step()

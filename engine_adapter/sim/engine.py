@@ -39,12 +39,15 @@ from engine_adapter.events import EventSink, Scheduled, current_request_key
 from engine_adapter.sim import apis
 from engine_adapter.sim.prefix_cache import PrefixCache
 from engine_adapter.sim.protocol import (
+    SYSTEM_FINGERPRINT,
     Kind,
+    Reported,
     RequestError,
     SimRequest,
     full_response,
     generated_token,
     parse_request,
+    reported_figures,
     sse,
     stream_choice,
     usage,
@@ -63,7 +66,7 @@ class SimConfig:
     prefill_delay_s: float = 0.0
     default_max_tokens: int = 16
     #: Put ``usage.prompt_tokens_details.cached_tokens`` in responses, like vLLM with
-    #: ``--enable-prompt-tokens-details`` (the sum over a request's prompts).
+    #: ``--enable-prompt-tokens-details`` (its figures: :func:`~engine_adapter.sim.protocol.reported_figures`).
     report_cached_tokens: bool = False
 
 
@@ -211,7 +214,7 @@ class SimEngine:
             return _client_left()
         # Prompt p makes choices p*n to p*n+n-1, as vLLM numbers them.
         figures = [self.schedule(ids, key, p * req.n, req.n) for p, ids in enumerate(req.prompts)]
-        reported = (sum(c for c, _ in figures), sum(w for _, w in figures)) if cfg.report_cached_tokens else None
+        reported = reported_figures(req, figures) if cfg.report_cached_tokens else None
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
@@ -223,7 +226,7 @@ class SimEngine:
         return Response(body, media_type="application/json")
 
     async def _stream(
-        self, req: SimRequest, response_id: str, created: int, cached: tuple[int, int] | None
+        self, req: SimRequest, response_id: str, created: int, cached: Reported
     ) -> AsyncIterator[bytes]:
         chat = req.kind == "chat"
         head = {
@@ -251,10 +254,13 @@ class SimEngine:
                     chunk = {**head, "choices": [choice]}
                     if req.continuous_usage:
                         chunk["usage"] = usage(prompt_len, k + 1)
+                    if last and not req.include_usage:  # else the usage chunk carries it
+                        chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
                     yield sse(chunk)
         if req.include_usage:
             completion = len(prompt_lens) * req.n * req.max_tokens
-            yield sse({**head, "choices": [], "usage": usage(sum(prompt_lens), completion, cached)})
+            yield sse({**head, "choices": [], "usage": usage(sum(prompt_lens), completion, cached),
+                       "system_fingerprint": SYSTEM_FINGERPRINT})
         yield b"data: [DONE]\n\n"
 
     async def _models(self, request: Request) -> Response:

@@ -7,7 +7,10 @@ Shapes follow vLLM 0.32's OpenAI server (``chat_completion/serving.py``,
 ``{"error": {"message", "type", "param", "code"}}``. Plain dicts and orjson, no pydantic:
 this is a benchmark hot path. Unlike vLLM, non-stream bodies leave out ``null`` fields
 that carry nothing for accounting, and ``usage`` carries no ``prompt_tokens_details``
-unless asked to (``cached`` given), like an engine that drops the number.
+unless asked to (``cached`` given), like an engine that drops the number. As vLLM's, the
+reported figures are the engine's for chat (reads and writes), and one prompt's reads alone
+for completions (:func:`reported_figures`); ``system_fingerprint`` is on the JSON body and,
+in a stream, on the usage chunk, or on each finishing chunk when there is none.
 
 ``stream`` and the ``stream_options`` flags are read as vLLM's pydantic models read them
 in lax mode (``"true"``, ``1``, ``"on"`` are true; ``null`` is false; anything else is a
@@ -187,21 +190,38 @@ def generated_token(k: int) -> str:
     return f" tok{k}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: tuple[int, int] | None = None) -> dict[str, Any]:
-    """``cached``: (reads, writes), reported as vLLM does with ``--enable-prompt-tokens-details``."""
+#: vLLM's is ``vllm-<version>-<hash>``; the sim's only needs to be there, where vLLM puts it.
+SYSTEM_FINGERPRINT = "vllm-sim"
+
+#: Reads and writes as a response reports them (``None``: not reported).
+Reported = tuple[int, int | None] | None
+
+
+def reported_figures(req: SimRequest, figures: list[tuple[int, int]]) -> tuple[int, int | None]:
+    """What vLLM 0.32 reports of its prompts' (reads, writes) with
+    ``--enable-prompt-tokens-details``: chat, its one prompt's; completions, no writes and
+    one prompt's reads, not their sum: in a stream the first prompt to yield output (the
+    sim's prompt 0), in JSON the last prompt (``completion/serving.py``)."""
+    if req.kind == "chat":
+        return figures[0]
+    return figures[-1 if not req.stream else 0][0], None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: Reported = None) -> dict[str, Any]:
+    """``cached``: :func:`reported_figures`, as vLLM writes them with ``--enable-prompt-tokens-details``."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
     if cached is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached[0], "created_cache_tokens": cached[1]}
+        reads, writes = cached
+        out["prompt_tokens_details"] = {"cached_tokens": reads} if writes is None else {
+            "cached_tokens": reads, "created_cache_tokens": writes}
     return out
 
 
-def full_response(
-    req: SimRequest, response_id: str, created: int, cached: tuple[int, int] | None
-) -> dict[str, Any]:
+def full_response(req: SimRequest, response_id: str, created: int, cached: Reported) -> dict[str, Any]:
     """The non-stream body: every choice generated ``max_tokens`` tokens (``length``)."""
     text = "".join(generated_token(k) for k in range(req.max_tokens))
     choices: list[dict[str, Any]] = []
@@ -221,6 +241,7 @@ def full_response(
         "created": created,
         "model": req.model,
         "choices": choices,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": usage(
             sum(map(len, req.prompts)), len(choices) * req.max_tokens, cached
         ),

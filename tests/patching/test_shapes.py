@@ -16,6 +16,7 @@ Refused while billing is on: engine routes that are not metered, background resp
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from collections.abc import Iterator
@@ -166,6 +167,10 @@ def test_upstream_passes_right_figures_byte_for_byte(upstream_pair: tuple[str, s
     httpx.post(f"{engine}{path}", json=body)  # warm, so the figures are not all 0
     direct = httpx.post(f"{engine}{path}", json=body).content
     proxied = httpx.post(f"{front}{path}", json=body).content
+    if api == "messages" and stream:
+        # vLLM's message_start reports no reads yet: it gets the `missing` policy's 0, as
+        # the continuous chat chunks before an upstream's final one do; the rest is as it came.
+        direct = direct.replace(b'"output_tokens":0}', b'"output_tokens":0,"cache_read_input_tokens":0}', 1)
     assert masked(proxied) == masked(direct)
     assert (b'"cache_read_input_tokens":' if api == "messages" else b'"cached_tokens":') in proxied
 
@@ -231,20 +236,23 @@ def test_upstream_cache_writes_reach_the_record_and_the_counter(
 ) -> None:
     """The upstream's own count of the prompt tokens it wrote to its cache, which the client
     reads (a vLLM upstream's ``created_cache_tokens`` also under OpenAI's name), is the
-    record's ``cache_creation_tokens`` and moves the write counter."""
+    record's ``cache_creation_tokens`` and moves the write counter. vLLM's completions route
+    reports none: unknown, and nothing counted."""
     _, front = upstream_pair
     route, ask = ALL_PATHS[path]
+    if path == "messages-sse":  # in front of vLLM the figures come with message_delta only
+        ask = functools.partial(apis.messages_sse, start_known=False)
     prompt = fresh_prompt()
     size = prompt_size(prompt, route)
     rid = uuid.uuid4().hex
     before = httpx.get(f"{front}/metrics").text
     with sdk(front, route) as client:
         cold = ask(client, MODEL, prompt, rid)
-    assert cold == (size, 0, (size // BLOCK) * BLOCK)
+    assert cold == (size, 0, None if route == "completions" else (size // BLOCK) * BLOCK)
     after = httpx.get(f"{front}/metrics").text
     written = metric_value(after, "cachetally_cache_write_tokens_total", source="upstream") - metric_value(
         before, "cachetally_cache_write_tokens_total", source="upstream")
-    assert written == cold[2]
+    assert written == (cold[2] or 0)
     [record] = records_for(usage_dir, {rid})[rid]
     assert record["source"] == "upstream"
     assert (record["prompt_tokens"], record["cached_tokens"], record["cache_creation_tokens"]) == cold

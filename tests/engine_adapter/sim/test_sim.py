@@ -362,19 +362,61 @@ async def test_unknown_model_is_404(client: httpx.AsyncClient, sink: ListSink) -
 
 @pytest.mark.asyncio
 async def test_report_cached_tokens_like_vllm_prompt_tokens_details(sink: ListSink) -> None:
+    """vLLM 0.32's figures with ``--enable-prompt-tokens-details`` (seen on it: tmp capture of
+    its raw responses): chat reports reads and writes; completions its reads alone, and of
+    one prompt, not their sum: in JSON the last prompt's, in a stream the first's."""
     engine = SimEngine(sink, SimConfig(report_cached_tokens=True, default_max_tokens=1))
     app = await engine.start()
-    prompt = words("w", 40)
+    warm, cold = words("w", 40), words("c", 40)
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
-        cold = await complete(c, prompt)
-        resp = await c.post(
-            "/v1/completions",
-            json={"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}},
-        )
+        chat = (await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": warm}]})).json()
+        first = await complete(c, warm)
+        batch = await complete(c, [warm, cold])
+        streamed = await c.post("/v1/completions", json={"prompt": [warm, words("s", 40)], **stream})
     await engine.stop()
-    assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 32}
-    final = sse_events(resp.content)[-2]
-    assert final["usage"]["prompt_tokens_details"] == {"cached_tokens": 32, "created_cache_tokens": 0}
+    assert chat["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 32}
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert batch["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # cold's; warm's 32 lost
+    final = sse_events(streamed.content)[-2]
+    assert final["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}  # warm's; the other's lost
+
+
+@pytest.mark.asyncio
+async def test_system_fingerprint_where_vllm_puts_it(client: httpx.AsyncClient) -> None:
+    """On the JSON body; in a stream on the usage chunk, else on each choice's finishing chunk
+    (what the proxy's ghost usage chunk must move back when it drops that chunk)."""
+    body = await complete(client, "hi", n=2)
+    assert body["system_fingerprint"] == "vllm-sim"
+    for options, where in (({"include_usage": True}, "usage"), (None, "finish")):
+        extra = {"stream_options": options} if options else {}
+        resp = await client.post("/v1/completions", json={"prompt": "hi", "n": 2, "stream": True, **extra})
+        chunks = sse_events(resp.content)[:-1]
+        stamped = [c for c in chunks if "system_fingerprint" in c]
+        assert [list(c)[-1] for c in stamped] == ["system_fingerprint"] * len(stamped)
+        if where == "usage":
+            assert [c["choices"] for c in stamped] == [[]]
+        else:
+            assert sorted(c["choices"][0]["index"] for c in stamped) == [0, 1]
+            assert all(c["choices"][0]["finish_reason"] == "length" for c in stamped)
+
+
+@pytest.mark.asyncio
+async def test_messages_stream_starts_with_the_whole_prompt_as_vllm_does(sink: ListSink) -> None:
+    """vLLM's ``message_start`` has no cache fields yet, even when it reports them: its
+    ``input_tokens`` is the whole prompt; only ``message_delta`` splits it."""
+    engine = SimEngine(sink, SimConfig(report_cached_tokens=True, default_max_tokens=1))
+    app = await engine.start()
+    body = {"model": "sim-model", "max_tokens": 2, "messages": [{"role": "user", "content": words("m", 40)}]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+        await c.post("/v1/messages", json=body)
+        resp = await c.post("/v1/messages", json={**body, "stream": True})
+    await engine.stop()
+    events = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in resp.content.split(b"\n\n") if e]
+    start, delta = events[0]["message"]["usage"], events[-2]["usage"]
+    prompt = delta["input_tokens"] + delta["cache_read_input_tokens"] + delta["cache_creation_input_tokens"]
+    assert start == {"input_tokens": prompt, "output_tokens": 0}
+    assert delta["cache_read_input_tokens"] > 0
 
 
 @pytest.mark.asyncio
