@@ -161,6 +161,7 @@ def parse_request(body: bytes, stream_options: bool = True) -> tuple[dict[str, A
     except ValueError:
         stream = include_usage = continuous_usage = valid = False
     model = payload.get("model")
+    one_prompt = _one_prompt(payload)
     return payload, RequestOptions(
         model=model if isinstance(model, str) else None,
         stream=stream,
@@ -170,16 +171,16 @@ def parse_request(body: bytes, stream_options: bool = True) -> tuple[dict[str, A
         valid=valid,
         orjson_read=orjson_read,
         beam_search=_beam_search(payload),
-        one_choice=not stream or _one_choice(payload),  # read for a stream's chunks alone
-        one_prompt=_one_prompt(payload),
+        one_choice=not stream or (one_prompt and _one_n(payload)),  # read for a stream's chunks alone
+        one_prompt=one_prompt,
     )
 
 
-def _one_choice(payload: dict[str, Any]) -> bool:
-    """One choice streams: ``n`` absent, null or 1 (``true`` too is 1 to pydantic, but not
-    surely: taken for several), and one prompt."""
+def _one_n(payload: dict[str, Any]) -> bool:
+    """One choice a prompt: ``n`` absent, null or 1 (``true`` too is 1 to pydantic, but not
+    surely: taken for several)."""
     n = payload.get("n")
-    return (n is None or (n == 1 and n is not True)) and _one_prompt(payload)
+    return n is None or (n == 1 and n is not True)
 
 
 def _one_prompt(payload: dict[str, Any]) -> bool:
