@@ -224,6 +224,8 @@ def _port_taken(host: str, port: int) -> str | None:
 def _model(args: argparse.Namespace) -> int:
     from engine_adapter.vllm.model_store import ensure_default_model
 
+    configure_logging("info")  # a wait for another pull's lock says so; the folder goes to stdout
+
     def pull() -> int:
         print(ensure_default_model(args.dir))
         return 0

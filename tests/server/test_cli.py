@@ -442,6 +442,34 @@ def test_a_stop_during_the_start_exits_0_in_one_line_and_leaves_no_temp_folder(
     assert [p.name for p in store.iterdir()] == [".model.lock"] if phase == "pull" else not store.exists()
 
 
+def test_a_pull_waiting_for_another_says_so(tmp_path) -> None:
+    """``model pull`` beside a pull holding the folder's lock waited without a word: its
+    logging was never set up, so the "waiting" line went nowhere."""
+    import fcntl
+    import signal
+    import time
+
+    store = tmp_path / "store"
+    store.mkdir()
+    err_path = tmp_path / "err"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETALLY_")}
+    with (store / ".model.lock").open("a") as held, err_path.open("w") as err:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another pull's
+        proc = subprocess.Popen([sys.executable, "-m", "proxy.server.cli", "model", "pull", "--dir", str(store / "model")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            deadline = time.monotonic() + 60  # its imports, on a slow machine
+            while "waiting for it" not in err_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            stop(proc)
+    said = err_path.read_text()
+    assert "another start is materializing the default model" in said, said[-2000:]
+    assert (proc.returncode, said.splitlines()[-1]) == (0, "cachetally: stopped")
+
+
 @pytest.mark.vllm
 def test_a_bad_vllm_flag_fails_the_start_before_the_default_model_is_pulled(tmp_path) -> None:
     """A typo after "--" was found by vLLM's parser only after the pull (half a minute of
