@@ -271,10 +271,10 @@ def test_an_upstreams_cache_writes_under_either_name_reach_the_client_under_both
     the record keeps it."""
     with proxied(tmp_path) as (client, app):
         _, usage = ask(client, case, streamed)
-        metrics = app.metrics.exposition().decode()
     details = usage.prompt_tokens_details
     assert (details.cache_write_tokens, details.model_dump().get("created_cache_tokens")) == seen
     (record,) = records(tmp_path, 1)
+    metrics = app.metrics.exposition().decode()  # counted before its record was handed over
     assert (record["source"], record["cached_tokens"], record["cache_creation_tokens"]) == ("upstream", 4, recorded)
     assert metric_value(metrics, "cachetally_cache_write_tokens_total", source="upstream") == (recorded or 0)
 
@@ -291,9 +291,9 @@ def test_figures_no_record_can_hold_are_unknown_and_lose_no_record(tmp_path: Pat
             assert text == "Hello"
             assert usage.prompt_tokens_details.cached_tokens == 0  # the missing policy: zero
             assert ask(client, "fair", streamed)[1].prompt_tokens_details.cached_tokens == 4
-            metrics = app.metrics.exposition().decode()
         spans = collector.snapshot()
     hostile, fair = records(tmp_path, 2)
+    metrics = app.metrics.exposition().decode()  # counted before its record was handed over
     assert (fair["prompt_tokens"], fair["cached_tokens"], fair["completion_tokens"]) == (10, 4, 3)
     assert (hostile["prompt_tokens"], hostile["cached_tokens"], hostile["source"]) == (None, None, None)
     assert hostile["completion_tokens"] < 1 << 63
@@ -428,10 +428,10 @@ def test_an_upstreams_one_figure_for_several_prompts_is_unknown_not_billed(tmp_p
             usage = next(c.usage for c in chunks if c.usage is not None)
         else:
             usage = client.completions.create(model="m", prompt=["cold", "warm"]).usage
-        metrics = app.metrics.exposition().decode()
     assert usage is not None and usage.prompt_tokens_details is not None
     assert (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) == (184, 0)
     (record,) = records(tmp_path, 1)
+    metrics = app.metrics.exposition().decode()  # counted before its record was handed over
     assert (record["prompt_tokens"], record["cached_tokens"], record["cache_creation_tokens"]) == (184, None, None)
     assert record["source"] is None
     assert metric_value(metrics, "cachetally_requests_total", cache="unknown") == 1
