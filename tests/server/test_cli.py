@@ -412,8 +412,8 @@ sys.exit(main(sys.argv[2:]))
 
 @pytest.mark.parametrize(
     ("phase", "command", "signal_name"),
-    [pytest.param("pull", ["serve", "--port", str(free_port())], "SIGTERM", marks=pytest.mark.vllm, id="serve-SIGTERM"),
-     pytest.param("import", ["serve", "--port", str(free_port())], "SIGTERM", id="serve-SIGTERM-vllm-import"),
+    [pytest.param("pull", ["serve"], "SIGTERM", marks=pytest.mark.vllm, id="serve-SIGTERM"),
+     pytest.param("import", ["serve"], "SIGTERM", id="serve-SIGTERM-vllm-import"),
      pytest.param("pull", ["model", "pull"], "SIGINT", id="pull-SIGINT")],
 )
 def test_a_stop_during_the_start_exits_0_in_one_line_and_leaves_no_temp_folder(
@@ -426,6 +426,8 @@ def test_a_stop_during_the_start_exits_0_in_one_line_and_leaves_no_temp_folder(
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETALLY_")}
     env["CACHETALLY_MODEL_DIR"] = str(tmp_path / "store" / "model")
+    if command == ["serve"]:  # a port free now: one picked at collection may be taken by the time this runs
+        command = [*command, "--port", str(free_port())]
     # A shell's background job inherits SIGINT ignored: give the server Python's own handler.
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_START, phase, *command], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
