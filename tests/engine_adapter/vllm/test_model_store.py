@@ -94,19 +94,31 @@ def test_the_next_pull_removes_the_temp_folder_of_one_killed_before_its_cleanup(
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "model"]
 
 
-def test_two_starts_at_once_convert_the_model_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_starts_at_once_convert_the_model_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Two `cachetally serve` on a fresh store each spent a conversion's CPU (half a minute
     on 2 cores, both at once); the second now waits for the first's folder and reuses it."""
+    import logging
     import threading
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     conversions: list[Path] = []
     both_started = threading.Barrier(2)
+    other_arrived = threading.Event()  # its own conversion, or its log line saying it waits
+
+    class WaitLine(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for it" in record.getMessage():
+                other_arrived.set()
 
     def slow_materialize(out: Path, workdir: Path, progress: bool) -> None:
         conversions.append(out)
-        time.sleep(0.5)  # the other start reaches its own check meanwhile
+        if len(conversions) == 2:
+            other_arrived.set()
+        # However slow the machine, the first conversion ends only once the other start has
+        # reached its own check; else it would find the folder made and prove nothing.
+        assert other_arrived.wait(60), "the other start never came"
         _fake_materialize(out, workdir, progress)
 
     def start(_: int) -> Path:
@@ -114,8 +126,14 @@ def test_two_starts_at_once_convert_the_model_once(tmp_path: Path, monkeypatch: 
         return model_store.ensure_default_model(tmp_path / "model", progress=False)
 
     monkeypatch.setattr(model_store, "_materialize", slow_materialize)
-    with ThreadPoolExecutor(2) as pool:
-        folders = list(pool.map(start, range(2)))
+    handler = WaitLine()
+    caplog.set_level(logging.INFO, logger="cachetally.model")  # the waiting line is at INFO
+    logging.getLogger("cachetally.model").addHandler(handler)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            folders = list(pool.map(start, range(2)))
+    finally:
+        logging.getLogger("cachetally.model").removeHandler(handler)
     assert folders == [tmp_path / "model"] * 2 and model_store.is_materialized(tmp_path / "model")
     assert len(conversions) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "model"]
