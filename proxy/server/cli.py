@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from proxy.accounting.records.report_cli import add_report_parser
@@ -67,6 +67,19 @@ def _terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
 
+@contextlib.contextmanager
+def _stops_end_here() -> Iterator[None]:
+    """SIGTERM raised as Ctrl-C is, and either one ended here: by the time it reaches this
+    frame, what it interrupted has unwound (uvicorn's graceful stop, the pull's cleanup)."""
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    except (KeyboardInterrupt, _Terminated):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _stopped_or_failed(run: Callable[[], int]) -> int:
     """``run()``, where a stop (Ctrl-C, SIGTERM) or a default model that cannot be made ends in one line.
 
@@ -77,17 +90,14 @@ def _stopped_or_failed(run: Callable[[], int]) -> int:
     """
     from engine_adapter.vllm.model_store import ModelStoreError
 
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
-        return run()
-    except (KeyboardInterrupt, _Terminated):
-        print("cachetally: stopped", file=sys.stderr)
-        return 0
-    except ModelStoreError as exc:
-        print(f"cachetally: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with _stops_end_here():
+        try:
+            return run()
+        except ModelStoreError as exc:
+            print(f"cachetally: {exc}", file=sys.stderr)
+            return 1
+    print("cachetally: stopped", file=sys.stderr)
+    return 0
 
 
 def _raise_descriptor_limit() -> None:
@@ -146,15 +156,12 @@ def _serve(args: argparse.Namespace) -> int:
             except SystemExit:
                 return 3
             server = StoppingServer(config)
-            previous = signal.signal(signal.SIGTERM, _terminated)
+            # uvicorn re-raises the SIGINT or SIGTERM it handled once its graceful stop is
+            # done: a stop asked for and done exits 0, as with --workers N.
             try:
-                server.run(sockets=sockets)
-            except (KeyboardInterrupt, _Terminated):
-                # uvicorn re-raises the SIGINT or SIGTERM it handled once its graceful stop is
-                # done: a stop asked for and done exits 0, as with --workers N.
-                pass
+                with _stops_end_here():
+                    server.run(sockets=sockets)
             finally:
-                signal.signal(signal.SIGTERM, previous)
                 sockets[0].close()
             if not server.started:
                 return 3  # uvicorn's own code for a start that failed
