@@ -8,18 +8,32 @@ from typing import Any
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
-#: vLLM's prefix-cache block size on CPU: a warm prompt reports its full blocks.
-VLLM_CPU_BLOCK = 128
+
+def engine_block_size(base_url: str) -> int:
+    """The prefix-cache block size of the vLLM engine behind ``base_url``, as it reports it
+    (the ``block_size`` label of ``vllm:cache_config_info`` on ``/metrics``, served by vLLM
+    itself or through cachetally). A warm prompt reports the whole blocks of all but its
+    last token; the size depends on the platform (128 on a CPU, 16 by default on a CUDA GPU)
+    and on ``--block-size``, so tests ask the engine rather than assume one."""
+    sizes = {
+        int(sample.labels["block_size"])
+        for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text)
+        for sample in family.samples
+        if sample.name == "vllm:cache_config_info"
+    }
+    assert len(sizes) == 1, f"vllm:cache_config_info block sizes on {base_url}/metrics: {sizes}"
+    return sizes.pop()
 
 
 def fresh_prompt(words: int = 160) -> str:
     """Unique from its first token, so no block of it is cached yet.
 
-    160 words are 472 tokens of the default model: three whole 128-token blocks and part of
-    a fourth. A real engine computes every token of a cold prompt, and on a CPU without
-    bf16 that prefill is most of what a real-engine test costs, so prompts are no longer
-    than what a test checks needs.
+    160 words are 472 tokens of the default model: more than two whole blocks at the sizes vLLM
+    picks for it (three and part of a fourth on a CPU's 128, 29 on a CUDA GPU's 16). A real engine computes every
+    token of a cold prompt, and on a CPU without bf16 that prefill is most of what a
+    real-engine test costs, so prompts are no longer than what a test checks needs.
     """
     return " ".join([uuid.uuid4().hex, *(f"topic{i % 37} item{i}" for i in range(words // 2))])
 

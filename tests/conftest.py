@@ -24,6 +24,7 @@ import openai
 import psutil
 import pytest
 
+from tests.clients import engine_block_size
 from tests.in_flight import RequestsInFlight
 from tests.load import report
 from tests.otlp_receiver import Receiver, otlp_receiver
@@ -125,6 +126,13 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes left behind: {alive}"
     assert_no_traceback_in_vllm_log(log)
+
+
+@pytest.fixture(scope="session")
+def vllm_block(vllm_server: str) -> int:
+    """The shared vLLM server's prefix-cache block size, as its engine reports it: a warm
+    prompt reports the whole blocks of all but its last token."""
+    return engine_block_size(vllm_server)
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from tests import clients
-from tests.clients import VLLM_CPU_BLOCK, fresh_prompt
+from tests.clients import engine_block_size, fresh_prompt
 from tests.load import report
 from tests.servers import ENGINE_KV_FLAGS, Pace, measure_pace, metric_value, running_server
 
@@ -121,8 +121,8 @@ def test_one_api_server_reports_what_vllm_counted_on_metrics_and_stats(server: S
         cold, warm = (clients.ask(client, "chat", False, prompt, model=model, max_tokens=2) for _ in range(2))
     after = clients.scrape(server.url)
     assert cold.prompt_tokens_details.cached_tokens == 0
-    cached = warm.prompt_tokens_details.cached_tokens
-    assert cached == ((warm.prompt_tokens - 1) // VLLM_CPU_BLOCK) * VLLM_CPU_BLOCK
+    cached, block = warm.prompt_tokens_details.cached_tokens, engine_block_size(server.url)
+    assert cached == ((warm.prompt_tokens - 1) // block) * block
     for name, labels in (("vllm:prompt_tokens_cached_total", {}), ("cachetally_cached_tokens_total", {"tier": "all"})):
         assert metric_value(after, name, **labels) - metric_value(before, name, **labels) == cached, name
     stats = httpx.get(f"{server.url}/stats", headers=AUTH).json()

@@ -73,7 +73,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
 MODEL = "SmolLM2-135M-Instruct"
 MIDDLEWARE = "proxy.vllm_middleware.CachetallyMiddleware"
-BLOCK = 128  # vLLM's prefix-cache block size on CPU
 VLLM_CACHED = "vllm:prompt_tokens_cached_total"
 VLLM_PROMPT = "vllm:prompt_tokens_total"
 OURS = "cachetally_cached_tokens_total"
@@ -95,6 +94,7 @@ class Fleet:
     replicas: tuple[str, str]
     pace: Pace
     usage: tuple[Path, Path]  # each replica's usage records
+    block: int  # the replicas' prefix-cache block size, as their engines report it
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         with running_servers([(router, None, logs / "router.log")], timeout_s=120) as ((router_url, _),):
             pace = measure_pace(router_url, MODEL)
             report("fleet-pace", request_s=round(pace.request_s, 3))
-            yield Fleet(router_url, urls, pace, usage)  # type: ignore[arg-type]
+            (block,) = {clients.engine_block_size(url) for url in urls}  # one flag set: one size
+            yield Fleet(router_url, urls, pace, usage, block)  # type: ignore[arg-type]
     for log in logs.glob("replica-*.log"):  # the whole run, the stop included
         assert_no_traceback_in_vllm_log(log)
     for (_, proc), children in zip(replicas, engines, strict=True):
@@ -206,7 +207,7 @@ class Workload:
             # Which replica served it: the one whose prompt-token counter moved by its size.
             (served,) = [i for i, (p, _, _) in enumerate(moved) if p == prompt_tokens]
             assert moved[served][1] == value == moved[served][2], (value, where)
-            assert value % BLOCK == 0 and value < prompt_tokens, (value, where)
+            assert value % self.fleet.block == 0 and value < prompt_tokens, (value, where)
             if cold:
                 assert value == 0, where
             moved[served] = (0, 0, 0)
@@ -339,10 +340,10 @@ def test_a_prompt_one_replica_computed_is_a_kv_connector_hit_on_the_other(fleet:
     replica 1's own prefix cache (local): the response, its tiers, ``/metrics`` and the
     record each say what that replica's scheduler counted, tier by tier."""
     # Token ids: a length whose whole blocks the reference connector finds (it looks up
-    # the prompt less its last token, so a length of 128k + 1 would find nothing).
+    # the prompt less its last token, so a length of k blocks + 1 would find nothing).
     size = 300
     prompt = random.Random(uuid.uuid4().int).sample(range(1000, 40000), size)
-    blocks = (size - 1) // BLOCK * BLOCK
+    blocks = (size - 1) // fleet.block * fleet.block
     seen = []
     for step, replica in (("cold", 0), ("external", 1), ("local", 1)):
         url = fleet.replicas[replica]

@@ -21,19 +21,23 @@ import orjson
 import pytest
 
 from tests import clients
-from tests.clients import VLLM_CPU_BLOCK, fresh_prompt
+from tests.clients import fresh_prompt
 from tests.servers import Pace, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
 VLLM_CACHED = "vllm:prompt_tokens_cached_total"
 VLLM_RUNNING = "vllm:num_requests_running"
-BLOCK = VLLM_CPU_BLOCK
 
 
 @pytest.fixture(scope="module")
 def server(vllm_server: str) -> str:
     return vllm_server
+
+
+@pytest.fixture(scope="module")
+def block(vllm_block: int) -> int:
+    return vllm_block
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,7 @@ def ask(client: openai.OpenAI, route: str, stream: bool, prompt: str | list[str]
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("route", ["chat", "completions"])
-def test_cold_zero_then_warm_equals_vllm_scheduler(client, server, route, stream) -> None:
+def test_cold_zero_then_warm_equals_vllm_scheduler(client, server, route, stream, block) -> None:
     prompt = fresh_prompt()
     before = metric_value(clients.scrape(server), VLLM_CACHED)
     cold = ask(client, route, stream, prompt)
@@ -66,12 +70,12 @@ def test_cold_zero_then_warm_equals_vllm_scheduler(client, server, route, stream
     warm = ask(client, route, stream, prompt)
     after = metric_value(clients.scrape(server), VLLM_CACHED)
 
-    assert cold.prompt_tokens > 2 * BLOCK
+    assert cold.prompt_tokens > 2 * block
     assert cold.prompt_tokens_details.cached_tokens == 0
     assert middle - before == 0
     assert warm.prompt_tokens_details.cached_tokens > 0
     assert warm.prompt_tokens_details.cached_tokens == after - middle
-    assert warm.prompt_tokens_details.cached_tokens == ((warm.prompt_tokens - 1) // BLOCK) * BLOCK
+    assert warm.prompt_tokens_details.cached_tokens == ((warm.prompt_tokens - 1) // block) * block
 
 
 def test_sum_of_reported_cached_tokens_equals_vllm_counter(client, server) -> None:
@@ -92,7 +96,7 @@ def test_sum_of_reported_cached_tokens_equals_vllm_counter(client, server) -> No
     )
 
 
-def test_continuous_usage_chunks_all_carry_cached_tokens(client) -> None:
+def test_continuous_usage_chunks_all_carry_cached_tokens(client, block) -> None:
     prompt = fresh_prompt()
     ask(client, "chat", False, prompt)
     result = client.chat.completions.create(
@@ -105,15 +109,15 @@ def test_continuous_usage_chunks_all_carry_cached_tokens(client) -> None:
     usages = [chunk.usage for chunk in result]
     assert len(usages) >= 3 and all(u is not None for u in usages)
     values = {u.prompt_tokens_details.cached_tokens for u in usages}
-    assert len(values) == 1 and values.pop() == ((usages[0].prompt_tokens - 1) // BLOCK) * BLOCK
+    assert len(values) == 1 and values.pop() == ((usages[0].prompt_tokens - 1) // block) * block
 
 
-def test_batch_of_two_prompts_and_n2_are_aggregated_like_prompt_tokens(client) -> None:
+def test_batch_of_two_prompts_and_n2_are_aggregated_like_prompt_tokens(client, block) -> None:
     a, b = fresh_prompt(), fresh_prompt()
     ask(client, "completions", False, a)
     ask(client, "completions", False, b)
     batch = client.completions.create(model=model_id(client), prompt=[a, b], max_tokens=2)
-    per_prompt = [((n - 1) // BLOCK) * BLOCK for n in (ask(client, "completions", False, p).prompt_tokens for p in (a, b))]
+    per_prompt = [((n - 1) // block) * block for n in (ask(client, "completions", False, p).prompt_tokens for p in (a, b))]
     assert batch.usage.prompt_tokens_details.cached_tokens == sum(per_prompt)
 
     c = fresh_prompt()
@@ -123,11 +127,11 @@ def test_batch_of_two_prompts_and_n2_are_aggregated_like_prompt_tokens(client) -
     )
     assert len(n2.choices) == 2
     assert n2.usage.prompt_tokens == single.prompt_tokens  # the prompt counted once
-    assert n2.usage.prompt_tokens_details.cached_tokens == ((single.prompt_tokens - 1) // BLOCK) * BLOCK
+    assert n2.usage.prompt_tokens_details.cached_tokens == ((single.prompt_tokens - 1) // block) * block
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_per_prompt_usage_chunks_of_same_length_prompts_carry_each_prompts_own_hits(client, n) -> None:
+def test_per_prompt_usage_chunks_of_same_length_prompts_carry_each_prompts_own_hits(client, n, block) -> None:
     """Completions over two prompts of one length, one warm and one cold, streamed with
     continuous usage: vLLM sends each choice's usage for its own prompt, and each carries
     that prompt's hits. Matched by length alone, the two read 0."""
@@ -137,18 +141,19 @@ def test_per_prompt_usage_chunks_of_same_length_prompts_carry_each_prompts_own_h
     stream = client.completions.create(
         model=model_id(client), prompt=[warm, cold], max_tokens=3, n=n, temperature=1.0, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True})
+    warm_hits = ((300 - 1) // block) * block
     per_prompt: dict[int, set[int]] = {0: set(), 1: set()}
     for chunk in stream:
         if chunk.choices:
             assert chunk.usage is not None and chunk.usage.prompt_tokens == 300
             per_prompt[chunk.choices[0].index // n].add(chunk.usage.prompt_tokens_details.cached_tokens)
         else:  # the final usage: both prompts
-            assert (chunk.usage.prompt_tokens, chunk.usage.prompt_tokens_details.cached_tokens) == (600, 256)
-    assert per_prompt == {0: {((300 - 1) // BLOCK) * BLOCK}, 1: {0}}
+            assert (chunk.usage.prompt_tokens, chunk.usage.prompt_tokens_details.cached_tokens) == (600, warm_hits)
+    assert per_prompt == {0: {warm_hits}, 1: {0}}
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
-def test_n2_reports_the_first_copy_the_same_streamed_or_not(client, server, route) -> None:
+def test_n2_reports_the_first_copy_the_same_streamed_or_not(client, server, route, block) -> None:
     """Each prompt counts once, with what its first copy found: 0 cold, the full blocks warm.
 
     vLLM's own counter counts every copy, so the second copy's hits show there only.
@@ -164,7 +169,7 @@ def test_n2_reports_the_first_copy_the_same_streamed_or_not(client, server, rout
         warm = ask_n2(stream, prompt)
         after = metric_value(clients.scrape(server), VLLM_CACHED)
 
-        full_blocks = ((cold.prompt_tokens - 1) // BLOCK) * BLOCK
+        full_blocks = ((cold.prompt_tokens - 1) // block) * block
         assert (stream, cold.prompt_tokens_details.cached_tokens) == (stream, 0)
         assert (stream, warm.prompt_tokens_details.cached_tokens) == (stream, full_blocks)
         assert after - middle == 2 * full_blocks  # vLLM: both copies hit
@@ -182,7 +187,7 @@ def _embeddings(rows: int) -> str:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_prompt_embeds_are_billed_like_token_ids(client, server, stream) -> None:
+def test_prompt_embeds_are_billed_like_token_ids(client, server, stream, block) -> None:
     """``prompt_embeds`` reach the prefill with no token ids, one token per row: billed there as
     a text prompt is, so ``n = 2`` reports its first copy, 0 cold, streamed or not (vLLM's JSON
     output carries the copy that finished last: the second's hit on the first's blocks)."""
@@ -198,7 +203,7 @@ def test_prompt_embeds_are_billed_like_token_ids(client, server, stream) -> None
     warm = ask_embeds(1)
     after = clients.scrape(server)
 
-    full_blocks = ((rows - 1) // BLOCK) * BLOCK
+    full_blocks = ((rows - 1) // block) * block
     assert (cold.prompt_tokens, warm.prompt_tokens) == (rows, rows)
     assert cold.prompt_tokens_details.cached_tokens == 0
     assert warm.prompt_tokens_details.cached_tokens == full_blocks
@@ -228,7 +233,7 @@ def test_client_dropping_mid_stream_aborts_the_engine_request(server, client, pa
     assert metric_value(text, "cachetally_ledger_open_slots") == 0
 
 
-def test_request_id_traces_response_and_engine(server, client, pace) -> None:
+def test_request_id_traces_response_and_engine(server, client, pace, block) -> None:
     prompt = fresh_prompt()
     ask(client, "chat", False, prompt)
 
@@ -246,7 +251,7 @@ def test_request_id_traces_response_and_engine(server, client, pace) -> None:
         assert payload["id"].startswith("chatcmpl-trace-7")
         prompt_tokens = payload["usage"]["prompt_tokens"]
         # Same client id, two engine requests: each still gets its own exact value.
-        assert payload["usage"]["prompt_tokens_details"]["cached_tokens"] == ((prompt_tokens - 1) // BLOCK) * BLOCK
+        assert payload["usage"]["prompt_tokens_details"]["cached_tokens"] == ((prompt_tokens - 1) // block) * block
     assert responses[0].json()["id"] != responses[1].json()["id"]
 
 

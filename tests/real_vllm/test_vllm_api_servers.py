@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from tests import clients
-from tests.clients import VLLM_CPU_BLOCK, fresh_prompt
+from tests.clients import fresh_prompt
 from tests.servers import Pace, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -64,7 +64,7 @@ def test_each_api_server_process_tapped_its_own_engine_client(vllm_server: str, 
     assert len(ready) == 2, ready
 
 
-def test_continuous_usage_chunks_carry_cached_tokens(client) -> None:
+def test_continuous_usage_chunks_carry_cached_tokens(client, vllm_block: int) -> None:
     prompt = fresh_prompt()
     ask(client, "chat", False, prompt)
     for route in ("chat", "completions"):
@@ -77,7 +77,7 @@ def test_continuous_usage_chunks_carry_cached_tokens(client) -> None:
         usages = [chunk.usage for chunk in result]
         assert len(usages) >= 3 and all(u is not None and u.prompt_tokens_details is not None for u in usages)
         if route == "chat":
-            expected = ((usages[0].prompt_tokens - 1) // VLLM_CPU_BLOCK) * VLLM_CPU_BLOCK
+            expected = ((usages[0].prompt_tokens - 1) // vllm_block) * vllm_block
             assert {u.prompt_tokens_details.cached_tokens for u in usages} == {expected}
         else:  # no chat template: a different prefix, cold
             assert {u.prompt_tokens_details.cached_tokens for u in usages} == {0}

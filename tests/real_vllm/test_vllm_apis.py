@@ -21,7 +21,6 @@ import openai
 import pytest
 
 from tests import clients
-from tests.clients import VLLM_CPU_BLOCK as BLOCK
 from tests.clients import fresh_prompt
 from tests.servers import Pace, metric_value
 from tests.real_vllm.test_vllm_records import records_for
@@ -122,7 +121,8 @@ PATHS = {
 
 
 def test_cold_zero_warm_full_blocks_every_path_metered_and_summing_to_vllm(
-    vllm_server: str, vllm_usage_dir: Path, model: str, claude: anthropic.Anthropic, oai: openai.OpenAI,
+    vllm_server: str, vllm_block: int, vllm_usage_dir: Path, model: str, claude: anthropic.Anthropic,
+    oai: openai.OpenAI,
 ) -> None:
     metrics_before = clients.scrape(vllm_server)
     ids: dict[str, tuple[str, str]] = {}
@@ -138,7 +138,7 @@ def test_cold_zero_warm_full_blocks_every_path_metered_and_summing_to_vllm(
             reported.setdefault(name, []).append(figures)
             total, reads, writes = figures
             assert total == size, (name, turn)  # Anthropic: input + reads + writes
-            expected = 0 if turn == "cold" else ((size - 1) // BLOCK) * BLOCK
+            expected = 0 if turn == "cold" else ((size - 1) // vllm_block) * vllm_block
             assert reads == expected, (name, turn)
             assert writes is not None and reads + writes <= size, (name, turn)
     metrics_after = clients.scrape(vllm_server)

@@ -11,8 +11,9 @@ first server before it starts the second (~40 s each with ``--enforce-eager``). 
 stopped in ``finally`` (SIGTERM, wait, SIGKILL) together with its engine-core and worker
 processes.
 
-The warm value is deterministic: vLLM caches whole 128-token blocks and always recomputes
-the last prompt token, so a repeated prompt reports ``((prompt_tokens - 1) // 128) * 128``.
+The warm value is deterministic: vLLM caches whole blocks and always recomputes the last
+prompt token, so a repeated prompt reports ``((prompt_tokens - 1) // block) * block``, with
+the block size the engine reports on its ``/metrics``.
 """
 
 from __future__ import annotations
@@ -39,13 +40,12 @@ import pytest
 
 from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
-from tests.clients import fresh_prompt
+from tests.clients import engine_block_size, fresh_prompt
 from tests.real_vllm import test_vllm_apis as apis
 from tests.servers import ENGINE_KV_FLAGS, ROOT, Pace, free_port, measure_pace, metric_value, running_server, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
 
-BLOCK = 128  # vLLM's prefix-cache block size on CPU
 START_TIMEOUT_S = 600.0  # ~40 s alone; slower when other suites share the two cores
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -125,6 +125,7 @@ class Stack:
     proxy: str  # cachetally serve --upstream, `missing` = zero (the default)
     omit: str  # the same with --missing omit
     pace: Pace  # one request on this vLLM, timed
+    block: int  # this vLLM's prefix-cache block size, as it reports it
 
     def send(self, base: str, route: str, payload: dict[str, Any]) -> bytes:
         """The raw response body (the SSE stream as it came, for a streaming request)."""
@@ -138,6 +139,10 @@ class Stack:
             assert resp.headers["content-type"].startswith(kind)
             return raw
 
+    def warm_value(self, prompt_tokens: int) -> int:
+        """What a repeat of a ``prompt_tokens`` prompt finds: the whole blocks of all but its last token."""
+        return ((prompt_tokens - 1) // self.block) * self.block
+
 
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
@@ -148,7 +153,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         serve = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--log-level", "warning"]
         zero, _ = proxies.enter_context(running_server(serve, timeout_s=120))
         omit, _ = proxies.enter_context(running_server([*serve, "--missing", "omit"], timeout_s=120))
-        yield Stack(details, upstream, zero, omit, measure_pace(upstream, DEFAULT_MODEL_NAME))
+        yield Stack(details, upstream, zero, omit, measure_pace(upstream, DEFAULT_MODEL_NAME),
+                    engine_block_size(upstream))
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -204,10 +210,6 @@ def usage_of(raw: bytes, stream: bool) -> dict[str, Any]:
     return final[0]["usage"]
 
 
-def warm_value(prompt_tokens: int) -> int:
-    return ((prompt_tokens - 1) // BLOCK) * BLOCK
-
-
 class Counts:
     """Deltas of the proxy's own counters around a block of requests (the proxy is shared)."""
 
@@ -247,9 +249,9 @@ def test_cached_tokens_and_bytes_equal_vllms_own(stack: Stack, route: str, strea
     direct = stack.send(stack.vllm, route, body(route, prompt, stream, options))
     proxied = stack.send(stack.proxy, route, body(route, prompt, stream, options))
 
-    assert cold["prompt_tokens"] > 3 * BLOCK
+    assert cold["prompt_tokens"] > 3 * stack.block
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0  # 0 is written as 0
-    expected = warm_value(cold["prompt_tokens"])
+    expected = stack.warm_value(cold["prompt_tokens"])
     assert usage_of(direct, stream)["prompt_tokens_details"]["cached_tokens"] == expected
     assert usage_of(proxied, stream)["prompt_tokens_details"]["cached_tokens"] == expected
     # vLLM already wrote the exact value, so the proxy patched nothing but vLLM's cache writes,
@@ -304,7 +306,7 @@ def test_messages_and_responses_cold_zero_warm_full_blocks_and_counted(stack: St
         cold = ask(client, DEFAULT_MODEL_NAME, prompt, uuid.uuid4().hex)
         warm = ask(client, DEFAULT_MODEL_NAME, prompt, uuid.uuid4().hex)
     assert (cold[0], cold[1]) == (size, 0)
-    assert (warm[0], warm[1]) == (size, warm_value(size))
+    assert (warm[0], warm[1]) == (size, stack.warm_value(size))
     assert counts.requests(route, path.endswith("sse")) == {"hit": 1, "miss": 1, "unknown": 0}
 
 
@@ -345,7 +347,7 @@ def test_continuous_usage_chunks_gain_cached_tokens(stack: Stack, route: str) ->
     # vLLM's cache writes, also under OpenAI's name.
     assert as_vllm_sent(proxied[-2]) == direct[-2] and proxied[-1] == direct[-1] == b"data: [DONE]"
     final = data(direct[-2])["usage"]
-    expected = warm_value(final["prompt_tokens"])
+    expected = stack.warm_value(final["prompt_tokens"])
     assert final["prompt_tokens_details"]["cached_tokens"] == expected
     # The continuous chunks before it: vLLM omits prompt_tokens_details there even with the
     # flag on. Upstream mode has no engine event, so the proxy knows the value only once the
@@ -391,7 +393,7 @@ def test_without_the_flag_missing_policy_applies_and_cache_is_unknown(
     sent = usage_of(direct, stream)
     # vLLM did reuse its cache for all three; it just does not say so in the response.
     hits = engine_counts.delta("vllm:prompt_tokens_cached_total")
-    assert hits == 3 * warm_value(sent["prompt_tokens"]) > 0
+    assert hits == 3 * stack.warm_value(sent["prompt_tokens"]) > 0
     if stream:
         assert "prompt_tokens_details" not in sent
         events, zero_events = sse_events(direct), sse_events(zero)
