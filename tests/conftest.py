@@ -104,6 +104,9 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
     collector (``vllm_otlp``), in an environment whose OpenTelemetry sampler drops every
     trace (which must not drop a span of ours), and a trusted tenant header.
     ``--enable-prompt-embeds``: completions' ``prompt_embeds`` reach the engine with no token ids.
+    ``--block-size 32``: CUDA's default is 16 and CPU's 128 would hide off-by-block errors at
+    16; vLLM on a CPU refuses 16 (its attention takes multiples of 32), so 32 is the nearest.
+    The modules that start an engine of their own keep the CPU's default, 128: both are run.
     Its stop comes with a JSON request and a stream in flight (:mod:`tests.in_flight`).
     """
     log = vllm_server_log
@@ -112,7 +115,7 @@ def vllm_server(vllm_server_log: Path, vllm_usage_dir: Path, vllm_otlp: Receiver
             "--tenant-header", VLLM_TENANT_HEADER, "--tenants", ",".join(VLLM_TENANTS),
             "--client-send-timeout", str(CLIENT_SEND_TIMEOUT_S),
             "--client-receive-timeout", str(CLIENT_RECEIVE_TIMEOUT_S),
-            "--", "--api-server-count", "2", "--enable-prompt-embeds", *ENGINE_KV_FLAGS]
+            "--", "--api-server-count", "2", "--enable-prompt-embeds", "--block-size", "32", *ENGINE_KV_FLAGS]
     env = {"OTEL_TRACES_SAMPLER": "always_off"}
     with running_server(args, env=env, timeout_s=600, log_path=log) as (url, proc):
         children = psutil.Process(proc.pid).children(recursive=True)
