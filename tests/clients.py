@@ -27,6 +27,12 @@ def engine_block_size(base_url: str) -> int:
     return sizes.pop()
 
 
+def warm_hit(prompt_tokens: int, block: int) -> int:
+    """What a repeat of a ``prompt_tokens`` prompt finds in vLLM's prefix cache: the whole
+    blocks of all but its last token, which vLLM always computes."""
+    return (prompt_tokens - 1) // block * block
+
+
 def fresh_prompt(words: int = 160) -> str:
     """Unique from its first token, so no block of it is cached yet.
 

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from tests import clients
-from tests.clients import engine_block_size, fresh_prompt
+from tests.clients import engine_block_size, fresh_prompt, warm_hit
 from tests.load import report
 from tests.servers import ENGINE_KV_FLAGS, Pace, measure_pace, metric_value, running_server
 
@@ -122,7 +122,7 @@ def test_one_api_server_reports_what_vllm_counted_on_metrics_and_stats(server: S
     after = clients.scrape(server.url)
     assert cold.prompt_tokens_details.cached_tokens == 0
     cached, block = warm.prompt_tokens_details.cached_tokens, engine_block_size(server.url)
-    assert cached == ((warm.prompt_tokens - 1) // block) * block
+    assert cached == warm_hit(warm.prompt_tokens, block)
     for name, labels in (("vllm:prompt_tokens_cached_total", {}), ("cachetally_cached_tokens_total", {"tier": "all"})):
         assert metric_value(after, name, **labels) - metric_value(before, name, **labels) == cached, name
     stats = httpx.get(f"{server.url}/stats", headers=AUTH).json()

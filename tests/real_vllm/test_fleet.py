@@ -343,7 +343,7 @@ def test_a_prompt_one_replica_computed_is_a_kv_connector_hit_on_the_other(fleet:
     # the prompt less its last token, so a length of k blocks + 1 would find nothing).
     size = 300
     prompt = random.Random(uuid.uuid4().int).sample(range(1000, 40000), size)
-    blocks = (size - 1) // fleet.block * fleet.block
+    blocks = clients.warm_hit(size, fleet.block)
     seen = []
     for step, replica in (("cold", 0), ("external", 1), ("local", 1)):
         url = fleet.replicas[replica]

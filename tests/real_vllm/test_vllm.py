@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from tests import clients
-from tests.clients import fresh_prompt
+from tests.clients import fresh_prompt, warm_hit
 from tests.servers import Pace, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -75,7 +75,7 @@ def test_cold_zero_then_warm_equals_vllm_scheduler(client, server, route, stream
     assert middle - before == 0
     assert warm.prompt_tokens_details.cached_tokens > 0
     assert warm.prompt_tokens_details.cached_tokens == after - middle
-    assert warm.prompt_tokens_details.cached_tokens == ((warm.prompt_tokens - 1) // block) * block
+    assert warm.prompt_tokens_details.cached_tokens == warm_hit(warm.prompt_tokens, block)
 
 
 def test_sum_of_reported_cached_tokens_equals_vllm_counter(client, server) -> None:
@@ -109,7 +109,7 @@ def test_continuous_usage_chunks_all_carry_cached_tokens(client, block) -> None:
     usages = [chunk.usage for chunk in result]
     assert len(usages) >= 3 and all(u is not None for u in usages)
     values = {u.prompt_tokens_details.cached_tokens for u in usages}
-    assert len(values) == 1 and values.pop() == ((usages[0].prompt_tokens - 1) // block) * block
+    assert len(values) == 1 and values.pop() == warm_hit(usages[0].prompt_tokens, block)
 
 
 def test_batch_of_two_prompts_and_n2_are_aggregated_like_prompt_tokens(client, block) -> None:
@@ -117,7 +117,7 @@ def test_batch_of_two_prompts_and_n2_are_aggregated_like_prompt_tokens(client, b
     ask(client, "completions", False, a)
     ask(client, "completions", False, b)
     batch = client.completions.create(model=model_id(client), prompt=[a, b], max_tokens=2)
-    per_prompt = [((n - 1) // block) * block for n in (ask(client, "completions", False, p).prompt_tokens for p in (a, b))]
+    per_prompt = [warm_hit(n, block) for n in (ask(client, "completions", False, p).prompt_tokens for p in (a, b))]
     assert batch.usage.prompt_tokens_details.cached_tokens == sum(per_prompt)
 
     c = fresh_prompt()
@@ -127,7 +127,7 @@ def test_batch_of_two_prompts_and_n2_are_aggregated_like_prompt_tokens(client, b
     )
     assert len(n2.choices) == 2
     assert n2.usage.prompt_tokens == single.prompt_tokens  # the prompt counted once
-    assert n2.usage.prompt_tokens_details.cached_tokens == ((single.prompt_tokens - 1) // block) * block
+    assert n2.usage.prompt_tokens_details.cached_tokens == warm_hit(single.prompt_tokens, block)
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -141,7 +141,7 @@ def test_per_prompt_usage_chunks_of_same_length_prompts_carry_each_prompts_own_h
     stream = client.completions.create(
         model=model_id(client), prompt=[warm, cold], max_tokens=3, n=n, temperature=1.0, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True})
-    warm_hits = ((300 - 1) // block) * block
+    warm_hits = warm_hit(300, block)
     per_prompt: dict[int, set[int]] = {0: set(), 1: set()}
     for chunk in stream:
         if chunk.choices:
@@ -169,7 +169,7 @@ def test_n2_reports_the_first_copy_the_same_streamed_or_not(client, server, rout
         warm = ask_n2(stream, prompt)
         after = metric_value(clients.scrape(server), VLLM_CACHED)
 
-        full_blocks = ((cold.prompt_tokens - 1) // block) * block
+        full_blocks = warm_hit(cold.prompt_tokens, block)
         assert (stream, cold.prompt_tokens_details.cached_tokens) == (stream, 0)
         assert (stream, warm.prompt_tokens_details.cached_tokens) == (stream, full_blocks)
         assert after - middle == 2 * full_blocks  # vLLM: both copies hit
@@ -203,7 +203,7 @@ def test_prompt_embeds_are_billed_like_token_ids(client, server, stream, block) 
     warm = ask_embeds(1)
     after = clients.scrape(server)
 
-    full_blocks = ((rows - 1) // block) * block
+    full_blocks = warm_hit(rows, block)
     assert (cold.prompt_tokens, warm.prompt_tokens) == (rows, rows)
     assert cold.prompt_tokens_details.cached_tokens == 0
     assert warm.prompt_tokens_details.cached_tokens == full_blocks
@@ -251,7 +251,7 @@ def test_request_id_traces_response_and_engine(server, client, pace, block) -> N
         assert payload["id"].startswith("chatcmpl-trace-7")
         prompt_tokens = payload["usage"]["prompt_tokens"]
         # Same client id, two engine requests: each still gets its own exact value.
-        assert payload["usage"]["prompt_tokens_details"]["cached_tokens"] == ((prompt_tokens - 1) // block) * block
+        assert payload["usage"]["prompt_tokens_details"]["cached_tokens"] == warm_hit(prompt_tokens, block)
     assert responses[0].json()["id"] != responses[1].json()["id"]
 
 

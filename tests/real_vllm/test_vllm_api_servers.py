@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from tests import clients
-from tests.clients import fresh_prompt
+from tests.clients import fresh_prompt, warm_hit
 from tests.servers import Pace, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -77,7 +77,7 @@ def test_continuous_usage_chunks_carry_cached_tokens(client, vllm_block: int) ->
         usages = [chunk.usage for chunk in result]
         assert len(usages) >= 3 and all(u is not None and u.prompt_tokens_details is not None for u in usages)
         if route == "chat":
-            expected = ((usages[0].prompt_tokens - 1) // vllm_block) * vllm_block
+            expected = warm_hit(usages[0].prompt_tokens, vllm_block)
             assert {u.prompt_tokens_details.cached_tokens for u in usages} == {expected}
         else:  # no chat template: a different prefix, cold
             assert {u.prompt_tokens_details.cached_tokens for u in usages} == {0}

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests import clients
-from tests.clients import fresh_prompt
+from tests.clients import fresh_prompt, warm_hit
 from tests.servers import Pace, metric_value
 from tests.real_vllm.test_vllm_records import records_for
 
@@ -138,7 +138,7 @@ def test_cold_zero_warm_full_blocks_every_path_metered_and_summing_to_vllm(
             reported.setdefault(name, []).append(figures)
             total, reads, writes = figures
             assert total == size, (name, turn)  # Anthropic: input + reads + writes
-            expected = 0 if turn == "cold" else ((size - 1) // vllm_block) * vllm_block
+            expected = 0 if turn == "cold" else warm_hit(size, vllm_block)
             assert reads == expected, (name, turn)
             assert writes is not None and reads + writes <= size, (name, turn)
     metrics_after = clients.scrape(vllm_server)

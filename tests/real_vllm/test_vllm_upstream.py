@@ -40,7 +40,7 @@ import pytest
 
 from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
-from tests.clients import engine_block_size, fresh_prompt
+from tests.clients import engine_block_size, fresh_prompt, warm_hit
 from tests.real_vllm import test_vllm_apis as apis
 from tests.servers import ENGINE_KV_FLAGS, ROOT, Pace, free_port, measure_pace, metric_value, running_server, stop
 
@@ -138,10 +138,6 @@ class Stack:
             kind = "text/event-stream" if payload.get("stream") else "application/json"
             assert resp.headers["content-type"].startswith(kind)
             return raw
-
-    def warm_value(self, prompt_tokens: int) -> int:
-        """What a repeat of a ``prompt_tokens`` prompt finds: the whole blocks of all but its last token."""
-        return ((prompt_tokens - 1) // self.block) * self.block
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +247,7 @@ def test_cached_tokens_and_bytes_equal_vllms_own(stack: Stack, route: str, strea
 
     assert cold["prompt_tokens"] > 3 * stack.block
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0  # 0 is written as 0
-    expected = stack.warm_value(cold["prompt_tokens"])
+    expected = warm_hit(cold["prompt_tokens"], stack.block)
     assert usage_of(direct, stream)["prompt_tokens_details"]["cached_tokens"] == expected
     assert usage_of(proxied, stream)["prompt_tokens_details"]["cached_tokens"] == expected
     # vLLM already wrote the exact value, so the proxy patched nothing but vLLM's cache writes,
@@ -306,7 +302,7 @@ def test_messages_and_responses_cold_zero_warm_full_blocks_and_counted(stack: St
         cold = ask(client, DEFAULT_MODEL_NAME, prompt, uuid.uuid4().hex)
         warm = ask(client, DEFAULT_MODEL_NAME, prompt, uuid.uuid4().hex)
     assert (cold[0], cold[1]) == (size, 0)
-    assert (warm[0], warm[1]) == (size, stack.warm_value(size))
+    assert (warm[0], warm[1]) == (size, warm_hit(size, stack.block))
     assert counts.requests(route, path.endswith("sse")) == {"hit": 1, "miss": 1, "unknown": 0}
 
 
@@ -347,7 +343,7 @@ def test_continuous_usage_chunks_gain_cached_tokens(stack: Stack, route: str) ->
     # vLLM's cache writes, also under OpenAI's name.
     assert as_vllm_sent(proxied[-2]) == direct[-2] and proxied[-1] == direct[-1] == b"data: [DONE]"
     final = data(direct[-2])["usage"]
-    expected = stack.warm_value(final["prompt_tokens"])
+    expected = warm_hit(final["prompt_tokens"], stack.block)
     assert final["prompt_tokens_details"]["cached_tokens"] == expected
     # The continuous chunks before it: vLLM omits prompt_tokens_details there even with the
     # flag on. Upstream mode has no engine event, so the proxy knows the value only once the
@@ -393,7 +389,7 @@ def test_without_the_flag_missing_policy_applies_and_cache_is_unknown(
     sent = usage_of(direct, stream)
     # vLLM did reuse its cache for all three; it just does not say so in the response.
     hits = engine_counts.delta("vllm:prompt_tokens_cached_total")
-    assert hits == 3 * stack.warm_value(sent["prompt_tokens"]) > 0
+    assert hits == 3 * warm_hit(sent["prompt_tokens"], stack.block) > 0
     if stream:
         assert "prompt_tokens_details" not in sent
         events, zero_events = sse_events(direct), sse_events(zero)
