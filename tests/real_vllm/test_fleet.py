@@ -61,6 +61,7 @@ from tests.load import report
 from tests.real_vllm.test_vllm_apis import responses_json, responses_sse
 from tests.servers import (
     ENGINE_KV_FLAGS,
+    TWO_ENGINES_FLAGS,
     Pace,
     assert_no_traceback_in_vllm_log,
     free_port,
@@ -103,14 +104,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     shared_kv = tmp_path_factory.mktemp("fleet-kv")
     usage = (tmp_path_factory.mktemp("fleet-usage-0"), tmp_path_factory.mktemp("fleet-usage-1"))
     # What an operator types: `vllm serve MODEL --middleware ...` with a KV connector, plus
-    # the CPU flags and the tests' KV cache size.
+    # the CPU flags, the tests' KV cache size and each replica's share of one GPU.
     connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                  "kv_connector_extra_config": {"shared_storage_path": str(shared_kv)}}
     replica = [
         "-m", "engine_adapter.vllm.serve", str(ensure_default_model()), "--served-model-name", MODEL,
         "--middleware", MIDDLEWARE, "--enable-prefix-caching", "--host", "127.0.0.1",
         "--kv-transfer-config", orjson.dumps(connector).decode(),
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning", *ENGINE_KV_FLAGS, *machine_flags(ENGINE_KV_FLAGS),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning",
+        *ENGINE_KV_FLAGS, *TWO_ENGINES_FLAGS, *machine_flags(ENGINE_KV_FLAGS),
     ]
     specs = [
         (replica, {"CACHETALLY_USAGE_DIR": str(usage[i]), "CACHETALLY_USAGE_FLUSH_INTERVAL_S": "0.2"}

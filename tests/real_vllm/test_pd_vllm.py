@@ -43,6 +43,7 @@ from tests.clients import fresh_prompt
 from tests.load import report
 from tests.servers import (
     ENGINE_KV_FLAGS,
+    TWO_ENGINES_FLAGS,
     Pace,
     assert_no_traceback_in_vllm_log,
     free_port,
@@ -93,7 +94,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     serve = [
         "-m", "engine_adapter.vllm.serve", str(ensure_default_model()), "--served-model-name", MODEL,
         "--middleware", MIDDLEWARE, "--enable-prefix-caching", "--host", "127.0.0.1",
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning", *ENGINE_KV_FLAGS, *machine_flags(ENGINE_KV_FLAGS),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning",
+        *ENGINE_KV_FLAGS, *TWO_ENGINES_FLAGS, *machine_flags(ENGINE_KV_FLAGS),
     ]
     specs = []
     for role, bind in zip(("prefill", "decode"), core_binds(), strict=True):
