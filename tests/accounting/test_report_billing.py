@@ -200,3 +200,16 @@ def test_a_price_of_minus_zero_bills_zero_not_minus_zero(tmp_path: Path, capsys:
     out = _bill(tmp_path, capsys, "[default]\ninput = -0.0\ncached_input = -0.0\noutput = -0.0\n",
                 [{"record_id": "a", "tenant": "t", "model": "m", "prompt_tokens": 5, "completion_tokens": 2}])
     assert set(re.findall(r'"cost": ([^,\n]+)', out)) == {"0"}, out
+
+
+def test_a_priced_bill_over_no_record_costs_zero_not_no_price(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A period with no usage, priced: the bill is 0. A null cost means "a model without a
+    price" (docs/ACCOUNTING.md); a billing script must not read an idle month as one."""
+    (tmp_path / "usage.jsonl").write_bytes(orjson.dumps(
+        {"record_id": "a", "tenant": "t", "model": "m", "prompt_tokens": 5, "completion_tokens": 2,
+         "start_time": "2026-11-01T00:00:00+00:00"}) + b"\n")
+    (tmp_path / "prices.toml").write_text("[default]\ninput = 1\ncached_input = 0\noutput = 1\n")
+    assert main(["report", str(tmp_path / "usage.jsonl"), "--prices", str(tmp_path / "prices.toml"),
+                 "--since", "2026-12-01T00:00:00+00:00", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out, parse_float=Decimal)
+    assert (report["total"]["requests"], report["total"]["cost"], report["unpriced_models"]) == (0, 0, [])

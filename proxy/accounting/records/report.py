@@ -128,6 +128,8 @@ class Report:
     undated: int = 0
     #: Records that generated tokens but have no prompt_tokens: their prompts are in no total.
     unknown_prompts: int = 0
+    #: Whether :meth:`price` ran: then a bill over no record costs 0, not "no price".
+    priced: bool = False
 
     def add(self, record: dict[str, Any], period: tuple[datetime | None, datetime | None] | None = None) -> None:
         """Total ``record``, unless a copy, not valid, or outside ``period`` (since, until)."""
@@ -162,6 +164,7 @@ class Report:
         self.unknown_prompts += prompt is None and isinstance(completion, int) and completion > 0
 
     def price(self, prices: PriceList) -> None:
+        self.priced = True
         for (_, model), totals in self.rows.items():
             model_prices = prices.for_model(model)
             totals.cost = (model_prices.cost(totals.uncached_tokens, totals.cache_write_tokens, totals.cached_tokens,
@@ -179,7 +182,7 @@ class Report:
         return out
 
     def total(self) -> Totals:
-        out = Totals()
+        out = Totals(cost=Decimal(0) if self.priced else None)
         for totals in self.rows.values():
             out.merge(totals)
         return out
