@@ -46,6 +46,16 @@ def test_each_prefilled_request_is_billed_once_with_the_schedulers_own_cached_co
                for cached, local, external, _, _ in published)
 
 
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_the_preemption_schedules_preempt(driven: dict, scheduler: str) -> None:
+    """Else those schedules would hold nothing about preemption (a vLLM that sizes blocks
+    otherwise): the requests the schedules squeeze out are preempted under either scheduler."""
+    preempted = {scenario: {name for name, count in driven[scenario][scheduler]["preemptions"].items() if count}
+                 for scenario in SCENARIOS if "preempt" in scenario}
+    assert preempted == {"preemption": {"p2", "p3"}, "preemption-n3": {"m"},
+                         "preempted-with-prefill-output-in-flight": {"b"}}
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_reads_and_prompts_billed_are_the_same_under_both_schedulers(driven: dict, scenario: str) -> None:
     sync, pipelined = (driven[scenario][scheduler]["published"] for scheduler in SCHEDULERS)
