@@ -36,10 +36,11 @@ def warm_hit(prompt_tokens: int, block: int) -> int:
 def fresh_prompt(words: int = 160) -> str:
     """Unique from its first token, so no block of it is cached yet.
 
-    160 words are 472 tokens of the default model: more than two whole blocks at the sizes vLLM
-    picks for it (three and part of a fourth on a CPU's 128, 29 on a CUDA GPU's 16). A real engine computes every
-    token of a cold prompt, and on a CPU without bf16 that prefill is most of what a
-    real-engine test costs, so prompts are no longer than what a test checks needs.
+    160 words are 472 tokens of the default model: more than two whole blocks at any size
+    vLLM uses for it (three and part of a fourth at a CPU's 128, 14 at the tests' 32, 29 at a
+    CUDA GPU's 16). A real engine computes every token of a cold prompt, and on a CPU without
+    bf16 that prefill is most of what a real-engine test costs, so prompts are no longer than
+    what a test checks needs.
     """
     return " ".join([uuid.uuid4().hex, *(f"topic{i % 37} item{i}" for i in range(words // 2))])
 
