@@ -138,7 +138,9 @@ class Tenancy:
         if self.header is not None:
             values = headers.values(self.header)
             if values:
-                value = values[0].decode("latin-1").strip()
+                # Only spaces and tabs pad a field value (RFC 9110 §5.5); str.strip() would
+                # also drop obs-text bytes (NBSP, NEL), making "acme\xa0" bill acme.
+                value = values[0].strip(b" \t").decode("latin-1")
                 return value if len(values) == 1 and value in self.named else OTHER_TENANT
         return DEFAULT_TENANT
 
