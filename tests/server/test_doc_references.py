@@ -138,3 +138,39 @@ def test_the_guards_find_a_citation_or_a_module_gone_wrong() -> None:
     block = layout_block(ARCHITECTURE.read_text())
     assert {"listed, absent: proxy/patching/invented.py", "present, not listed: proxy/patching/ledger.py"} <= set(
         layout_mismatches(block.replace("ledger.py ", "invented.py ")))
+
+
+def imports_from_engine_adapter() -> set[tuple[str, str]]:
+    """Each (module, name) that a module of ``proxy`` imports from ``engine_adapter``; a module
+    imported from its package (``from engine_adapter.vllm import compat``) is its own."""
+    found = set()
+    for path in (ROOT / "proxy").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine_adapter"):
+                for alias in node.names:
+                    module = f"{node.module}.{alias.name}"
+                    is_module = (ROOT / f"{module.replace('.', '/')}.py").is_file()
+                    found.add((module if is_module else node.module, alias.name))
+    return found
+
+
+def imports_the_table_names(text: str) -> set[tuple[str, str]]:
+    """The (module, name) pairs of ARCHITECTURE.md's "What `proxy` takes from `engine_adapter`"
+    table; a module written ``.model_store`` is a sibling of the one before it."""
+    section = text.split("\n## What `proxy` takes from `engine_adapter`\n", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for row in section.strip().splitlines()[2:]:
+        if not row.startswith("| `"):
+            break
+        names, modules = (re.findall(r"`([\w.]+)`", cell) for cell in row.split("|")[1:3])
+        full = []
+        for module in modules:
+            full.append(full[-1].rsplit(".", 1)[0] + module if module.startswith(".") else module)
+        named |= {(module, name) for module in full for name in names}
+    return named
+
+
+def test_the_architecture_names_every_import_proxy_takes_from_engine_adapter() -> None:
+    """A reader checks there what crosses between the packages; an import left out is a
+    dependency nobody sees (``engine_adapter.vllm.compat`` was)."""
+    assert imports_from_engine_adapter() - imports_the_table_names(ARCHITECTURE.read_text()) == set()
