@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.servers import ROOT
@@ -174,3 +177,29 @@ def test_the_architecture_names_every_import_proxy_takes_from_engine_adapter() -
     """A reader checks there what crosses between the packages; an import left out is a
     dependency nobody sees (``engine_adapter.vllm.compat`` was)."""
     assert imports_from_engine_adapter() - imports_the_table_names(ARCHITECTURE.read_text()) == set()
+
+
+def pytest_commands(text: str) -> list[list[str]]:
+    """The arguments of each ``python -m pytest`` command line in ``text``'s code blocks
+    (continued lines joined), without the ones that only change what is printed."""
+    commands = []
+    for block in re.findall(r"```\w*\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if "python -m pytest" in line:
+                words = shlex.split(line.split("python -m pytest", 1)[1].split(" #", 1)[0])
+                commands.append([w for w in words if w not in ("-s", "-q") and not w.startswith("--durations")])
+    return commands
+
+
+def test_every_pytest_command_the_docs_give_runs_some_test() -> None:
+    """A reader reruns a figure's command: one that selects nothing (a test moved to another
+    file, a marker its file no longer holds) reproduces nothing and still exits quietly."""
+    commands = [args for doc in DOCS for args in pytest_commands(doc.read_text())]
+    assert len(commands) >= 8
+    empty = []
+    for args in commands:
+        collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
+                                   cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if collected.returncode != 0:
+            empty.append((" ".join(args), collected.stdout.strip().splitlines()[-1:]))
+    assert empty == []
