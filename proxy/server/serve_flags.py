@@ -75,7 +75,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "a temporary directory of this instance's own (or $PROMETHEUS_MULTIPROC_DIR, whose *.db "
         "files are wiped at start). With vLLM use its --api-server-count N after \"--\"",
     )
-    p.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="TOML settings file, every key under a [cachetally] table, as in config/default.toml "
+                   "(default: that file)")
     p.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],

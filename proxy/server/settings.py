@@ -261,9 +261,12 @@ def load_settings(
     if config_file is not None or path.exists():
         try:
             with path.open("rb") as fh:
-                _apply(settings, tomllib.load(fh).get("cachetally", {}), str(path))
+                document = tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise SettingsError(f"cannot read config {path}: {exc}") from None
+        if not isinstance(table := document.pop("cachetally", {}), dict) or document:  # else ignored in silence
+            raise SettingsError(f"{path}: settings go under [cachetally], not {', '.join(document) or 'cachetally = VALUE'}")
+        _apply(settings, table, str(path))
     environ = os.environ if env is None else env
     ours = {key: key[len(ENV_PREFIX) :].lower() for key in environ
             if key.startswith(ENV_PREFIX) and key not in NOT_SETTINGS}

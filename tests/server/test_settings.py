@@ -49,6 +49,20 @@ def test_unknown_key_in_toml_is_an_error(tmp_path: Path) -> None:
         load_settings(config, env={})
 
 
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("port = 7000\n", "port"),  # above any table: the header forgotten
+        ("[server]\nport = 7000\n", "server"),  # a table of another name
+        ("[cachetally]\nport = 7000\n[cachetally.extra]\n", None),  # a sub-table is a setting's name
+        ("cachetally = 5\n", "cachetally = VALUE"),  # not a table at all
+    ],
+)
+def test_a_key_outside_the_cachetally_table_is_an_error_not_ignored(tmp_path: Path, text: str, names: str | None) -> None:
+    with pytest.raises(SettingsError, match=re.escape(f"not {names}") if names else "unknown setting 'extra'"):
+        load_settings(toml(tmp_path, text), env={})
+
+
 def test_unknown_flag_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="unknown setting"):
         load_settings(toml(tmp_path, ""), env={}, overrides={"colour": "blue"})
