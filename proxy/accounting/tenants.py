@@ -92,9 +92,12 @@ def _read_keys(path: Path) -> dict[str, str]:
             data = tomllib.load(fh)
     except OSError as exc:
         raise ValueError(f"cannot read API keys file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError:
-        # The parser's message may quote the line, and the line holds a key.
-        raise ValueError(f"API keys file {path} is not valid TOML") from None
+    except tomllib.TOMLDecodeError as exc:
+        # The parser's message may quote a key ("Cannot declare ('sk-...',) twice"): pass on
+        # only its line number, which is what finds the entry in a file of many keys.
+        line = re.search(r"\(at line (\d+),", str(exc))
+        raise ValueError(f"API keys file {path} is not valid TOML at line {line[1] if line else '?'}: "
+                         'each line is "key" = "tenant", each key once') from None
     if not all(isinstance(v, str) for v in data.values()):
         raise ValueError(f"API keys file {path}: every entry must be \"key\" = \"tenant\"")
     if not data:
