@@ -290,6 +290,18 @@ def test_an_unreadable_period_is_refused_in_words(tmp_path: Path, capsys: pytest
     assert "not an ISO 8601 time: 'yesterday'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("until", ["2026-10-31T23:59:59", "2026-10-01"])
+def test_a_period_that_ends_before_it_starts_is_refused_not_billed_as_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], until: str
+) -> None:
+    path = write(tmp_path / "a.jsonl", [{**rec("acme", "m", 10, 0, 1), "start_time": "2026-11-15T00:00:00Z"}])
+    assert main(["report", str(path), "--since", "2026-11-01", "--until", until, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    until_utc = until + ("" if "T" in until else "T00:00:00") + "+00:00"
+    assert err == f"cachetally report: --since 2026-11-01T00:00:00+00:00 is after --until {until_utc}\n"
+
+
 def test_copies_of_an_invalid_or_undated_record_are_said_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Files gathered twice (the case ``record_id`` is for) must not double what the report
     says is wrong: one invalid and one undated record, each read from two copies of a file,
