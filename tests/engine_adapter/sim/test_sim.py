@@ -542,3 +542,29 @@ async def test_messages_errors_have_vllms_anthropic_envelope(client: httpx.Async
     responses = await client.post("/v1/responses", json={"model": "gpt-x", "input": "hi"})
     assert responses.json()["error"]["code"] == 404  # the Responses API's stay OpenAI's
     assert sink.events == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--block-size", "0"], "argument --block-size: 0 is not at least 1"),
+        (["--capacity-blocks", "-1"], "argument --capacity-blocks: -1 is not at least 0"),
+        (["--token-delay-s", "-0.5"], "argument --token-delay-s: -0.5 is not at least 0"),
+        (["--port", "70000"], "argument --port: 70000 is not 0 to 65535"),  # it served, on another port
+        (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    ],
+)
+def test_a_bad_sim_flag_is_one_usage_line_and_exit_2_not_a_traceback(argv: list[str], says: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "engine_adapter.sim", *argv],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.splitlines()[-1].startswith(f"python -m engine_adapter.sim: error: {says}"), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_sim_help_gives_each_option_its_default_and_unit() -> None:
+    out = subprocess.run([sys.executable, "-m", "engine_adapter.sim", "--help"],
+                         capture_output=True, text=True, check=True, timeout=30).stdout
+    for says in ["--block-size TOKENS", "(default: 16)", "--token-delay-s SECONDS", "seconds per generated token",
+                 "(default: 4096)", "(default: 8000)", "(default: warning)", "example:"]:
+        assert says in out, says
