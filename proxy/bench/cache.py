@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -213,7 +214,7 @@ def table(bench: CacheBench) -> str:
     return "\n".join(lines)
 
 
-def plot(bench: CacheBench, path: str) -> None:
+def plot(bench: CacheBench, path: Path) -> None:
     """TTFT against cached fraction, one colour per kind. Needs matplotlib."""
     import matplotlib
 

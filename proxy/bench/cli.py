@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from proxy.server.plot_path import plot_path
+
 _CACHE_EPILOG = """\
 examples:
   cachetally bench cache --url http://127.0.0.1:8000
@@ -72,7 +74,8 @@ def bench_parser() -> argparse.ArgumentParser:
     cache.add_argument("--max-tokens", type=_positive, default=8, metavar="T",
                        help="tokens to generate per request (default: 8)")
     cache.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    cache.add_argument("--plot", metavar="FILE.png", help="draw TTFT against cached fraction (needs matplotlib)")
+    cache.add_argument("--plot", type=plot_path, metavar="FILE.png",
+                       help="draw TTFT against cached fraction (.png, .svg or .pdf; needs matplotlib)")
     cache.set_defaults(run=run_cache)
     proxy = bsub.add_parser(
         "proxy",
@@ -142,7 +145,11 @@ def run_cache(args: argparse.Namespace) -> int:
     else:
         print(cache.table(bench))
     if args.plot:
-        cache.plot(bench, args.plot)
+        try:
+            cache.plot(bench, args.plot)
+        except OSError as exc:  # the figures are printed above: say why the plot is not there
+            print(f"cachetally bench cache: cannot write the plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 

@@ -252,6 +252,19 @@ def test_a_plot_that_cannot_be_written_is_said_in_words(tmp_path: Path, capsys: 
     assert "cannot write the plot" in err and "No such file or directory" in err and "Traceback" not in err
 
 
+def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_before_reading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: a ValueError traceback from matplotlib ("Format 'txt' is not supported"), after the table."""
+    path = write(tmp_path / "a.jsonl", [rec("acme", "m", 10, 0, 1)])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(path), "--plot", str(tmp_path / "usage.txt")])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "does not end in .png, .svg, .pdf" in err and "Traceback" not in err
+    assert not (tmp_path / "usage.txt").exists()
+
+
 def test_a_directory_with_no_usage_file_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Files one folder down (one per host) were read as an empty bill, without a word."""
     (tmp_path / "host-a").mkdir()

@@ -94,6 +94,28 @@ def test_plot(base_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize(
+    ("name", "says", "code"),
+    [
+        ("ttft.txt", "ttft.txt' does not end in .png, .svg, .pdf", 2),  # before any request
+        ("no-such-dir/ttft.png", "cannot write the plot", 2),  # after the figures, which are printed
+    ],
+)
+def test_a_plot_that_cannot_be_drawn_is_one_line_not_a_traceback(
+    base_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, says: str, code: int
+) -> None:
+    if matplotlib_missing():
+        pytest.skip("matplotlib is not installed")
+    argv = ["--url", base_url, "--prompt-tokens", "32", "--repeats", "1", "--plot", str(tmp_path / name)]
+    try:
+        got, _, err = bench(capsys, *argv)
+    except SystemExit as exit_info:  # argparse's refusal
+        got, err = exit_info.code, capsys.readouterr().err
+    assert got == code
+    assert says in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
 def test_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = bench(capsys, "--url", "http://127.0.0.1:9", "--repeats", "1")
     assert code == 1

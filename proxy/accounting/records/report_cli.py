@@ -16,6 +16,7 @@ import orjson
 
 from proxy.accounting.records.prices import EXACT, PriceList
 from proxy.accounting.records.report import Report, Totals, read
+from proxy.server.plot_path import plot_path
 
 PROGRESS_BYTES = 16 << 20
 
@@ -53,7 +54,8 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
                    help="only requests that started at or after TIME (ISO 8601, UTC unless it says, e.g. 2026-11-01)")
     p.add_argument("--until", type=_utc, metavar="TIME", help="only requests that started before TIME")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw cached vs uncached input tokens (and cost) per tenant")
+    p.add_argument("--plot", type=plot_path, metavar="FILE.png",
+                   help="draw cached vs uncached input tokens (and cost) per tenant (.png, .svg or .pdf)")
     p.set_defaults(run=run)
 
 
