@@ -65,7 +65,7 @@ def bench_parser() -> argparse.ArgumentParser:
         epilog=_CACHE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cache.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    cache.add_argument("--url", required=True, type=_server_url, help="server base URL, e.g. http://127.0.0.1:8000")
     cache.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")
     cache.add_argument("--prompt-tokens", type=_positive, default=1024, metavar="N",
                        help="approximate prompt length in tokens (default: 1024)")
@@ -108,6 +108,14 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
     return value
+
+
+def _server_url(text: str) -> str:
+    # The client reads "localhost:8000" as a URL of scheme "localhost" and says only "Connection error."
+    scheme, _, rest = text.partition("://")
+    if scheme not in ("http", "https") or not rest.strip("/"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:8000)")
+    return text
 
 
 def run_cache(args: argparse.Namespace) -> int:

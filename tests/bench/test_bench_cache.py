@@ -116,6 +116,17 @@ def test_a_plot_that_cannot_be_drawn_is_one_line_not_a_traceback(
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("url", ["localhost:8000", "127.0.0.1:8000", "ftp://127.0.0.1", "http://"])
+def test_a_url_without_its_scheme_is_refused_in_words_not_as_a_connection_error(
+    capsys: pytest.CaptureFixture[str], url: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "cache", "--url", url])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --url: {url!r} is not an http:// or https:// URL" in err and "Connection error" not in err
+
+
 def test_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = bench(capsys, "--url", "http://127.0.0.1:9", "--repeats", "1")
     assert code == 1
