@@ -42,12 +42,27 @@ DEFAULT_TENANT = "default"
 OTHER_TENANT = "other"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
 
 
 def check_tenant_name(name: object, where: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"{where}: a tenant name is 1-64 characters of [A-Za-z0-9._-], not {name!r}")
     return name
+
+
+def check_tenant_header(header: str | None, tenants: Iterable[object]) -> None:
+    """The trusted header's settings, as a start refuses them (``ValueError``). The header and
+    the tenants it names go together: alone, the header bills every request to ``other``,
+    and the names label nothing, each in silence."""
+    tenants = [check_tenant_name(name, "tenants") for name in tenants]
+    if header is not None and not _HEADER_NAME.fullmatch(header):
+        raise ValueError(f"tenant_header must be an HTTP header name, not {header!r}")
+    if header is not None and not tenants:
+        raise ValueError(f"tenant_header {header} with no tenants would bill every request to 'other': "
+                         "name the header's values (--tenants a,b)")
+    if header is None and tenants:
+        raise ValueError("tenants name the values of a tenant header, and none is set (--tenant-header NAME)")
 
 
 def _digest(key: bytes) -> bytes:

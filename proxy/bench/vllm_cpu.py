@@ -11,7 +11,7 @@ thread's, the usage-record writer's included), with a pause (default 1.3 s) insi
 window so that the writer's 1 s flush falls where its records were made. The pause also
 leaves the caches as cold as a real API server's between requests at a few per second;
 ``PAUSE_S`` 0 is a hot loop. Accounting is what the environment says
-(``CACHETALLY_USAGE_DIR``, ``CACHETALLY_TENANT_HEADER``; load_settings), so the same
+(``CACHETALLY_USAGE_DIR``, ``CACHETALLY_TENANT_HEADER`` with ``CACHETALLY_TENANTS``; load_settings), so the same
 command measures the middleware alone and with records. Prints one JSON line: the medians
 of the rounds in µs per request, and what the middleware adds.
 

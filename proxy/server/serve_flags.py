@@ -133,14 +133,15 @@ def _accounting_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tenant-header",
         metavar="NAME",
-        help="take the tenant from this request header; refused beside --api-key/--api-keys. Clients "
-        "can send any value: use it only behind a trusted gateway that sets the header itself",
+        help="take the tenant from this request header, whose values --tenants names (required with "
+        "it); refused beside --api-key/--api-keys. Clients can send any value: use it only behind a "
+        "trusted gateway that sets the header itself",
     )
     g.add_argument(
         "--tenants",
         metavar="A,B,C",
-        help="tenant-header values with a metrics label of their own; any other value counts as "
-        "'other' (default: none, so every header value is 'other')",
+        help="the --tenant-header values that are tenants, each with its records and metrics label; "
+        "any other value counts as 'other' (required with --tenant-header, refused without it)",
     )
     g.add_argument(
         "--usage-dir",

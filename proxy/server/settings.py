@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
-from proxy.accounting.tenants import check_tenant_name
+from proxy.accounting.tenants import check_tenant_header
 from proxy.server.logs import redacted
 from proxy.upstream.client import Origin
 
@@ -151,13 +151,6 @@ class Settings:
 
 
     def _validate_accounting(self) -> None:
-        try:
-            for name in self.tenants:
-                check_tenant_name(name, "tenants")
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
-        if self.tenant_header is not None and not _HEADER_NAME.fullmatch(self.tenant_header):
-            raise SettingsError(f"tenant_header must be an HTTP header name, not {self.tenant_header!r}")
         if self.tenant_header is not None and (self.api_key is not None or self.api_keys_file):
             # A key's holder could otherwise name any tenant in the header (proxy.accounting.tenants).
             raise SettingsError(
@@ -165,6 +158,10 @@ class Settings:
                 "tenant is its key's (name tenants in the API keys file); the header is for a trusted "
                 "gateway in front of a cachetally that checks no key"
             )
+        try:
+            check_tenant_header(self.tenant_header, self.tenants)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         if self.otlp_endpoint:
             parts = urlsplit(self.otlp_endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -182,7 +179,6 @@ class Settings:
 _HINTS = get_type_hints(Settings)
 #: The levels ``--log-level`` offers; any other is refused here, not by ``logging`` at start.
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
 _LIST_SEPARATORS = re.compile(r"[\s,]+")
 
 

@@ -235,7 +235,7 @@ def test_flags_env_and_file_set_the_tenancy(tmp_path: Path) -> None:
     settings = serve_settings(args)
     assert (settings.tenant_header, settings.tenants) == ("X-Team", ["a", "b", "c"])
     assert serve_settings(build_parser().parse_args(["serve", "--api-keys", "k.toml"])).api_keys_file == "k.toml"
-    assert load_settings(env={"CACHETALLY_TENANTS": "x y,z"}).tenants == ["x", "y", "z"]
+    assert load_settings(env={"CACHETALLY_TENANT_HEADER": "t", "CACHETALLY_TENANTS": "x y,z"}).tenants == ["x", "y", "z"]
     with pytest.raises(SettingsError, match="tenant name"):
         load_settings(env={"CACHETALLY_TENANTS": "ok,not/ok"})
     with pytest.raises(SettingsError, match="header name"):
@@ -300,7 +300,8 @@ def test_inside_vllm_a_tenant_header_beside_vllms_own_key_refuses_to_start(vllm_
 
     from tests.servers import ROOT
 
-    base = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"} | {"CACHETALLY_TENANT_HEADER": "x-tenant"}
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"} | {"CACHETALLY_TENANT_HEADER": "x-tenant",
+                                                                             "CACHETALLY_TENANTS": "acme"}
     run = subprocess.run(
         [sys.executable, "-c", _VLLM_SHAPED, *vllm_key], cwd=ROOT, env=base | env,
         capture_output=True, text=True, timeout=30,
@@ -320,3 +321,30 @@ async def test_tenants_from_a_trusted_header_turn_billing_on(path: str) -> None:
         assert resp.status_code == 403, resp.text
         metrics = (await client.get("/metrics")).text
     assert metric_value(metrics, "cachetally_refused_unmetered_total", route=path) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--tenant-header", "X-Team"], "tenant_header X-Team with no tenants would bill every request to 'other'"),
+        (["--tenants", "red,blue"], "tenants name the values of a tenant header, and none is set"),
+    ],
+)
+def test_a_tenant_header_or_tenants_alone_fails_the_start_in_one_line(
+    tmp_path: Path, argv: list[str], says: str
+) -> None:
+    """Alone, the header billed every request to 'other' (records too) and the names labelled
+    nothing: a server that started, and a bill without tenants."""
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT, free_port
+
+    usage = tmp_path / "usage"
+    run = subprocess.run(
+        [sys.executable, "-m", "proxy.server.cli", "serve", "--engine", "sim", "--port", str(free_port()),
+         "--usage-dir", str(usage), *argv], cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.splitlines()[-1].startswith(f"cachetally: {says}")
+    assert "Traceback" not in run.stderr and "ready on" not in run.stderr
