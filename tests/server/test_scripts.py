@@ -1,4 +1,4 @@
-"""The README's two commands, as a reader of a fresh clone meets them."""
+"""The README's two commands, and the setup they run, as a reader of a fresh clone meets them."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def run(clone: Path, script: str, *args: str) -> subprocess.CompletedProcess[str
                           timeout=60)
 
 
-@pytest.mark.parametrize("script", ["serve", "test"])
+@pytest.mark.parametrize("script", ["serve", "test", "setup"])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_explains_the_script_without_setting_anything_up(fresh_clone: Path, script: str, flag: str) -> None:
     """On a fresh clone, --help was minutes of install (3.5 GB) before any word of help."""
@@ -33,6 +33,13 @@ def test_help_explains_the_script_without_setting_anything_up(fresh_clone: Path,
     assert (out.returncode, out.stderr) == (0, "")
     assert out.stdout.startswith(f"usage: scripts/{script} ")
     assert "scripts/setup" in out.stdout
+    assert not (fresh_clone / ".venv").exists()
+
+
+def test_setup_given_an_argument_it_does_not_take_refuses_it_without_setting_anything_up(fresh_clone: Path) -> None:
+    out = run(fresh_clone, "setup", "--gpu")
+    assert out.returncode == 2
+    assert out.stderr.startswith("scripts/setup: takes no argument: --gpu\nusage: scripts/setup [-h]\n")
     assert not (fresh_clone / ".venv").exists()
 
 
