@@ -151,6 +151,8 @@ class Settings:
 
 
     def _validate_accounting(self) -> None:
+        if bad := [path for path in self.auth_exempt_paths if not path.startswith("/")]:  # else exempt nothing
+            raise SettingsError(f"auth_exempt_paths are paths from the root, e.g. /v1/models, not {bad[0]!r}")
         if self.tenant_header is not None and (self.api_key is not None or self.api_keys_file):
             # A key's holder could otherwise name any tenant in the header (proxy.accounting.tenants).
             raise SettingsError(

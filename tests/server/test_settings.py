@@ -63,6 +63,15 @@ def test_a_key_outside_the_cachetally_table_is_an_error_not_ignored(tmp_path: Pa
         load_settings(toml(tmp_path, text), env={})
 
 
+@pytest.mark.parametrize("path", ["v1/models", "models", ""])
+def test_an_auth_exempt_path_not_from_the_root_is_refused_not_matched_by_nothing(tmp_path: Path, path: str) -> None:
+    """A request's path always starts with '/': "v1/models" opened nothing, in silence."""
+    with pytest.raises(SettingsError, match=re.escape(f"not {path!r}")):
+        load_settings(toml(tmp_path, ""), env={}, overrides={"api_key": "k", "auth_exempt_paths": ["/v1/x", path]})
+    opened = load_settings(toml(tmp_path, ""), env={}, overrides={"auth_exempt_paths": ["/v1/models"]})
+    assert opened.auth_exempt_paths == ["/v1/models"]
+
+
 def test_unknown_flag_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="unknown setting"):
         load_settings(toml(tmp_path, ""), env={}, overrides={"colour": "blue"})
