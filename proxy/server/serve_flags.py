@@ -56,7 +56,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--engine", choices=["vllm", "sim"], help="engine to serve (default: vllm)")
-    p.add_argument("--upstream", metavar="URL", help="front a running server instead of embedding one")
+    p.add_argument("--upstream", metavar="URL", help="front a running server instead of embedding one: its root URL, e.g. "
+                   "http://127.0.0.1:8001 (not .../v1)")
     p.add_argument(
         "--upstream-ca",
         metavar="FILE",

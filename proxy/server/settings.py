@@ -108,6 +108,8 @@ class Settings:
             except ValueError:
                 raise SettingsError("upstream must be http://HOST:PORT[/PATH] or https://HOST:PORT[/PATH], "
                                     f"not {redacted(self.upstream)!r}") from None
+            if origin.base_path.endswith(b"/v1"):  # a client's base_url: every route would go to /v1/v1/...
+                raise SettingsError("upstream is the server's root URL: drop its /v1, which each route's path carries")
             if self.upstream_ca and not origin.tls:
                 raise SettingsError("upstream_ca applies to an https:// upstream only")
         if self.upstream_ca and not Path(self.upstream_ca).is_file():

@@ -72,6 +72,14 @@ def test_an_auth_exempt_path_not_from_the_root_is_refused_not_matched_by_nothing
     assert opened.auth_exempt_paths == ["/v1/models"]
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8001/v1", "http://127.0.0.1:8001/v1/", "https://gw.internal/team/v1"])
+def test_an_upstream_given_as_a_clients_v1_base_url_is_refused(tmp_path: Path, url: str) -> None:
+    """It started, and every request went to /v1/v1/... and came back 404."""
+    with pytest.raises(SettingsError, match="drop its /v1"):
+        load_settings(toml(tmp_path, ""), env={}, overrides={"upstream": url})
+    assert load_settings(toml(tmp_path, ""), env={}, overrides={"upstream": url.rsplit("/v1", 1)[0]}).upstream
+
+
 def test_unknown_flag_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="unknown setting"):
         load_settings(toml(tmp_path, ""), env={}, overrides={"colour": "blue"})
