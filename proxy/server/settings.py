@@ -16,7 +16,6 @@ import os
 import re
 import shlex
 import ssl
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
 from proxy.accounting.tenants import check_tenant_header
+from proxy.server.config_file import config_table
 from proxy.server.logs import redacted
 from proxy.upstream.client import Origin
 
@@ -260,12 +260,9 @@ def load_settings(
     path = config_file or DEFAULT_CONFIG
     if config_file is not None or path.exists():
         try:
-            with path.open("rb") as fh:
-                document = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise SettingsError(f"cannot read config {path}: {exc}") from None
-        if not isinstance(table := document.pop("cachetally", {}), dict) or document:  # else ignored in silence
-            raise SettingsError(f"{path}: settings go under [cachetally], not {', '.join(document) or 'cachetally = VALUE'}")
+            table = config_table(path, _HINTS)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         _apply(settings, table, str(path))
     environ = os.environ if env is None else env
     ours = {key: key[len(ENV_PREFIX) :].lower() for key in environ
