@@ -96,7 +96,7 @@ def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     ("text", "message"),
     [("[default]\ninput = -1\ncached_input = 0\noutput = 0\n", "input must be a number"),
      ("[default]\ninput = 1\n", "cached_input must be"),
-     ("[defaults]\ninput = 1\n", "unknown table"),
+     ("[defaults]\ninput = 1\n", "1 unknown table.*, such as defaults;"),
      ("[default]\ninput = 1\ncached_input = 1\noutput = 1\nextra = 2\n", "only input")],
 )
 def test_bad_prices_are_refused(tmp_path: Path, text: str, message: str) -> None:
@@ -104,6 +104,14 @@ def test_bad_prices_are_refused(tmp_path: Path, text: str, message: str) -> None
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         PriceList.load(path)
+
+
+def test_the_api_keys_file_given_as_prices_is_refused_without_printing_a_key(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text('"sk-live-2f0c" = "acme"\n"sk-live-9ab1" = "globex"\n')
+    with pytest.raises(ValueError, match="2 unknown table") as info:
+        PriceList.load(path)
+    assert "sk-live" not in str(info.value)
 
 
 def test_since_and_until_select_requests_by_start_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

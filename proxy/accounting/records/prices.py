@@ -9,6 +9,7 @@ with an example: ``config/prices.example.toml``.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, Inexact, InvalidOperation, Overflow, localcontext
@@ -38,6 +39,9 @@ class Prices:
                     + completion * self.output).scaleb(-6)
 
 
+_TABLE_LIKE = re.compile(r"[a-z_]{1,24}")
+
+
 @dataclass(slots=True)
 class PriceList:
     default: Prices | None
@@ -53,9 +57,12 @@ class PriceList:
                 data = tomllib.load(fh, parse_float=Decimal)  # 0.1 stays 0.1, not 0.1000000000000000055
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"cannot read prices {path}: {exc}") from None
-        unknown = set(data) - {"default", "models"}
-        if unknown:
-            raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; expected [default] and [models.NAME]")
+        if unknown := set(data) - {"default", "models"}:
+            # Named when it reads as a misspelt table ([defaults]); the API keys file given here
+            # by mistake must not have its keys printed.
+            named = sorted(name for name in unknown if _TABLE_LIKE.fullmatch(name))
+            raise ValueError(f"{path}: {len(unknown)} unknown table(s) or key(s){f', such as {named[0]}' if named else ''}; "
+                             "expected only [default] and [models.NAME]")
         default = _prices(data["default"], f"{path} [default]", None) if "default" in data else None
         models = {
             name: _prices(table, f"{path} [models.{name}]", default)
