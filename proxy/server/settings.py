@@ -110,6 +110,8 @@ class Settings:
                                     f"not {redacted(self.upstream)!r}") from None
             if origin.base_path.endswith(b"/v1"):  # a client's base_url: every route would go to /v1/v1/...
                 raise SettingsError("upstream is the server's root URL: drop its /v1, which each route's path carries")
+            if origin.port == self.port and origin.host in {self.host} | (_LOOPBACK if self.host in _WILD else set()):
+                raise SettingsError(f"upstream {redacted(self.upstream)} is this server itself: requests would loop")
             if self.upstream_ca and not origin.tls:
                 raise SettingsError("upstream_ca applies to an https:// upstream only")
         if self.upstream_ca and not Path(self.upstream_ca).is_file():
@@ -180,6 +182,7 @@ class Settings:
             raise SettingsError("otlp_timeout_s must be > 0")
 
 
+_LOOPBACK, _WILD = {"localhost", "127.0.0.1", "::1"}, {"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"}
 _HINTS = get_type_hints(Settings)
 #: The levels ``--log-level`` offers; any other is refused here, not by ``logging`` at start.
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

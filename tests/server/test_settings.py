@@ -72,6 +72,27 @@ def test_the_api_keys_file_given_as_config_is_refused_without_printing_a_key(tmp
     assert "sk-live" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("host", "url", "loops"),
+    [
+        ("127.0.0.1", "http://127.0.0.1:8000", True),  # the default port: vLLM's, and cachetally's
+        ("127.0.0.1", "http://localhost:8000", True),
+        ("0.0.0.0", "http://127.0.0.1:8000/base", True),
+        ("10.0.0.5", "http://10.0.0.5:8000", True),
+        ("10.0.0.5", "http://127.0.0.1:8000", False),  # listening elsewhere: loopback:8000 is another server
+        ("127.0.0.1", "http://127.0.0.1:8001", False),
+    ],
+)
+def test_an_upstream_at_this_servers_own_address_is_refused(tmp_path: Path, host: str, url: str, loops: bool) -> None:
+    """It started, forwarded each request to itself until its pool ran dry, and answered 503."""
+    flags = {"upstream": url, "host": host, "port": 8000}
+    if loops:
+        with pytest.raises(SettingsError, match="is this server itself"):
+            load_settings(toml(tmp_path, ""), env={}, overrides=flags)
+    else:
+        assert load_settings(toml(tmp_path, ""), env={}, overrides=flags).upstream == url
+
+
 def test_unknown_flag_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="unknown setting"):
         load_settings(toml(tmp_path, ""), env={}, overrides={"colour": "blue"})
