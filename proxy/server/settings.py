@@ -129,10 +129,10 @@ class Settings:
         if self.workers < 1:
             raise SettingsError(f"workers must be >= 1, not {self.workers}")
         if self.workers > 1 and self.engine == "vllm":
-            raise SettingsError(
-                "workers > 1 applies to the upstream and sim engines; with vLLM, pass vLLM's own "
-                "--api-server-count N after \"--\""
-            )
+            raise SettingsError("workers > 1 applies to the upstream and sim engines; with vLLM, pass vLLM's own "
+                                "--api-server-count N after \"--\"")
+        if self.engine_args and self.engine != "vllm":  # else flags meant for an engine would do nothing, in silence
+            raise SettingsError(f"engine_args (the flags after \"--\") are vLLM's; the {self.engine} engine takes none")
         self.log_level = str(self.log_level).lower()  # INFO as info, as logging and uvicorn take it
         if self.log_level not in LOG_LEVELS:
             raise SettingsError(f"log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")

@@ -93,6 +93,13 @@ def test_an_upstream_at_this_servers_own_address_is_refused(tmp_path: Path, host
         assert load_settings(toml(tmp_path, ""), env={}, overrides=flags).upstream == url
 
 
+@pytest.mark.parametrize("engine", [{"engine": "sim"}, {"upstream": "http://127.0.0.1:8001"}])
+def test_vllm_flags_given_to_another_engine_are_refused_not_ignored(tmp_path: Path, engine: dict) -> None:
+    with pytest.raises(SettingsError, match="are vLLM's; the (sim|upstream) engine takes none"):
+        load_settings(toml(tmp_path, ""), env={}, overrides={**engine, "engine_args": ["--max-model-len", "4096"]})
+    assert load_settings(toml(tmp_path, ""), env={}, overrides={"engine_args": ["--max-model-len", "4096"]}).engine_args
+
+
 def test_unknown_flag_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="unknown setting"):
         load_settings(toml(tmp_path, ""), env={}, overrides={"colour": "blue"})
