@@ -111,7 +111,7 @@ class Settings:
             if origin.base_path.endswith(b"/v1"):  # a client's base_url: every route would go to /v1/v1/...
                 raise SettingsError("upstream is the server's root URL: drop its /v1, which each route's path carries")
             if origin.port == self.port and origin.host in {self.host} | (_LOOPBACK if self.host in _WILD else set()):
-                raise SettingsError(f"upstream {redacted(self.upstream)} is this server itself: requests would loop")
+                raise SettingsError(f"upstream {redacted(self.upstream)} is this server: serve on another --port")
             if self.upstream_ca and not origin.tls:
                 raise SettingsError("upstream_ca applies to an https:// upstream only")
         if self.upstream_ca and not Path(self.upstream_ca).is_file():

@@ -87,7 +87,7 @@ def test_an_upstream_at_this_servers_own_address_is_refused(tmp_path: Path, host
     """It started, forwarded each request to itself until its pool ran dry, and answered 503."""
     flags = {"upstream": url, "host": host, "port": 8000}
     if loops:
-        with pytest.raises(SettingsError, match="is this server itself"):
+        with pytest.raises(SettingsError, match="is this server: serve on another --port"):
             load_settings(toml(tmp_path, ""), env={}, overrides=flags)
     else:
         assert load_settings(toml(tmp_path, ""), env={}, overrides=flags).upstream == url
