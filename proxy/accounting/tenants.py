@@ -29,12 +29,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
 from proxy.asgi.headers import RequestHeaders
+from proxy.server.config_file import read_toml
 
 logger = logging.getLogger("cachetally.tenants")
 
@@ -102,17 +102,8 @@ class KeyTable:
 
 
 def _read_keys(path: Path) -> dict[str, str]:
-    try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise ValueError(f"cannot read API keys file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        # The parser's message may quote a key ("Cannot declare ('sk-...',) twice"): pass on
-        # only its line number, which is what finds the entry in a file of many keys.
-        line = re.search(r"\(at line (\d+),", str(exc))
-        raise ValueError(f"API keys file {path} is not valid TOML at line {line[1] if line else '?'}: "
-                         'each line is "key" = "tenant", each key once') from None
+    # The line finds the entry among many keys; the parser's reason could quote one.
+    data = read_toml(path, "API keys file", reason='each line is "key" = "tenant", each key once')
     if not all(isinstance(v, str) for v in data.values()):
         raise ValueError(f"API keys file {path}: every entry must be \"key\" = \"tenant\"")
     if not data:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -110,6 +111,21 @@ def test_the_api_keys_file_given_as_prices_is_refused_without_printing_a_key(tmp
     path = tmp_path / "keys.toml"
     path.write_text('"sk-live-2f0c" = "acme"\n"sk-live-9ab1" = "globex"\n')
     with pytest.raises(ValueError, match="2 unknown table") as info:
+        PriceList.load(path)
+    assert "sk-live" not in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("[sk-live-2f0c]\n[sk-live-2f0c]\n", "not valid TOML at line 2: Cannot declare a name twice"),
+    ('[default]\ninput = "sk-live-2f0c\n', "not valid TOML at line 2: "),
+])
+def test_a_prices_file_that_is_not_toml_is_refused_at_its_line_without_quoting_it(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    """tomllib's own message quoted the file ("Cannot declare ('sk-live-2f0c',) twice")."""
+    path = tmp_path / "prices.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"cannot read prices {path}: {says}")) as info:
         PriceList.load(path)
     assert "sk-live" not in str(info.value)
 

@@ -10,11 +10,12 @@ with an example: ``config/prices.example.toml``.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, Inexact, InvalidOperation, Overflow, localcontext
 from pathlib import Path
 from typing import Any
+
+from proxy.server.config_file import read_toml
 
 PRICE_KEYS = ("input", "cached_input", "output")
 OPTIONAL_PRICE_KEYS = ("cache_write_input",)
@@ -52,11 +53,7 @@ class PriceList:
 
     @classmethod
     def load(cls, path: Path) -> PriceList:
-        try:
-            with path.open("rb") as fh:
-                data = tomllib.load(fh, parse_float=Decimal)  # 0.1 stays 0.1, not 0.1000000000000000055
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"cannot read prices {path}: {exc}") from None
+        data = read_toml(path, "prices", parse_float=Decimal)  # 0.1 stays 0.1, not 0.1000000000000000055
         if unknown := set(data) - {"default", "models"}:
             # Named when it reads as a misspelt table ([defaults]); the API keys file given here
             # by mistake must not have its keys printed.
