@@ -162,8 +162,8 @@ def test_no_credential_bills_a_tenant_it_does_not_name(tmp_path: Path, config: s
     with proxy(tmp_path / "usage", **settings) as (url, billing):
         answered = {(path, key): complete(url, key, tenant="globex", path=path) for path in METERED for key in rule}
         if config != "file":  # the official client: the shared key asking for acme, in a header
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key=SHARED, default_headers={"x-tenant": "acme"})
-            client.completions.create(model=SERVED, prompt="hi", max_tokens=2)
+            with openai.OpenAI(base_url=f"{url}/v1", api_key=SHARED, default_headers={"x-tenant": "acme"}) as client:
+                client.completions.create(model=SERVED, prompt="hi", max_tokens=2)
     expected = {(path, key): (200 if want != 401 else 401) for path in METERED for key, want in rule.items()}
     assert answered == expected
     billed = sorted(want for _ in METERED for want in rule.values() if want != 401)
@@ -221,9 +221,9 @@ def test_a_reused_request_id_keeps_every_record_apart(tmp_path: Path) -> None:
     replicas = [usage / "a", usage / "b"]
     for replica in replicas:  # one after the other, each a fresh instance: two replicas, or a restart
         with proxy(replica) as (url, _):
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", default_headers=reused)
-            for _ in range(5):
-                client.completions.create(model=SERVED, prompt="hi", max_tokens=2)
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", default_headers=reused) as client:
+                for _ in range(5):
+                    client.completions.create(model=SERVED, prompt="hi", max_tokens=2)
     records = [orjson.loads(line) for f in sorted(usage.glob("*/*.jsonl")) for line in f.read_bytes().splitlines()]
     assert len(records) == 10
     assert {r["request_id"] for r in records} == {"same-id"}  # the client's id, kept as given
@@ -240,8 +240,7 @@ def test_a_reused_request_id_keeps_every_record_apart(tmp_path: Path) -> None:
 
 
 def test_made_up_model_names_mint_no_series_or_report_rows(tmp_path: Path) -> None:
-    with proxy(tmp_path / "usage") as (url, billing):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    with proxy(tmp_path / "usage") as (url, billing), openai.OpenAI(base_url=f"{url}/v1", api_key="unused") as client:
         for _ in range(30):
             client.completions.create(model=f"mint-{uuid.uuid4().hex}", prompt="hi", max_tokens=2)
         for _ in range(3):
@@ -309,9 +308,9 @@ def test_an_upstream_that_hides_its_models_labels_only_the_configured_one(tmp_pa
     with serving_in_thread(echo_upstream(None)) as upstream:
         settings = Settings(engine="upstream", upstream=upstream, model=SERVED).validate()
         with serving_in_thread(CachetallyApp(settings)) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-            for model in (SERVED, "mint-1", "mint-2"):
-                client.completions.create(model=model, prompt="hi", max_tokens=2)
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="unused") as client:
+                for model in (SERVED, "mint-1", "mint-2"):
+                    client.completions.create(model=model, prompt="hi", max_tokens=2)
             billing.metrics = httpx.get(f"{url}/metrics").text
     assert billing.counter_labels("model") == {SERVED, "other"}
 
@@ -319,8 +318,8 @@ def test_an_upstream_that_hides_its_models_labels_only_the_configured_one(tmp_pa
 def test_a_model_the_upstream_lists_later_gets_its_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(served_models, "REFRESH_S", 0.05)
     listed = [SERVED]
-    with proxy(tmp_path / "usage", listed=listed) as (url, billing):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    with (proxy(tmp_path / "usage", listed=listed) as (url, billing),
+          openai.OpenAI(base_url=f"{url}/v1", api_key="unused") as client):
         client.completions.create(model="m-new", prompt="hi", max_tokens=2)  # not served yet: other
         listed.append("m-new")  # the upstream loads it
         deadline = time.monotonic() + 10
