@@ -60,6 +60,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return Lanes(config, log)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_ipc_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Where every vLLM engine of this session binds its ZeroMQ IPC sockets. vLLM puts them
+    under ``VLLM_RPC_BASE_PATH`` (the system's temp folder by default) and leaves them
+    there when it stops, cleanly or not: 7 per engine in 0.32.0, `vllm serve` as much as
+    `cachetally serve`. Here they go with pytest's temp folders, not into the machine's /tmp."""
+    path = tmp_path_factory.mktemp("vllm-ipc")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_RPC_BASE_PATH", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def vllm_usage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the shared vLLM server writes its usage records (tests/real_vllm/test_vllm_records.py)."""
