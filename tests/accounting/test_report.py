@@ -22,7 +22,7 @@ def write(path: Path, records: list[dict], tail: bytes = b"") -> Path:
 
 
 def rec(tenant: str, model: str, prompt: int | None, cached: int | None, completion: int, outcome: str = "completed") -> dict:
-    return {"tenant": tenant, "model": model, "prompt_tokens": prompt, "cached_tokens": cached,
+    return {"v": 1, "tenant": tenant, "model": model, "prompt_tokens": prompt, "cached_tokens": cached,
             "completion_tokens": completion, "outcome": outcome}
 
 
@@ -78,6 +78,27 @@ def test_totals_cost_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     # upstream): its prompt is in no total, and the operator is told how many such records.
     assert report["unknown_prompts"] == 1
     assert "1 record(s) generated tokens with no prompt_tokens" in err
+
+
+@pytest.mark.parametrize("line", [
+    b'{"x": 1}',  # any object
+    b'{"level": "info", "tenant": "acme", "model": "m1", "msg": "served"}',  # another log's line
+    b'{"v": true, "tenant": "acme", "model": "m1", "prompt_tokens": 5}',  # a boolean for the version
+    b'{"v": 2, "tenant": null, "model": "m1", "prompt_tokens": 5}',
+    b'{"v": 2, "tenant": "acme", "prompt_tokens": 5}',
+    b'[1, 2]',
+])
+def test_a_line_that_is_not_a_usage_record_bills_nothing_and_is_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: bytes
+) -> None:
+    """A file of another log given by mistake (or one line of it) bills no request to anyone."""
+    path = write(tmp_path / "a.jsonl", RECORDS[:1], tail=line + b"\n")
+    assert main(["report", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert (report["records"], report["skipped_lines"], report["total"]["requests"]) == (1, 1, 1)
+    assert [(r["tenant"], r["model"]) for r in report["rows"]] == [("acme", "m1")]
+    assert "skipped 1 line(s) that are not records" in err
 
 
 def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

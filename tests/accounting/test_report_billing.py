@@ -106,7 +106,7 @@ def test_a_bill_over_replicas_is_exact_and_its_rows_add_up_to_its_totals(
 def test_a_figure_past_what_a_record_holds_is_not_counted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A hand-edited or corrupt 2**64 - 1 is an integer to JSON readers, but no record holds
     it: it billed 18 quintillion prompt tokens, 9.2 trillion at 0.5 per million."""
-    good = {"record_id": "good", "tenant": "acme", "model": "m", "prompt_tokens": 1000, "completion_tokens": 0}
+    good = {"v": 2, "record_id": "good", "tenant": "acme", "model": "m", "prompt_tokens": 1000, "completion_tokens": 0}
     bad = {**good, "record_id": "bad", "prompt_tokens": (1 << 64) - 1}
     path = tmp_path / "a.jsonl"
     path.write_bytes(orjson.dumps(good) + b"\n" + orjson.dumps(bad) + b"\n")
@@ -123,7 +123,7 @@ def test_totals_past_64_bits_are_written_digit_for_digit(tmp_path: Path, capsys:
     """Three records at the largest figure a record holds (an upstream may report it) sum
     past 64 bits: --json ended in a TypeError traceback, and the period had no bill at all."""
     path = tmp_path / "a.jsonl"
-    path.write_bytes(b"".join(orjson.dumps({"record_id": f"r{i}", "tenant": "acme", "model": "m",
+    path.write_bytes(b"".join(orjson.dumps({"v": 2, "record_id": f"r{i}", "tenant": "acme", "model": "m",
                                             "prompt_tokens": MAX_COUNT, "completion_tokens": 1}) + b"\n"
                               for i in range(3)))
     assert main(["report", str(path), "--json"]) == 0
@@ -136,7 +136,7 @@ def test_a_file_that_cannot_be_read_is_an_error_in_words(tmp_path: Path, capsys:
     the writer's 0640 keeps from the billing user, or one removed meanwhile) ended in a
     traceback; it must say which and exit 2, never print a bill without it."""
     (tmp_path / "usage").mkdir()
-    (tmp_path / "usage" / "a.jsonl").write_bytes(b'{"tenant": "acme", "model": "m", "prompt_tokens": 5}\n')
+    (tmp_path / "usage" / "a.jsonl").write_bytes(b'{"v": 2, "tenant": "acme", "model": "m", "prompt_tokens": 5}\n')
     (tmp_path / "usage" / "b.jsonl").mkdir()
     assert main(["report", str(tmp_path / "usage"), "--json"]) == 2
     out, err = capsys.readouterr()
@@ -149,7 +149,7 @@ def test_an_unreadable_directory_is_an_error_not_an_empty_bill(
     directory is made unlistable to the process at the system call (root lists any mode)."""
     usage = tmp_path / "usage"
     usage.mkdir()
-    (usage / "a.jsonl").write_bytes(b'{"tenant": "acme", "model": "m", "prompt_tokens": 5}\n')
+    (usage / "a.jsonl").write_bytes(b'{"v": 2, "tenant": "acme", "model": "m", "prompt_tokens": 5}\n')
     for name in ("scandir", "listdir"):
         def refused(path: Any = ".", *, _real: Any = getattr(os, name)) -> Any:
             if os.fspath(path) == str(usage):
@@ -186,8 +186,8 @@ def test_a_cost_of_more_digits_than_a_float_holds_is_billed_to_the_last_digit_in
     written 100, not 1E+2, to the billing team's tools."""
     prices = '[default]\ninput = 0.123456789\ncached_input = 0\noutput = 0\n[models."r"]\ninput = 2\ncached_input = 0\noutput = 0\n'
     out = _bill(tmp_path, capsys, prices, [
-        {"record_id": "a", "tenant": "big", "model": "m", "prompt_tokens": MAX_COUNT, "completion_tokens": 0},
-        {"record_id": "b", "tenant": "round", "model": "r", "prompt_tokens": 50_000_000, "completion_tokens": 0}])
+        {"v": 2, "record_id": "a", "tenant": "big", "model": "m", "prompt_tokens": MAX_COUNT, "completion_tokens": 0},
+        {"v": 2, "record_id": "b", "tenant": "round", "model": "r", "prompt_tokens": 50_000_000, "completion_tokens": 0}])
     report = json.loads(out, parse_float=Decimal)
     exact = Decimal(MAX_COUNT) * Decimal("0.123456789") / 10**6
     assert report["tenants"]["big"]["cost"] == exact and len(exact.as_tuple().digits) == 28
@@ -198,7 +198,7 @@ def test_a_cost_of_more_digits_than_a_float_holds_is_billed_to_the_last_digit_in
 
 def test_a_price_of_minus_zero_bills_zero_not_minus_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = _bill(tmp_path, capsys, "[default]\ninput = -0.0\ncached_input = -0.0\noutput = -0.0\n",
-                [{"record_id": "a", "tenant": "t", "model": "m", "prompt_tokens": 5, "completion_tokens": 2}])
+                [{"v": 2, "record_id": "a", "tenant": "t", "model": "m", "prompt_tokens": 5, "completion_tokens": 2}])
     assert set(re.findall(r'"cost": ([^,\n]+)', out)) == {"0"}, out
 
 
@@ -206,7 +206,7 @@ def test_a_priced_bill_over_no_record_costs_zero_not_no_price(tmp_path: Path, ca
     """A period with no usage, priced: the bill is 0. A null cost means "a model without a
     price" (docs/ACCOUNTING.md); a billing script must not read an idle month as one."""
     (tmp_path / "usage.jsonl").write_bytes(orjson.dumps(
-        {"record_id": "a", "tenant": "t", "model": "m", "prompt_tokens": 5, "completion_tokens": 2,
+        {"v": 2, "record_id": "a", "tenant": "t", "model": "m", "prompt_tokens": 5, "completion_tokens": 2,
          "start_time": "2026-11-01T00:00:00+00:00"}) + b"\n")
     (tmp_path / "prices.toml").write_text("[default]\ninput = 1\ncached_input = 0\noutput = 1\n")
     assert main(["report", str(tmp_path / "usage.jsonl"), "--prices", str(tmp_path / "prices.toml"),

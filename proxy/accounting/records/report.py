@@ -1,7 +1,10 @@
 """Totals of usage records per tenant x model, and what they cost (``cachetally report``).
 
-Reads the JSONL files the recorder writes. A line that is not a JSON object (a torn last
-line after a failed write) is skipped and counted, never guessed at. Copies are found
+Reads the JSONL files the recorder writes. A line that is not a record is skipped and
+counted, never guessed at: one that is not a JSON object (a torn last line after a failed
+write), or an object without what every record since schema 1 carries (an integer schema
+version ``v``, a ``tenant`` and a ``model`` string), such as a line of another log given
+by mistake, which would otherwise bill a request to ``default``. Copies are found
 first: the first read of a ``record_id`` decides, whatever it holds, and a later one (the
 same file given twice, copies gathered from several places) is a duplicate, never counted
 or said again; one whose content differs (a file edited, two writers minting one id) is
@@ -152,7 +155,7 @@ class Report:
                 return
             if (since is not None and started < since) or (until is not None and started >= until):
                 return
-        key = (str(record.get("tenant", "default")), str(record.get("model", "unknown")))
+        key = (record["tenant"], record["model"])
         totals = self.rows.get(key)
         if totals is None:
             totals = self.rows[key] = Totals()
@@ -220,11 +223,17 @@ def read(
                     record = orjson.loads(line)
                 except orjson.JSONDecodeError:
                     record = None
-                if not isinstance(record, dict):
+                if not _is_record(record):
                     report.skipped_lines += 1
                 else:
                     report.add(record, period)
     return report
+
+
+def _is_record(line: Any) -> bool:
+    """Whether a line's JSON is a usage record of some schema (module docstring)."""
+    return (isinstance(line, dict) and type(line.get("v")) is int and line["v"] >= 1
+            and isinstance(line.get("tenant"), str) and isinstance(line.get("model"), str))
 
 
 def _counts(record: dict[str, Any]) -> bool:
