@@ -81,9 +81,16 @@ def _raw(url: str, answers: Answers, **request: object) -> int:
 
 
 def _ask_every_route(url: str, key: str, headers: dict[str, str], answers: Answers) -> None:
-    """Each metered route, JSON and stream, through the official clients; the model's 404."""
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, default_headers=headers,
-                           default_query={"api_key": QUERY}, max_retries=0)
+    """Each metered route, JSON and stream, through the official clients; the model's 404.
+    The clients are closed here, while the server runs, not by the collector later."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=key, default_headers=headers,
+                       default_query={"api_key": QUERY}, max_retries=0) as client, \
+         anthropic.Anthropic(base_url=url, auth_token=key, default_headers=headers,
+                             default_query={"api_key": QUERY}, max_retries=0) as claude:
+        _ask_with(client, claude, answers)
+
+
+def _ask_with(client: openai.OpenAI, claude: anthropic.Anthropic, answers: Answers) -> None:
     messages = [
         {"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call-1", "type": "function", "function": {
@@ -97,8 +104,6 @@ def _ask_every_route(url: str, key: str, headers: dict[str, str], answers: Answe
         for answer in (chat, completion, response):
             answers.append((False, "".join(part.model_dump_json() for part in answer) if stream
                             else answer.model_dump_json()))
-    claude = anthropic.Anthropic(base_url=url, auth_token=key, default_headers=headers,
-                                 default_query={"api_key": QUERY}, max_retries=0)
     message = claude.messages.create(model="sim-model", max_tokens=3, system=MSG_SYSTEM,
                                      messages=[{"role": "user", "content": MSG_USER}])
     answers.append((False, message.model_dump_json()))
