@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
-import shlex
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from urllib.parse import urlsplit
 from proxy.accounting.tenants import check_tenant_header
 from proxy.server.config_file import config_table
 from proxy.server.logs import redacted
+from proxy.server.setting_values import coerce
 from proxy.upstream.client import Origin
 
 ENV_PREFIX = "CACHETALLY_"
@@ -186,60 +185,10 @@ _LOOPBACK, _WILD = {"localhost", "127.0.0.1", "::1"}, {"localhost", "127.0.0.1",
 _HINTS = get_type_hints(Settings)
 #: The levels ``--log-level`` offers; any other is refused here, not by ``logging`` at start.
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-_LIST_SEPARATORS = re.compile(r"[\s,]+")
 
 
 #: Settings whose empty value is refused, not read as "none": an empty key would open the server.
 _KEYS = frozenset({"api_key", "api_keys_file"})
-
-
-def _coerce(name: str, value: Any) -> Any:
-    hint = _HINTS[name]
-    if isinstance(value, str):
-        if hint in (int, "int"):
-            return int(value)
-        if hint is float:
-            return float(value)
-        if hint is bool:
-            return _boolean(value)
-        if hint == list[str]:
-            if name == "engine_args":  # as a shell reads them: a JSON config holds spaces
-                return shlex.split(value)
-            # "a,b c" and "a b" alike: --tenants a,b,c and CACHETALLY_TENANTS="a b c"
-            return [item for item in _LIST_SEPARATORS.split(value) if item] if name == "tenants" else value.split()
-        if hint == str | None and value == "":
-            if name in _KEYS:  # CACHETALLY_API_KEY=$UNSET_VARIABLE must not open the server
-                raise ValueError("empty; leave it unset to serve without a key")
-            return None
-    return _typed(hint, value)
-
-
-def _typed(hint: Any, value: Any) -> Any:
-    """``value`` (from TOML or a flag, already typed) if it is of the setting's type: a TOML
-    ``workers = 1.5`` or ``host = 5`` is refused here, not met as a traceback later."""
-    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    ok = (
-        (hint is int and isinstance(value, int) and not isinstance(value, bool))
-        or (hint is bool and isinstance(value, bool))
-        or (hint is str and isinstance(value, str))
-        or (hint == str | None and (value is None or isinstance(value, str)))
-        or (hint == list[str] and isinstance(value, list) and all(isinstance(v, str) for v in value))
-    )
-    if not ok:
-        wanted = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-                  str | None: "a string", list[str]: "a list of strings"}.get(hint, str(hint))
-        raise ValueError(f"expected {wanted} (got {type(value).__name__})")
-    return value
-
-
-def _boolean(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, not {value!r}")
 
 
 def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> None:
@@ -248,7 +197,7 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> None:
         if name not in names:
             raise SettingsError(f"{origin}: unknown setting {name!r}")
         try:
-            setattr(settings, name, _coerce(name, value))
+            setattr(settings, name, coerce(name, _HINTS[name], value, secret=name in _KEYS))
         except ValueError as exc:
             raise SettingsError(f"{origin}: bad value for {name}: {exc}") from None
 
