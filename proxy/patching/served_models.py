@@ -11,8 +11,9 @@ sends. In upstream mode the names are therefore checked against a list:
 - the ids of the upstream's ``GET /v1/models`` (fetched directly, as requests are
   forwarded: no proxy from the environment), at startup and every
   :data:`REFRESH_S` seconds (every :data:`RETRY_S` while it fails), so models the upstream
-  loads later get their own label within a minute. An upstream that guards
-  ``/v1/models`` with a key answers 401: then only ``--model`` is known.
+  loads later get their own label within a minute, with the upstream's own key when one
+  is set (``upstream_api_key``). An upstream that guards ``/v1/models`` with a key
+  answers 401 without it: then only ``--model`` is known, and the warning says which key.
 
 Any other name is labelled :data:`OTHER_MODEL`. At most :data:`MAX_MODELS` ids of at most
 :data:`MAX_NAME_CHARS` characters are taken from one listing, so the upstream cannot mint
@@ -75,9 +76,14 @@ class ServedModels:
 class UpstreamModels:
     """Keeps a :class:`ServedModels` up to date from the upstream's ``/v1/models``."""
 
-    def __init__(self, models: ServedModels, upstream: str, ca_file: str | None, timeout_s: float) -> None:
+    def __init__(self, models: ServedModels, upstream: str, ca_file: str | None, timeout_s: float,
+                 api_key: str | None = None) -> None:
         self.models = models
         self._url = upstream.rstrip("/") + "/v1/models"
+        self._headers = {"accept": "application/json"}
+        if api_key is not None:
+            self._headers["authorization"] = f"Bearer {api_key}"
+        self._keyed = api_key is not None
         # Fetched as requests are forwarded (proxy.upstream.pool): directly, whatever proxy the
         # environment names, and trusting what the pool trusts. The context is built once:
         # loading the CA store takes tens of milliseconds, on the event loop every stream shares.
@@ -89,14 +95,14 @@ class UpstreamModels:
         """Fetch the list once; ``False`` (and a warning when it starts failing) if it could not."""
         try:
             async with httpx.AsyncClient(verify=self._verify, timeout=self._timeout_s, trust_env=False) as client:
-                response = await client.get(self._url, headers={"accept": "application/json"})
+                response = await client.get(self._url, headers=self._headers)
             response.raise_for_status()
             self.models.update(response.json())
         except (httpx.HTTPError, ValueError) as exc:
             if not self._failing:
                 logger.warning(
                     "cannot list the upstream's models (%s): responses naming a model other than "
-                    "--model are labelled %r until it can", _why(exc), OTHER_MODEL,
+                    "--model are labelled %r until it can", _why(exc, self._keyed), OTHER_MODEL,
                 )
             self._failing = True
             return False
@@ -112,7 +118,11 @@ class UpstreamModels:
             await self.refresh()
 
 
-def _why(exc: Exception) -> str:
+def _why(exc: Exception, keyed: bool) -> str:
     if isinstance(exc, httpx.HTTPStatusError):
-        return f"GET /v1/models answered {exc.response.status_code}"
+        status = exc.response.status_code
+        if status == 401:  # say which key, never the key
+            return ("GET /v1/models answered 401: it refused CACHETALLY_UPSTREAM_API_KEY" if keyed else
+                    "GET /v1/models answered 401: set CACHETALLY_UPSTREAM_API_KEY to the upstream's key")
+        return f"GET /v1/models answered {status}"
     return type(exc).__name__

@@ -59,7 +59,8 @@ class Accounting:
                                 prefixed=bool(upstream)) if keys else None
         self.models = ServedModels([settings.model] if settings.model else (), checked=bool(upstream))
         self.upstream_models = (
-            UpstreamModels(self.models, settings.upstream, settings.upstream_ca, MODELS_TIMEOUT_S) if upstream else None
+            UpstreamModels(self.models, settings.upstream, settings.upstream_ca, MODELS_TIMEOUT_S,
+                           settings.upstream_api_key) if upstream else None
         )
         self.recorder: Recorder | None = recorder_from_settings(settings)
         if self.recorder is not None:

@@ -83,6 +83,9 @@ class Settings:
     read_timeout_s: float = 600.0
     write_timeout_s: float = 60.0
     upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
+    # the upstream's own key, sent as "Authorization: Bearer KEY" in place of any credential a
+    # client sent (None: the client's Authorization goes on as sent)
+    upstream_api_key: str | None = field(default=None, repr=False)  # never printed
     # every mode (vLLM: set in its server by the middleware): a client that takes no response bytes this long is gone
     client_send_timeout_s: float = 60.0
     # ... or that sends no whole request header, or none of its body between two reads, this long
@@ -113,6 +116,11 @@ class Settings:
                 raise SettingsError(f"upstream {redacted(self.upstream)} is this server: serve on another --port")
             if self.upstream_ca and not origin.tls:
                 raise SettingsError("upstream_ca applies to an https:// upstream only")
+        if self.upstream_api_key is not None:
+            if self.engine != "upstream":
+                raise SettingsError("upstream_api_key applies to an upstream (--upstream URL)")
+            if not all("!" <= c <= "~" for c in self.upstream_api_key):  # it goes into a header line
+                raise SettingsError("upstream_api_key must be printable ASCII without spaces, as a Bearer token is")
         if self.upstream_ca and not Path(self.upstream_ca).is_file():
             raise SettingsError(f"upstream_ca: no such file: {self.upstream_ca}")
         if self.upstream_ca:
@@ -188,7 +196,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 #: Settings whose empty value is refused, not read as "none": an empty key would open the server.
-_KEYS = frozenset({"api_key", "api_keys_file"})
+_KEYS = frozenset({"api_key", "api_keys_file", "upstream_api_key"})
 
 
 def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> None:

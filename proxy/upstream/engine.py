@@ -68,6 +68,8 @@ class UpstreamEngine:
             )
         )
         self._client: UpstreamClient | None = None
+        key = settings.upstream_api_key
+        self._authorization = None if key is None else b"Bearer " + key.encode("ascii")
 
     async def start(self) -> ASGIApp:
         if self._client is None:
@@ -103,7 +105,7 @@ class UpstreamEngine:
         if target is None:
             await send_error(send, route_path(scope), 400, "The request target must be an absolute path")
             return
-        await Forward(client, target, scope, receive, send).run()
+        await Forward(client, target, scope, receive, send, self._authorization).run()
 
     @staticmethod
     def target_for(scope: Scope) -> bytes | None:

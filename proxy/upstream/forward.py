@@ -51,10 +51,12 @@ def is_sse(headers: Headers) -> bool:
 
 
 class Forward:
-    __slots__ = ("body_done", "client", "gone", "receive", "scope", "send", "target")
+    __slots__ = ("authorization", "body_done", "client", "gone", "receive", "scope", "send", "target")
 
-    def __init__(self, client: UpstreamClient, target: bytes, scope: Scope, receive: Receive, send: Send) -> None:
-        self.client, self.target = client, target
+    def __init__(self, client: UpstreamClient, target: bytes, scope: Scope, receive: Receive, send: Send,
+                 authorization: bytes | None = None) -> None:
+        """``authorization``: the upstream's own credential, sent in place of the client's."""
+        self.client, self.target, self.authorization = client, target, authorization
         self.scope, self.receive, self.send = scope, receive, send
         self.body_done = asyncio.Event()
         self.gone = False  # the client disconnected
@@ -95,7 +97,7 @@ class Forward:
         if not streamed:
             self.body_done.set()
         scope = self.scope
-        headers = request_headers(scope["headers"])
+        headers = request_headers(scope["headers"], self.authorization)
         try:
             if streamed:
                 length = declared_length(scope["headers"])

@@ -9,7 +9,10 @@ streamed body). From the upstream response, ``Date`` and ``Server`` are dropped 
 because uvicorn writes its own (as nginx does).
 
 Headers stay raw ``bytes`` pairs, in order, so repeated headers survive. Nothing here
-logs: ``Authorization`` passes through untouched and is never printed.
+logs: ``Authorization`` passes through untouched and is never printed, unless the
+upstream has a key of its own (``upstream_api_key``): then the client's credentials
+(``Authorization``, and the ``x-api-key`` of Anthropic's clients) stay here, and the
+upstream gets its key instead, so a tenant's key never reaches it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade"}
 )
 _REQUEST_ONLY = frozenset({b"host", b"content-length"})
+_CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
 _RESPONSE_ONLY = frozenset({b"date", b"server"})
 
 
@@ -43,9 +47,12 @@ def _filter(headers: Headers, also: frozenset[bytes] | set[bytes]) -> Headers:
     ]
 
 
-def request_headers(headers: Headers) -> Headers:
-    """The client's headers as sent upstream: end-to-end ones only, no ``Host``, no framing."""
-    return _filter(headers, _REQUEST_ONLY)
+def request_headers(headers: Headers, authorization: bytes | None = None) -> Headers:
+    """The client's headers as sent upstream: end-to-end ones only, no ``Host``, no framing;
+    with ``authorization`` (the upstream's own), that in place of the client's credentials."""
+    if authorization is None:
+        return _filter(headers, _REQUEST_ONLY)
+    return [*_filter(headers, _REQUEST_ONLY | _CREDENTIALS), (b"authorization", authorization)]
 
 
 def declared_length(headers: Headers) -> int | None:

@@ -1,0 +1,160 @@
+"""The upstream's own key (``upstream_api_key``): cachetally with tenants' keys of its own,
+in front of an upstream that wants a key. The upstream is guarded by vLLM's own
+``AuthenticationMiddleware`` (vLLM 0.32's), so what it accepts is what vLLM accepts.
+
+A tenant's key is cachetally's credential: with the setting, it never reaches the upstream,
+which gets its own key on every request, its model list included."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import SettingsError, load_settings
+from tests.servers import serving_in_thread
+
+UPSTREAM_KEY = "sk-upstream-7f3a91"
+TENANT_KEYS = {"sk-acme-0123456789": "acme", "sk-globex-42": "globex"}
+ACME = "sk-acme-0123456789"
+SERVED = "served-model"
+USAGE = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+async def _completion(request: Request) -> JSONResponse:
+    await request.body()
+    return JSONResponse({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": SERVED,
+                         "choices": [{"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}],
+                         "usage": USAGE})
+
+
+async def _chat_stream(request: Request) -> StreamingResponse:
+    await request.body()
+
+    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
+        choices = [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}]
+        body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": SERVED,
+                "choices": choices, "usage": usage}
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    async def events():
+        yield chunk({"role": "assistant", "content": ""})
+        yield chunk({"content": "ok"})
+        yield chunk({}, "length")
+        yield chunk({}, usage=USAGE)
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
+
+
+def guarded_upstream(seen: list[tuple[str, dict[str, str]]]) -> ASGIApp:
+    """The upstream behind vLLM's key check; ``seen`` gets each request's path and the
+    credentials it came with, as the upstream received them."""
+    app = AuthenticationMiddleware(Starlette(routes=[
+        Route("/v1/completions", _completion, methods=["POST"]),
+        Route("/v1/chat/completions", _chat_stream, methods=["POST"]),
+        Route("/v1/models", _models, methods=["GET"]),
+    ]), tokens=[UPSTREAM_KEY])
+
+    async def recording(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            credentials = {k.decode().lower(): v.decode() for k, v in scope["headers"]
+                           if k.lower() in (b"authorization", b"x-api-key")}
+            seen.append((scope["path"], credentials))
+        await app(scope, receive, send)
+
+    return recording
+
+
+@contextlib.contextmanager
+def keyed_proxy(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[str, list[tuple[str, dict[str, str]]]]]:
+    """cachetally, with the tenants' keys and ``env``, in front of the guarded upstream."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text("".join(f'"{k}" = "{t}"\n' for k, t in TENANT_KEYS.items()))
+    keys.chmod(0o600)
+    seen: list[tuple[str, dict[str, str]]] = []
+    with serving_in_thread(guarded_upstream(seen)) as upstream:
+        settings = load_settings(env=env, overrides={
+            "upstream": upstream, "api_keys_file": str(keys), "usage_dir": str(tmp_path / "usage"),
+            "usage_flush_interval_s": 0.05})
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            yield url, seen
+
+
+def _records(tmp_path: Path) -> list[dict]:
+    return [orjson.loads(line) for f in sorted((tmp_path / "usage").glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+
+
+def test_a_tenants_key_never_reaches_the_upstream_which_gets_its_own_on_every_request(tmp_path: Path) -> None:
+    with keyed_proxy(tmp_path, {"CACHETALLY_UPSTREAM_API_KEY": UPSTREAM_KEY}) as (url, seen):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=ACME, max_retries=0) as client:
+            completion = client.completions.create(model=SERVED, prompt="hi", max_tokens=2)
+            stream = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2, stream=True, stream_options={"include_usage": True})
+            usages = [chunk.usage for chunk in stream if chunk.usage]
+        # Anthropic's clients send their key as x-api-key: a second credential, kept here too.
+        raw = httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": "hi", "max_tokens": 2},
+                         headers={"authorization": f"Bearer {ACME}", "x-api-key": ACME}, timeout=10)
+        refused = httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": "hi"},
+                             headers={"authorization": "Bearer sk-wrong"}, timeout=10)
+    assert completion.usage is not None and completion.usage.prompt_tokens_details.cached_tokens == 3
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [3]
+    assert raw.status_code == 200, raw.text
+    assert refused.status_code == 401  # cachetally's own check, before any upstream
+    paths = [path for path, _ in seen]
+    assert paths.count("/v1/completions") == 2 and paths.count("/v1/chat/completions") == 1
+    assert "/v1/models" in paths  # the model list, fetched with the key too
+    assert all(credentials == {"authorization": f"Bearer {UPSTREAM_KEY}"} for _, credentials in seen), seen
+    records = _records(tmp_path)
+    assert [(r["tenant"], r["model"], r["status"]) for r in records] == [("acme", SERVED, 200)] * 3
+
+
+def test_without_it_the_clients_key_goes_upstream_as_sent_and_the_log_names_the_setting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING), keyed_proxy(tmp_path, {}) as (url, seen):
+        answer = httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": "hi", "max_tokens": 2},
+                            headers={"authorization": f"Bearer {ACME}"}, timeout=10)
+    assert answer.status_code == 401  # vLLM's check refused the tenant's key
+    assert ("/v1/completions", {"authorization": f"Bearer {ACME}"}) in seen
+    warned = [r.getMessage() for r in caplog.records if "upstream's models" in r.getMessage()]
+    assert warned and "set CACHETALLY_UPSTREAM_API_KEY" in warned[0]
+    assert not any(key in caplog.text for key in (ACME, UPSTREAM_KEY))
+
+
+@pytest.mark.parametrize(("env", "overrides", "refusal"), [
+    ({"CACHETALLY_UPSTREAM_API_KEY": ""}, {"upstream": "http://127.0.0.1:9"}, "empty"),
+    ({"CACHETALLY_UPSTREAM_API_KEY": UPSTREAM_KEY}, {"engine": "sim"}, "applies to an upstream"),
+    ({"CACHETALLY_UPSTREAM_API_KEY": UPSTREAM_KEY + "\r\nx-tenant: acme"}, {"upstream": "http://127.0.0.1:9"},
+     "printable ASCII"),
+    ({"CACHETALLY_UPSTREAM_API_KEY": "sk upstream"}, {"upstream": "http://127.0.0.1:9"}, "printable ASCII"),
+])
+def test_a_key_that_cannot_be_sent_is_refused_at_startup_and_never_echoed(
+    env: dict[str, str], overrides: dict[str, str], refusal: str
+) -> None:
+    with pytest.raises(SettingsError, match=refusal) as refused:
+        load_settings(env=env, overrides=overrides)
+    assert UPSTREAM_KEY not in str(refused.value) and "sk upstream" not in str(refused.value)
+
+
+def test_the_settings_never_print_the_key() -> None:
+    settings = load_settings(env={"CACHETALLY_UPSTREAM_API_KEY": UPSTREAM_KEY},
+                             overrides={"upstream": "http://127.0.0.1:9"})
+    assert settings.upstream_api_key == UPSTREAM_KEY and UPSTREAM_KEY not in repr(settings)
