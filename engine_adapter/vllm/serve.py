@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from engine_adapter.vllm import compat
 from engine_adapter.vllm.cpu import machine_flags
+from engine_adapter.vllm.engine_start import engine_start_stoppable
 from engine_adapter.vllm.serve_parser import serve_parser
 
 logger = logging.getLogger("cachetally.engine.vllm")
@@ -64,7 +65,8 @@ def vllm_serve(argv: Sequence[str]) -> None:
     if configure_logging is not None:
         configure_logging(args)
     serve.validate(args)
-    args.dispatch_function(args)
+    with engine_start_stoppable():
+        args.dispatch_function(args)
 
 
 if __name__ == "__main__":  # spawned API servers and engine cores import this module too
