@@ -36,6 +36,28 @@ def tails(path: str, longest: int) -> Iterator[str]:
         cut = path.find("/", cut + 1)
 
 
+def normalized(path: str) -> str:
+    """``path`` as a hop that normalizes URIs forwards it: backslashes read as slashes, then the
+    dot segments removed as RFC 3986 §5.2.4 says (``/v1/./chat/x/../completions`` is
+    ``/v1/chat/completions``). Envoy's ``normalize_path`` does both, and is on in Istio's
+    default (``BASE``), so a sidecar or gateway between cachetally and an upstream hands the
+    engine a route cachetally never saw by that name. Empty segments stay: merged slashes
+    are what a prefix looks like (:func:`tails`)."""
+    if not path.startswith("/") or ("." not in path and "\\" not in path):
+        return path
+    segments = path.replace("\\", "/").split("/")[1:]
+    kept: list[str] = []
+    for segment in segments:
+        if segment == "..":
+            if kept:
+                kept.pop()
+        elif segment != ".":
+            kept.append(segment)
+    if segments[-1] in (".", ".."):  # "/a/." is "/a/", as the standard's algorithm leaves it
+        kept.append("")
+    return "/" + "/".join(kept)
+
+
 def logged_path(scope: Scope) -> str:
     """The client's path for a log line: quoted, so that a decoded ``%0A`` cannot start a
     forged line, and cut at :data:`_LOGGED_CHARS`."""

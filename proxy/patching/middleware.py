@@ -41,7 +41,7 @@ from proxy.accounting.request_id import RequestIds
 from proxy.asgi.error_guard import ErrorGuard
 from proxy.asgi.errors import send_error
 from proxy.asgi.headers import RequestHeaders, without
-from proxy.asgi.paths import route_path, tails
+from proxy.asgi.paths import normalized, route_path, tails
 from proxy.patching.body_budget import BodyBudget
 from proxy.patching.context import PatchConfig, PatchContext
 from proxy.patching.ledger import UsageLedger
@@ -127,8 +127,13 @@ class UsagePatchMiddleware:
 
     def _under_a_prefix(self, path: str) -> str | None:
         """The metered or refused route ``path`` ends with after a prefix (Starlette routes
-        ``{root_path}/v1/...`` as ``/v1/...``), or ``None``."""
-        return next((tail for tail in tails(path, self._longest) if tail in self._known), None)
+        ``{root_path}/v1/...`` as ``/v1/...``), or is, or ends with, once a hop before the
+        upstream normalized it (:func:`~proxy.asgi.paths.normalized`); else ``None``."""
+        clean = normalized(path)
+        if clean != path and clean in self._known:
+            return clean
+        return next((tail for each in dict.fromkeys((path, clean)) for tail in tails(each, self._longest)
+                     if tail in self._known), None)
 
     def refuse_route(self, route: str) -> None:
         """Refuse ``route`` from now on while billing is on, as the refused routes are: for a

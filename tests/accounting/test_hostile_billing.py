@@ -20,6 +20,7 @@ the instance has stopped (its records drained): the usage records, the counters 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.accounting.records.report import read
+from proxy.asgi.paths import normalized
 from proxy.patching import served_models
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings, SettingsError
@@ -430,3 +432,50 @@ def test_a_guarded_route_under_the_upstreams_root_path_needs_the_key(tmp_path: P
                 assert httpx.get(f"{url}{path}", headers=keyed).status_code == 200, path
             assert httpx.get(f"{url}/health").status_code == 200
             assert httpx.get(f"{url}/api/health").status_code == 404  # not guarded: the upstream's own answer
+
+
+def _post_raw_path(url: str, path: str, key: str | None) -> int:
+    """POST a completions body to ``path`` as written: httpx would remove its dot segments and
+    escape its backslashes, as a normalizing hop after cachetally does."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+        connection.request("POST", path, json.dumps({"model": SERVED, "prompt": "hi", "max_tokens": 2}), headers)
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_a_route_a_normalizing_hop_before_the_upstream_would_serve_is_refused_or_needs_the_key(tmp_path: Path) -> None:
+    """A sidecar or gateway between cachetally and the upstream may normalize the path it
+    forwards: Envoy's ``normalize_path``, on in Istio's default (``BASE``), reads backslashes
+    as slashes and removes dot segments (RFC 3986). ``/v1/./completions`` was forwarded as no
+    route of the table and reached the engine as ``/v1/completions``, with no record and no
+    counter; ``/x\\..\\invocations``, not under a guarded prefix, reached ``/invocations``
+    without the key too. Each is refused (403, counted under the route it names) and needs the
+    key, as the route under a root path is."""
+    inner = echo_upstream([SERVED])
+
+    async def behind_a_normalizing_hop(scope: Any, receive: Any, send: Any) -> None:  # Istio's BASE
+        if scope["type"] == "http":
+            path = normalized(scope["path"])
+            scope = {**scope, "path": path, "raw_path": path.encode()}
+        await inner(scope, receive, send)
+
+    usage = tmp_path / "usage"
+    with serving_in_thread(behind_a_normalizing_hop) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage),
+                            usage_flush_interval_s=0.05, api_key=SHARED).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            assert _post_raw_path(url, "/v1/completions", SHARED) == 200  # metered
+            for path in ("/v1/./completions", "/v1/x/../completions", "/v1\\completions", "/a/..\\invocations"):
+                assert _post_raw_path(url, path, SHARED) == 403, path
+            for path in ("/x\\..\\invocations", "/.\\invocations", "/x/..\\v1/completions"):
+                assert _post_raw_path(url, path, None) == 401, path
+            metrics = httpx.get(f"{url}/metrics").text
+    records = [orjson.loads(line) for f in sorted(usage.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    assert [r["route"] for r in records] == ["completions"]
+    refused = {s.labels["route"]: s.value for family in text_string_to_metric_families(metrics)
+               for s in family.samples if s.name == "cachetally_refused_unmetered_total"}
+    assert refused == {"/v1/completions": 3, "/invocations": 1}

@@ -1,11 +1,14 @@
-"""The tails of a path that an engine behind an unknown root path would route it as."""
+"""The tails of a path that an engine behind an unknown root path would route it as, and the
+path a normalizing hop (Envoy's ``normalize_path``) hands it."""
 
 from __future__ import annotations
+
+from urllib.parse import urljoin, urlsplit
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.asgi.paths import tails
+from proxy.asgi.paths import normalized, tails
 
 
 @given(st.text(alphabet="/av1x", max_size=40), st.integers(min_value=0, max_value=45))
@@ -19,3 +22,17 @@ def test_tails_are_every_suffix_after_a_leading_segment_up_to_the_length(path: s
 def test_a_path_under_a_root_path_yields_the_route() -> None:
     assert "/v1/chat/completions" in tails("/api/v1/chat/completions", len("/v1/chat/completions"))
     assert list(tails("/v1/models", 100)) == ["/models"]
+
+
+@given(st.lists(st.sampled_from(["a", "v1", ".", "..", ".a", "a."]), max_size=8))
+def test_dot_segments_are_removed_as_the_standard_library_resolves_them(segments: list[str]) -> None:
+    """Against ``urljoin``, which removes dot segments as RFC 3986 §5.2.4 says (but for empty
+    segments, which it drops: none are drawn)."""
+    path = "/" + "/".join(segments)
+    assert normalized(path) == urlsplit(urljoin("http://h/", path)).path
+
+
+def test_backslashes_are_slashes_to_a_normalizing_hop() -> None:
+    assert normalized("/x\\..\\invocations") == "/invocations"
+    assert normalized("/v1\\chat/completions") == "/v1/chat/completions"
+    assert normalized("/v1/chat/completions") == "/v1/chat/completions"
