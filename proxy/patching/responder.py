@@ -11,7 +11,6 @@ was noted here (:class:`~proxy.accounting.records.notes.RequestNotes`).
 
 from __future__ import annotations
 
-import re
 from enum import Enum
 from typing import Any
 
@@ -22,6 +21,8 @@ from proxy.asgi.error_guard import REWRITTEN, send_rewritten
 from proxy.asgi.headers import Headers, RequestHeaders
 from proxy.patching.context import PatchContext
 from proxy.patching.ghost import GhostHold
+from proxy.patching.model_sniff import NO_MODEL_SNIFF, SNIFF_CHUNKS, sniffed_model
+from proxy.patching.passing_usage import PassingUsage
 from proxy.patching.pd_leg import PREFILL, Leg, hand_over
 from proxy.patching.request_body import RequestOptions
 from proxy.patching import json_exact
@@ -29,18 +30,6 @@ from proxy.patching.shapes import shape_for
 from proxy.patching.shapes.responses import created_model
 from proxy.patching.sse import SSEPatcher
 from proxy.patching.usage import ResponseUsage, UsagePatch
-
-#: The response's own ``"model"`` field, read from the first SSE bytes of a stream whose
-#: usage chunk never comes (the client did not ask for it), so it is labelled like the rest.
-#: Inside a JSON string a quote is escaped, so this only matches a real key.
-_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
-_MODEL_SNIFF_CHUNKS = 4
-#: Routes whose first events carry the client's own objects before the model: a Responses
-#: stream's ``response.created`` echoes the request's ``metadata`` (any keys, ``"model"``
-#: too) ahead of the response's ``model``. There the event is parsed
-#: (:func:`~proxy.patching.shapes.responses.created_model`).
-_NO_MODEL_SNIFF = frozenset(("responses",))
-
 
 class Mode(Enum):
     PASS = 0
@@ -71,8 +60,8 @@ class Responder:
         self.stream = False
         self.ghost_asked = False  # asked for a usage chunk the client did not (proxy.patching.ghost)
         self.completed = False  # a 200 response went out in full
-        self._sniff_chunks = _MODEL_SNIFF_CHUNKS
-        self._sniff_model = route not in _NO_MODEL_SNIFF
+        self._sniff_chunks = SNIFF_CHUNKS
+        self._sniff_model = route not in NO_MODEL_SNIFF
         self.status: int | None = None
         self._start: Message | None = None
         self._length: tuple[bytes, bytes] | None = None  # a held start's Content-Length
@@ -80,6 +69,7 @@ class Responder:
         self._size = 0
         self._sse: SSEPatcher | None = None
         self._hold: GhostHold | None = None
+        self._unheld: PassingUsage | None = None
         #: A stream's non-final chunks need only the SSE patcher and the event count now:
         #: nothing to sniff, no ghost usage held, the first byte's time noted.
         self._passing = False
@@ -117,6 +107,8 @@ class Responder:
                     self.completed = self.options is not None and self.status == 200
                 self.notes.body(message.get("body", b""), more)
                 await self._send(message)
+                if self._unheld is not None:
+                    self._read_unheld(message.get("body", b""), more)
         elif kind == "http.response.start":
             await self._on_start(message)
         else:
@@ -186,10 +178,7 @@ class Responder:
         if self.in_response.model is None and self._sniff_chunks and body:
             self._sniff_chunks -= 1
             self.notes.sniff_id(body)
-            if not self._sniff_model:
-                self.in_response.model = created_model(body)
-            elif match := _MODEL_FIELD.search(body):
-                self.in_response.model = match.group(1).decode("utf-8", "replace")
+            self.in_response.model = sniffed_model(body) if self._sniff_model else created_model(body)
         out = self._sse.feed(body) if body else b""
         if not more:
             out += self._sse.flush()
@@ -229,13 +218,23 @@ class Responder:
         self._size += len(self._chunks[-1])
         if self._size > self.ctx.config.max_response_bytes:
             self._count_skip("body_too_large")
-            self.mode = Mode.PASS
+            # Passed on as it comes; its usage is still read as it passes (proxy.patching.passing_usage).
+            self.mode, self._unheld = Mode.PASS, PassingUsage(self.shape.body_kind if self.shape is not None else {})
+            if self._sniff_model:
+                self.in_response.model = sniffed_model(self._chunks[0])
             start = self._take_start()
             if self._length is not None:
                 start["headers"].append(self._length)
             await self._send(start)
-            await self._send({"type": "http.response.body", "body": b"".join(self._chunks), "more_body": True})
-            self._chunks.clear()
+            held, self._chunks = self._chunks, []
+            await self._unheld.pass_on(held, self._send)
+
+    def _read_unheld(self, body: bytes, more: bool) -> None:
+        assert self._unheld is not None
+        self._unheld.feed(body, last=not more)
+        if not more and (payload := self._unheld.payload()) is not None:
+            self.notes.whole_usage(payload)
+            self._patch(payload)  # the body went out unpatched: this reads its figures
 
     async def _send_json(self, body: bytes) -> None:
         start = self._take_start()

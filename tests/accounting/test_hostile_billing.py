@@ -479,3 +479,68 @@ def test_a_route_a_normalizing_hop_before_the_upstream_would_serve_is_refused_or
     refused = {s.labels["route"]: s.value for family in text_string_to_metric_families(metrics)
                for s in family.samples if s.name == "cachetally_refused_unmetered_total"}
     assert refused == {"/v1/completions": 3, "/invocations": 1}
+
+
+def _logprobs_upstream() -> Starlette:
+    """Answers as vLLM does: with ``prompt_logprobs`` asked, an entry per prompt token after
+    ``usage``, 20 choices each; a Responses body echoes the client's ``text`` (a JSON schema:
+    any object, ``"usage"`` keys too) before its own ``usage``."""
+    usage = {"prompt_tokens": 700, "completion_tokens": 9, "total_tokens": 709,
+             "prompt_tokens_details": {"cached_tokens": 512}}
+
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        top = body.get("prompt_logprobs") or 0
+        answer = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": SERVED,
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                               "finish_reason": "length"}],
+                  "usage": usage,
+                  "prompt_logprobs": [None] + [{str(t): {"logprob": -1.5, "rank": t + 1, "decoded_token": "\"usage\":"}
+                                               for t in range(top)} for _ in range(699)] if top else None}
+        return Response(json.dumps(answer), media_type="application/json")
+
+    async def responses(request: Request) -> Response:
+        body = await request.json()
+        answer = {"id": "resp_1", "object": "response", "created_at": 0, "model": SERVED, "text": body.get("text"),
+                  "output": [], "status": "completed",
+                  "usage": {"input_tokens": 700, "output_tokens": 9, "total_tokens": 709,
+                            "input_tokens_details": {"cached_tokens": 512}, "output_tokens_details": {}}}
+        return Response(json.dumps(answer), media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/responses", responses, methods=["POST"]),
+                             Route("/v1/models", lambda _: JSONResponse({"data": [{"id": SERVED}]}), methods=["GET"])])
+
+
+def test_an_answer_too_large_to_hold_is_still_billed_its_usage(tmp_path: Path) -> None:
+    """A JSON answer past ``max_response_bytes`` goes out as it comes, unpatched. It was also
+    unread: the record had no prompt and 0 completion tokens, so a client that asked vLLM for
+    ``prompt_logprobs`` (20 entries a prompt token: a prompt of some 50,000 tokens passes the
+    64 MiB default) was billed nothing. Here the bound is 64 KiB. Its usage is read as it
+    passes, the client's own ``"usage"`` objects echoed before it (a Responses body's schema)
+    taken for none, and the body reaches the client as the upstream sent it."""
+    usage_dir = tmp_path / "usage"
+    schema = {"format": {"type": "json_schema", "name": "s", "schema": {
+        "usage": {"input_tokens": 1, "output_tokens": 0, "input_tokens_details": {"cached_tokens": 1}},
+        "pad": "x" * 70_000}}}
+    with serving_in_thread(_logprobs_upstream()) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage_dir), usage_flush_interval_s=0.05,
+                            api_keys_file=str(keys_file(tmp_path)), max_response_bytes=64 * 1024).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-acme-0123456789") as client:
+                small = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}])
+                large = client.chat.completions.with_raw_response.create(
+                    model=SERVED, messages=[{"role": "user", "content": "hi"}], extra_body={"prompt_logprobs": 20})
+                echoed = client.responses.with_raw_response.create(model=SERVED, input="hi", text=schema)
+            metrics = httpx.get(f"{url}/metrics").text
+    assert small.usage is not None and small.usage.prompt_tokens == 700
+    assert len(large.http_response.content) > 64 * 1024 < len(echoed.http_response.content)
+    assert json.loads(large.http_response.content)["prompt_logprobs"][1]["0"]["decoded_token"] == "\"usage\":"
+    records = [orjson.loads(line) for f in sorted(usage_dir.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    billed = [(r["route"], r["tenant"], r["model"], r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"],
+               r["completion_source"]) for r in records]
+    assert billed == [("chat", "acme", SERVED, 700, 512, 9, "usage")] * 2 + [
+        ("responses", "acme", "unknown", 700, 512, 9, "usage")]
+    assert 'cachetally_patch_skipped_total{reason="body_too_large"} 2.0' in metrics
+    totals = read(sorted(usage_dir.glob("*.jsonl"))).total()
+    assert (totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens) == (2100, 1536, 27)

@@ -726,12 +726,12 @@ def test_a_named_stream_ended_by_an_unnamed_error_event_is_an_error(path: str) -
 
 
 def test_a_json_body_too_large_to_hold_is_recorded_as_unknown_completion_not_zero() -> None:
-    """Past ``max_response_bytes`` a JSON body passes unread (and unpatched): its record
-    must not say it delivered no tokens."""
+    """Past ``max_response_bytes`` a JSON body passes unpatched, and only its usage is read
+    as it passes (``tests/accounting/test_hostile_billing.py::test_an_answer_too_large_to_hold_is_still_billed_its_usage``):
+    one that has none must not be recorded as having delivered no tokens."""
     body = orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion", "model": "m",
                          "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * 8000},
-                                      "finish_reason": "length"}],
-                         "usage": {"prompt_tokens": 30, "completion_tokens": 2000, "total_tokens": 2030}})
+                                      "finish_reason": "length"}]})
 
     async def inner(scope: Any, receive: Any, send: Any) -> None:
         await receive()

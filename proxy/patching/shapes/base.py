@@ -50,6 +50,9 @@ class Shape:
     #: so a partial event is held up to ``max_response_bytes``, as a JSON body is, rather than
     #: ``max_event_bytes``: past that bound it would go out unread, its usage unbilled.
     whole_response_events = False
+    #: The top-level fields that name a whole JSON body of this API (as :meth:`locate` reads
+    #: them), beside its ``usage`` when only that was read (:mod:`proxy.patching.passing_usage`).
+    body_kind: dict[str, str] = {}
 
     def refusal(self, payload: dict[str, Any]) -> str | None:
         """Why a request with this body cannot be metered (it is refused when billing is on)."""

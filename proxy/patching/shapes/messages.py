@@ -31,6 +31,7 @@ _INPUT_FIGURES = ("input_tokens", "cache_read_input_tokens", "cache_creation_inp
 
 class MessagesShape(Shape):
     name = "messages"
+    body_kind = {"type": "message"}
 
     def locate(self, payload: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
         kind = payload.get("type")
