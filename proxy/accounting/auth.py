@@ -28,7 +28,7 @@ from starlette.types import Scope, Send
 from proxy.accounting.tenants import KeyTable, bearer_token
 from proxy.asgi.errors import send_error
 from proxy.asgi.headers import only_header
-from proxy.asgi.paths import normalized, route_path, tails
+from proxy.asgi.paths import forwarded_forms, route_path, tails
 
 #: Path prefixes that need a key: vLLM's own (``vllm.entrypoints.serve.middleware.authenticate``).
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -59,16 +59,14 @@ class ApiKeyGuard:
         """The guarded route ``path`` is after some leading segments, or ``None``: an engine
         behind a root path unknown here (an upstream's ``--root-path /api``) routes
         ``/api/v1/...`` as ``/v1/...``. So is a route ``path`` is, or is after leading segments,
-        once a hop before the upstream normalized it (:func:`~proxy.asgi.paths.normalized`):
-        ``/x\\..\\invocations`` reaches the engine as ``/invocations``."""
-        if (found := self._after_leading_segments(path)) is not None:
-            return found
-        clean = normalized(path)
-        if clean == path:
-            return None
-        if clean.startswith(GUARDED_PREFIXES) or clean in self._metered:
-            return clean
-        return self._after_leading_segments(clean)
+        as a hop that normalizes paths before the upstream forwards it
+        (:func:`~proxy.asgi.paths.forwarded_forms`): ``/x\\..\\invocations`` is ``/invocations``."""
+        for form in forwarded_forms(path):
+            if form is not path and (form.startswith(GUARDED_PREFIXES) or form in self._metered):
+                return form
+            if (found := self._after_leading_segments(form)) is not None:
+                return found
+        return None
 
     def _after_leading_segments(self, path: str) -> str | None:
         cut = path.find("/", 1)

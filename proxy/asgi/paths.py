@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 from starlette.types import Scope
 
 #: The most of a client's path a log line shows.
 _LOGGED_CHARS = 200
+_MERGED_SLASHES = re.compile(r"/{2,}")
 
 
 def route_path(scope: Scope) -> str:
@@ -37,12 +39,9 @@ def tails(path: str, longest: int) -> Iterator[str]:
 
 
 def normalized(path: str) -> str:
-    """``path`` as a hop that normalizes URIs forwards it: backslashes read as slashes, then the
-    dot segments removed as RFC 3986 §5.2.4 says (``/v1/./chat/x/../completions`` is
-    ``/v1/chat/completions``). Envoy's ``normalize_path`` does both, and is on in Istio's
-    default (``BASE``), so a sidecar or gateway between cachetally and an upstream hands the
-    engine a route cachetally never saw by that name. Empty segments stay: merged slashes
-    are what a prefix looks like (:func:`tails`)."""
+    """``path`` with backslashes read as slashes, then its dot segments removed as RFC 3986
+    §5.2.4 says (``/v1/./chat/x/../completions`` is ``/v1/chat/completions``): what Envoy's
+    ``normalize_path`` forwards. Empty segments stay, as the standard leaves them."""
     if not path.startswith("/") or ("." not in path and "\\" not in path):
         return path
     segments = path.replace("\\", "/").split("/")[1:]
@@ -56,6 +55,18 @@ def normalized(path: str) -> str:
     if segments[-1] in (".", ".."):  # "/a/." is "/a/", as the standard's algorithm leaves it
         kept.append("")
     return "/" + "/".join(kept)
+
+
+def forwarded_forms(path: str) -> tuple[str, ...]:
+    """``path``, then each other path a hop that normalizes paths could forward it as to the
+    upstream: Istio's default (``BASE``: :func:`normalized`) and the setting it advises
+    against CVE-2021-31920 (``MERGE_SLASHES``: then runs of slashes merged). A sidecar or
+    gateway between cachetally and an upstream so hands the engine a route cachetally never
+    saw by that name (``/v1//chat/completions``, ``/x\\..\\invocations``)."""
+    if "." not in path and "\\" not in path and "//" not in path:
+        return (path,)
+    base = normalized(path)
+    return tuple(dict.fromkeys((path, base, _MERGED_SLASHES.sub("/", base))))
 
 
 def logged_path(scope: Scope) -> str:

@@ -41,7 +41,7 @@ from proxy.accounting.request_id import RequestIds
 from proxy.asgi.error_guard import ErrorGuard
 from proxy.asgi.errors import send_error
 from proxy.asgi.headers import RequestHeaders, without
-from proxy.asgi.paths import normalized, route_path, tails
+from proxy.asgi.paths import forwarded_forms, route_path, tails
 from proxy.patching.body_budget import BodyBudget
 from proxy.patching.context import PatchConfig, PatchContext
 from proxy.patching.ledger import UsageLedger
@@ -127,13 +127,13 @@ class UsagePatchMiddleware:
 
     def _under_a_prefix(self, path: str) -> str | None:
         """The metered or refused route ``path`` ends with after a prefix (Starlette routes
-        ``{root_path}/v1/...`` as ``/v1/...``), or is, or ends with, once a hop before the
-        upstream normalized it (:func:`~proxy.asgi.paths.normalized`); else ``None``."""
-        clean = normalized(path)
-        if clean != path and clean in self._known:
-            return clean
-        return next((tail for each in dict.fromkeys((path, clean)) for tail in tails(each, self._longest)
-                     if tail in self._known), None)
+        ``{root_path}/v1/...`` as ``/v1/...``), or is, or ends with, as a hop that normalizes
+        paths before the upstream forwards it (:func:`~proxy.asgi.paths.forwarded_forms`);
+        else ``None``."""
+        forms = forwarded_forms(path)
+        if found := next((form for form in forms[1:] if form in self._known), None):
+            return found
+        return next((tail for form in forms for tail in tails(form, self._longest) if tail in self._known), None)
 
     def refuse_route(self, route: str) -> None:
         """Refuse ``route`` from now on while billing is on, as the refused routes are: for a

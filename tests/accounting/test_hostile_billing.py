@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import re
 import subprocess
 import sys
 import time
@@ -447,38 +448,44 @@ def _post_raw_path(url: str, path: str, key: str | None) -> int:
         connection.close()
 
 
-def test_a_route_a_normalizing_hop_before_the_upstream_would_serve_is_refused_or_needs_the_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize("merges_slashes", [False, True], ids=["istio-base", "istio-merge-slashes"])
+def test_a_route_a_normalizing_hop_before_the_upstream_would_serve_is_refused_or_needs_the_key(
+        tmp_path: Path, merges_slashes: bool) -> None:
     """A sidecar or gateway between cachetally and the upstream may normalize the path it
     forwards: Envoy's ``normalize_path``, on in Istio's default (``BASE``), reads backslashes
-    as slashes and removes dot segments (RFC 3986). ``/v1/./completions`` was forwarded as no
-    route of the table and reached the engine as ``/v1/completions``, with no record and no
+    as slashes and removes dot segments (RFC 3986), and Istio's ``MERGE_SLASHES`` (its advice
+    against CVE-2021-31920) merges runs of slashes too. ``/v1/./completions`` was forwarded as
+    no route of the table and reached the engine as ``/v1/completions``, with no record and no
     counter; ``/x\\..\\invocations``, not under a guarded prefix, reached ``/invocations``
     without the key too. Each is refused (403, counted under the route it names) and needs the
     key, as the route under a root path is."""
     inner = echo_upstream([SERVED])
 
-    async def behind_a_normalizing_hop(scope: Any, receive: Any, send: Any) -> None:  # Istio's BASE
+    async def behind_a_normalizing_hop(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             path = normalized(scope["path"])
+            path = re.sub("/{2,}", "/", path) if merges_slashes else path
             scope = {**scope, "path": path, "raw_path": path.encode()}
         await inner(scope, receive, send)
 
     usage = tmp_path / "usage"
+    refused = ["/v1/./completions", "/v1/x/../completions", "/v1\\completions", "/a/..\\invocations"]
+    refused += ["/v1//completions", "/v1/.//completions"] if merges_slashes else []
     with serving_in_thread(behind_a_normalizing_hop) as upstream:
         settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage),
                             usage_flush_interval_s=0.05, api_key=SHARED).validate()
         with serving_in_thread(CachetallyApp(settings)) as url:
             assert _post_raw_path(url, "/v1/completions", SHARED) == 200  # metered
-            for path in ("/v1/./completions", "/v1/x/../completions", "/v1\\completions", "/a/..\\invocations"):
+            for path in refused:
                 assert _post_raw_path(url, path, SHARED) == 403, path
             for path in ("/x\\..\\invocations", "/.\\invocations", "/x/..\\v1/completions"):
                 assert _post_raw_path(url, path, None) == 401, path
             metrics = httpx.get(f"{url}/metrics").text
     records = [orjson.loads(line) for f in sorted(usage.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
     assert [r["route"] for r in records] == ["completions"]
-    refused = {s.labels["route"]: s.value for family in text_string_to_metric_families(metrics)
+    counted = {s.labels["route"]: s.value for family in text_string_to_metric_families(metrics)
                for s in family.samples if s.name == "cachetally_refused_unmetered_total"}
-    assert refused == {"/v1/completions": 3, "/invocations": 1}
+    assert counted == {"/v1/completions": len(refused) - 1, "/invocations": 1}
 
 
 def _logprobs_upstream() -> Starlette:

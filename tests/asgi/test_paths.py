@@ -8,7 +8,7 @@ from urllib.parse import urljoin, urlsplit
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.asgi.paths import normalized, tails
+from proxy.asgi.paths import forwarded_forms, normalized, tails
 
 
 @given(st.text(alphabet="/av1x", max_size=40), st.integers(min_value=0, max_value=45))
@@ -36,3 +36,10 @@ def test_backslashes_are_slashes_to_a_normalizing_hop() -> None:
     assert normalized("/x\\..\\invocations") == "/invocations"
     assert normalized("/v1\\chat/completions") == "/v1/chat/completions"
     assert normalized("/v1/chat/completions") == "/v1/chat/completions"
+
+
+def test_the_forms_a_normalizing_hop_forwards_are_the_path_then_istios_base_then_merged_slashes() -> None:
+    assert forwarded_forms("/v1/chat/completions") == ("/v1/chat/completions",)
+    assert forwarded_forms("/v1/.//chat/completions") == (
+        "/v1/.//chat/completions", "/v1//chat/completions", "/v1/chat/completions")
+    assert forwarded_forms("/a//../b") == ("/a//../b", "/a/b")  # dot segments first, as Envoy orders them
