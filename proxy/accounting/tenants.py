@@ -63,6 +63,11 @@ def check_tenant_header(header: str | None, tenants: Iterable[object]) -> None:
                          "name the header's values (--tenants a,b)")
     if header is None and tenants:
         raise ValueError("tenants name the values of a tenant header, and none is set (--tenant-header NAME)")
+    if taken := sorted({OTHER_TENANT, DEFAULT_TENANT}.intersection(tenants)):
+        # A named tenant would share its bill with every client that sends a value of its own
+        # ('other') or none ('default'): the records and counters could not tell them apart.
+        raise ValueError(f"tenants: {', '.join(taken)} cannot be a tenant's name with a tenant header: 'other' is "
+                         "billed every value not named, 'default' every request without the header")
 
 
 def _digest(key: bytes) -> bytes:

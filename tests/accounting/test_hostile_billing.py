@@ -196,6 +196,19 @@ def test_a_tenant_header_beside_keys_is_refused(keys: dict[str, str]) -> None:
         Settings(engine="sim", tenant_header="x-tenant", **keys).validate()
 
 
+@pytest.mark.parametrize("named", ["other", "default"])
+def test_a_header_tenant_named_as_the_catch_all_does_not_start(named: str) -> None:
+    """With ``--tenants acme,other`` a client sending ``x-tenant: mallory`` was billed to the
+    tenant ``other``, and with ``default`` named a request without the header was billed to
+    ``default``: another client's requests on a named tenant's bill, which no record or
+    counter could tell apart. Such names are refused at start."""
+    argv = ["-m", "proxy.server.cli", "serve", "--upstream", "http://127.0.0.1:9", "--tenant-header", "x-tenant",
+            "--tenants", f"acme,{named}", "--port", str(free_port())]
+    run = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2
+    assert f"tenants: {named} cannot be a tenant's name with a tenant header" in run.stderr
+
+
 def test_the_spoofable_configuration_does_not_start(tmp_path: Path) -> None:
     """The configuration in which a shared key plus ``x-tenant: globex`` billed globex."""
     argv = ["-m", "proxy.server.cli", "serve", "--upstream", "http://127.0.0.1:9",
