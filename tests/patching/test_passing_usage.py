@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.patching.passing_usage import MAX_USAGE_BYTES, PassingUsage
+from proxy.patching.passing_usage import PassingUsage
 
 #: Strings full of what could pass for structure: quotes, backslashes, brackets, "usage".
 _TEXT = st.lists(st.sampled_from(['a', '"', '\\', 'usage', '"usage"', '"usage":', '{', '}', '[', ']', ':', ',', ' ',
@@ -49,9 +49,11 @@ def test_the_top_level_usage_is_read_wherever_the_body_is_cut(
     assert _fed(body, cuts).usage == json.loads(body).get("usage") == usage
 
 
-def test_a_usage_value_past_its_bound_is_not_read_and_what_follows_a_value_costs_nothing() -> None:
-    body = json.dumps({"usage": {"prompt_tokens": 1, "pad": "x" * MAX_USAGE_BYTES}}).encode()
-    for cuts in ([], list(range(1000, len(body), 1000))):
-        assert _fed(body, cuts).usage is None
-    body = json.dumps({"usage": {"prompt_tokens": 1}, "prompt_logprobs": ["x" * 100] * 10_000}).encode()
-    assert _fed(body, [len(body) // 2]).usage == {"prompt_tokens": 1}
+def test_what_follows_the_usage_is_not_read_and_a_body_that_is_not_json_gives_none() -> None:
+    """vLLM writes ``usage`` before ``prompt_logprobs``: once read, the rest is not parsed,
+    so bytes after it that are not JSON change nothing; before it, they end the read."""
+    usage = {"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+    head = json.dumps({"usage": usage, "prompt_logprobs": ["x" * 100] * 10_000}).encode()
+    assert _fed(head[:-1] + b"\x00 not json", [len(head) // 2]).usage == usage
+    assert _fed(b'{"id": \x00, "usage": {"prompt_tokens": 1}}', [5]).usage is None
+    assert _fed(b'{"id": "x", "usage": {"prompt_tokens": 1', []).usage is None  # cut short
