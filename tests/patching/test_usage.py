@@ -322,6 +322,8 @@ def test_a_choices_usage_chunk_reads_its_own_prompts_hits_when_prompts_share_a_l
     (64, None, (64, None)),  # the whole prompt read from the cache
     (40, 24, (40, 24)),  # reads and writes that are the whole prompt
     (48, 24, (48, None)),  # writes past what the reads leave of the prompt
+    (0, 64, (0, 64)),  # no reads: the whole prompt written
+    (0, 65, (0, None)),  # no reads, and writes one past the prompt
 ])
 def test_an_upstreams_reads_and_writes_are_believed_up_to_the_prompt_and_no_further(
         reads: int, writes: int | None, believed: tuple[int, int | None]) -> None:
@@ -330,3 +332,22 @@ def test_an_upstreams_reads_and_writes_are_believed_up_to_the_prompt_and_no_furt
     seen = ResponseUsage()
     UsagePatch(None).apply(payload, seen)
     assert (seen.cached_tokens, seen.cache_creation_tokens, seen.source) == (*believed, "upstream")
+
+
+def test_reads_and_writes_already_exact_leave_the_body_as_the_upstream_sent_it() -> None:
+    """Nothing to patch: the client gets the upstream's bytes, not a re-encoding of them."""
+    details = {"cached_tokens": 48, "created_cache_tokens": 16, "cache_write_tokens": 16}
+    payload = body(prompt_tokens_details=dict(details))
+    writes = engine(Scheduled("k", 64, 48, cache_creation_tokens=16))
+    assert UsagePatch(writes).apply(payload, ResponseUsage()) is None
+    assert payload["usage"]["prompt_tokens_details"] == details
+
+
+@pytest.mark.parametrize("name", ["created_cache_tokens", "cache_write_tokens"])
+def test_a_writes_figure_equal_only_as_a_bool_is_rewritten_as_a_count(name: str) -> None:
+    """``true`` equals 1 in Python, not to a client: the engine's 1 replaces it."""
+    payload = body(prompt_tokens_details={"cached_tokens": 48, "created_cache_tokens": 1, "cache_write_tokens": 1,
+                                          name: True})
+    writes = engine(Scheduled("k", 64, 48, cache_creation_tokens=1))
+    assert UsagePatch(writes).apply(payload, ResponseUsage()) is True
+    assert b'"created_cache_tokens":1,"cache_write_tokens":1' in orjson.dumps(payload)
