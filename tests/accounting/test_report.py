@@ -84,6 +84,7 @@ def test_totals_cost_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     b'{"x": 1}',  # any object
     b'{"level": "info", "tenant": "acme", "model": "m1", "msg": "served"}',  # another log's line
     b'{"v": true, "tenant": "acme", "model": "m1", "prompt_tokens": 5}',  # a boolean for the version
+    b'{"v": 0, "tenant": "acme", "model": "m1", "prompt_tokens": 5}',  # schemas start at 1
     b'{"v": 2, "tenant": null, "model": "m1", "prompt_tokens": 5}',
     b'{"v": 2, "tenant": "acme", "prompt_tokens": 5}',
     b'[1, 2]',
@@ -99,6 +100,18 @@ def test_a_line_that_is_not_a_usage_record_bills_nothing_and_is_said(
     assert (report["records"], report["skipped_lines"], report["total"]["requests"]) == (1, 1, 1)
     assert [(r["tenant"], r["model"]) for r in report["rows"]] == [("acme", "m1")]
     assert "skipped 1 line(s) that are not records" in err
+
+
+def test_a_record_that_generated_nothing_is_no_unknown_prompt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before the engine (no prompt count, 0 or null tokens generated) is not a prompt
+    missing from the totals; one generated token with no prompt count is."""
+    refused = [rec("acme", "m1", None, None, 0, "refused"), {**rec("acme", "m1", None, None, 0), "completion_tokens": None}]
+    path = write(tmp_path / "a.jsonl", [*refused, rec("acme", "m1", None, None, 1, "disconnected")])
+    assert main(["report", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert (report["records"], report["unknown_prompts"]) == (3, 1)
+    assert "1 record(s) generated tokens with no prompt_tokens" in err
 
 
 def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
