@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import json
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -393,6 +395,36 @@ def test_a_batch_over_the_limit_retried_after_a_failed_write_leaves_no_empty_fil
     sink.close()
     assert [p.name for p in sorted(tmp_path.iterdir())] == [sink.paths[0].name]
     assert [r["request_id"] for r in read_records(tmp_path)] == ["r1", "r2"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc")
+def test_a_new_file_whose_name_cannot_be_made_durable_is_removed_and_the_batch_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory's ``fsync`` (the new file's name) fails: the empty file goes, not one
+    more empty file per retry, and the retry writes the batch into a file of its own."""
+    real_fsync, fsyncs = os.fsync, iter([True])  # the first is the directory's
+
+    def failing_once(fd: int) -> None:
+        if next(fsyncs, False):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr("proxy.accounting.records.jsonl.os.fsync", failing_once)
+    gc.collect()  # no earlier test's socket closed by the collector in between
+    descriptors = len(os.listdir("/proc/self/fd"))
+    sink = JsonlSink(tmp_path)
+    batch = [record(1), record(2)]
+    failed = sink.write(batch)
+    # The cause the log gives (not a write to the closed descriptor's EBADF, or to whatever reused its number).
+    assert (len(failed.retry), failed.detail) == (2, f"{tmp_path}: Input/output error")
+    assert sink.write(batch).written == 2
+    sink.close()
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # neither file's nor the directory's left open
+    files = sorted(tmp_path.iterdir())
+    assert len(files) == 1
+    assert [r["request_id"] for r in read_records(tmp_path)] == ["r1", "r2"]
+    assert stat.S_IMODE(files[0].stat().st_mode) & 0o007 == 0  # records are no other user's to read
 
 
 def test_records_whose_fsync_failed_are_unconfirmed_even_if_a_later_fsync_succeeds(
