@@ -11,18 +11,25 @@ tests/upstream/test_client_receive_timeout.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import select
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
 import pytest
+import uvicorn
 
 from proxy.server.client_bounds import with_client_bounds
-from tests.servers import running_server, serving_in_thread
+from proxy.server.settings import Settings
+from proxy.vllm_middleware import _bound_vllms_server
+from tests.servers import free_port, running_server, serving_in_thread
 from tests.upstream.test_upstream_reports import records
 
 pytestmark = pytest.mark.loopback
@@ -244,3 +251,80 @@ def test_a_pipelined_header_begun_is_not_closed_by_the_keep_alive_timer() -> Non
             time.sleep(0.6 * IN_THREAD_BOUND_S)  # three keep-alives, well inside the bound
             pipelining.sendall(b"P/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
             assert pipelining.recv(1 << 16).endswith(b"\r\n\r\n3")
+
+
+class VllmsApp:
+    """vLLM's app as the middleware finds it at its lifespan's startup: served by a uvicorn
+    whose config is loaded and whose listener is not open yet (``app.state.server``)."""
+
+    def __init__(self) -> None:
+        self.state = SimpleNamespace(server=None)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] == "lifespan.startup":
+                _bound_vllms_server(self, Settings(client_receive_timeout_s=IN_THREAD_BOUND_S))
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+
+
+@contextlib.contextmanager
+def serving(config: uvicorn.Config) -> Iterator[str]:
+    """``config``'s server (its attributes set as vLLM sets them) in a thread; its base URL."""
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_vllms_server_gets_the_receive_bound_where_it_runs_httptools_and_says_so_where_not(
+        http: str, caplog: pytest.LogCaptureFixture) -> None:
+    app = VllmsApp()
+    app.state.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), http=http,
+                                                     lifespan="on", log_level="warning"))
+    with caplog.at_level(logging.WARNING, "cachetally"), serving(app.state.server.config) as url:
+        if http == "httptools":
+            with connect(url) as partial:
+                partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHo")
+                assert let_go(partial)
+    warned = [r.getMessage() for r in caplog.records if "client_receive_timeout_s are not applied" in r.getMessage()]
+    assert len(warned) == (http == "h11")
+
+
+def test_vllms_bound_on_a_headers_fields_is_kept_under_httptools() -> None:
+    """vLLM bounds a header's fields for uvicorn's h11 protocol (``h11_max_header_count``),
+    which httptools ignored: one field too many, in one read, is refused with a 431."""
+    config = uvicorn.Config(SlowToRead(), host="127.0.0.1", port=free_port(), http=with_client_bounds(60.0, 60.0),
+                            lifespan="off", log_level="warning")
+    config.h11_max_header_count = 8
+    fields = b"".join(b"X-Field-%d: v\r\n" % i for i in range(6))  # with Host and Connection: 8
+    with serving(config) as url:
+        for extra, status in ((b"", b"200"), (b"X-One-More: v\r\n", b"431")):
+            with connect(url) as client:
+                client.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n" + fields + extra + b"Connection: close\r\n\r\n")
+                assert client.recv(1 << 16).startswith(b"HTTP/1.1 " + status)
+
+
+def test_a_header_too_large_behind_a_running_response_resets_and_never_answers_in_its_place() -> None:
+    """The response running owns the connection's bytes: a 431 for the pipelined request
+    behind it would reach the client as the answer to the first."""
+    config = uvicorn.Config(SlowToRead(), host="127.0.0.1", port=free_port(), http=with_client_bounds(60.0, 60.0),
+                            lifespan="off", log_level="warning")
+    with serving(config) as url, connect(url) as client:
+        client.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        # Past the bound by more than one read (what may arrive with the request before it is not counted).
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            client.sendall(b"GET /b HTTP/1.1\r\nHost: x\r\nX-Huge: " + b"h" * (1 << 20))
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := client.recv(1 << 16):
+                received += chunk
+    assert b" 431 " not in received
