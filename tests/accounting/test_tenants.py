@@ -158,6 +158,15 @@ async def test_only_a_cors_preflight_passes_a_guarded_path_without_a_key() -> No
         keyed = await client.request("HEAD", "/v1/models", headers={"authorization": "Bearer sk-1"})
         assert keyed.status_code == 200
 
+
+@pytest.mark.asyncio
+async def test_in_front_of_its_own_engine_a_guarded_prefix_further_in_is_no_route_not_a_401() -> None:
+    """The engine's root path is known here, as to vLLM's own key: ``/api/v1/models`` is no
+    route (404). Only in front of an upstream, whose root path is not known, does it need a key."""
+    async with in_process(api_key="sk-1") as client:
+        for path in ("/api/v1/models", "/api/invocations"):
+            assert (await client.get(path)).status_code == 404, path
+
 @pytest.mark.asyncio
 async def test_trusted_header_is_bounded_by_the_configured_tenants() -> None:
     async with in_process(tenant_header="X-Team", tenants=["a", "b", "c"]) as client:
