@@ -87,6 +87,6 @@ class ApiKeyGuard:
             await send({"type": "websocket.close", "code": 1008})  # policy violation
             return
         path = route_path(scope)
-        if self._prefixed and not (path.startswith(GUARDED_PREFIXES) or path in self._metered):
-            path = self._route_under_a_prefix(path) or path  # the route the upstream serves names the error's shape
+        if self._prefixed:  # the route the upstream serves names the error's shape, as it names a 403's
+            path = self._route_under_a_prefix(path) or path  # (a root path may begin /v1 itself)
         await send_error(send, path, 401, "Missing or invalid API key", headers=[(b"www-authenticate", b"Bearer")])

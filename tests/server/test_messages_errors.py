@@ -139,17 +139,20 @@ def test_the_messages_api_under_an_upstreams_root_path_is_refused_in_anthropics_
     """Billing on, ``/api/v1/messages`` is the Messages API of an upstream behind
     ``--root-path /api``, which cachetally cannot meter there: its 403 was OpenAI's JSON
     (``ForbiddenError``), and a wrong key's 401 too (``AuthenticationError``), since both
-    refusals named the raw path, not the route the upstream serves it as."""
-    with proxy(f"http://127.0.0.1:{free_port()}", api_key=KEY) as url:
-        refused = raised(f"{url}/api", create)
-        no_key = raised(f"{url}/api", create, key="wrong")
-        count_no_key = raised(f"{url}/api", lambda c: c.messages.count_tokens(model="m", messages=MESSAGE), key="wrong")
-    route = "/v1/messages"
-    assert_anthropic(refused, anthropic.PermissionDeniedError, 403, "permission_error",
-                     f"{route} runs the engine unmetered: it is refused while billing is on")
-    for refused_key in (no_key, count_no_key):
-        assert_anthropic(refused_key, anthropic.AuthenticationError, 401, "authentication_error",
-                         "Missing or invalid API key")
+    refusals named the raw path, not the route the upstream serves it as. A root path that
+    itself begins with a guarded prefix (``/v1/x``) is one as well."""
+    for root in ("/api", "/v1/x"):
+        with proxy(f"http://127.0.0.1:{free_port()}", api_key=KEY) as url:
+            refused = raised(f"{url}{root}", create)
+            no_key = raised(f"{url}{root}", create, key="wrong")
+            count_no_key = raised(f"{url}{root}", lambda c: c.messages.count_tokens(model="m", messages=MESSAGE),
+                                  key="wrong")
+        route = "/v1/messages"
+        assert_anthropic(refused, anthropic.PermissionDeniedError, 403, "permission_error",
+                         f"{route} runs the engine unmetered: it is refused while billing is on")
+        for refused_key in (no_key, count_no_key):
+            assert_anthropic(refused_key, anthropic.AuthenticationError, 401, "authentication_error",
+                             "Missing or invalid API key")
 
 
 async def _slow_messages(request: Any) -> JSONResponse:
