@@ -132,7 +132,11 @@ def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     [("[default]\ninput = -1\ncached_input = 0\noutput = 0\n", "input must be a number"),
      ("[default]\ninput = 1\n", "cached_input must be"),
      ("[defaults]\ninput = 1\n", "1 unknown table.*, such as defaults;"),
-     ("[default]\ninput = 1\ncached_input = 1\noutput = 1\nextra = 2\n", "only input")],
+     ("[default]\ninput = 1\ncached_input = 1\noutput = 1\nextra = 2\n", "only input"),
+     ("[default]\ninput = true\ncached_input = 0\noutput = 0\n", "input must be a number"),  # not 1
+     ("[models]\nm1 = 5\n", "only input"),  # a price where a model's table goes
+     ("", "no prices"),
+     ("[models]\n", "no prices")],
 )
 def test_bad_prices_are_refused(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "p.toml"

@@ -73,12 +73,11 @@ class PriceList:
 def _prices(table: Any, where: str, base: Prices | None) -> Prices:
     if not isinstance(table, dict) or set(table) - set(PRICE_KEYS) - set(OPTIONAL_PRICE_KEYS):
         raise ValueError(f"{where}: only {', '.join(PRICE_KEYS + OPTIONAL_PRICE_KEYS)} (per million tokens)")
-    values: dict[str, Decimal | None] = {}
+    values: dict[str, Decimal] = {}
     for key in PRICE_KEYS + OPTIONAL_PRICE_KEYS:
         value = table.get(key, getattr(base, key) if base else None)
         if value is None and key in OPTIONAL_PRICE_KEYS:
-            values[key] = None
-            continue
+            continue  # Prices' default: None, priced as input
         price = None if isinstance(value, bool) or not isinstance(value, int | Decimal) else Decimal(value)
         if price is None or not price.is_finite() or price < 0:  # inf and nan made every cost null
             raise ValueError(f"{where}: {key} must be a number >= 0")
