@@ -175,6 +175,8 @@ def test_since_and_until_select_requests_by_start_time(tmp_path: Path, capsys: p
     assert json.loads(capsys.readouterr().out)["records"] == 2
     assert main(["report", str(path), "--since", "2026-11-01T01:00:00+01:00", "--json"]) == 0  # = 00:00 UTC
     assert json.loads(capsys.readouterr().out)["records"] == 3
+    assert main(["report", str(path), "--until", "2026-11-15T12:00:00.5Z", "--json"]) == 0  # an end alone
+    assert json.loads(capsys.readouterr().out)["records"] == 2
 
 
 def test_cache_writes_have_their_own_price_and_default_to_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -365,7 +367,7 @@ def test_an_unreadable_period_is_refused_in_words(tmp_path: Path, capsys: pytest
     assert "not an ISO 8601 time: 'yesterday'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("until", ["2026-10-31T23:59:59", "2026-10-01"])
+@pytest.mark.parametrize("until", ["2026-10-31T23:59:59", "2026-10-01", "2026-11-01"])  # the last: empty
 def test_a_period_that_ends_before_it_starts_is_refused_not_billed_as_zero(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], until: str
 ) -> None:
@@ -374,7 +376,7 @@ def test_a_period_that_ends_before_it_starts_is_refused_not_billed_as_zero(
     out, err = capsys.readouterr()
     assert out == ""
     until_utc = until + ("" if "T" in until else "T00:00:00") + "+00:00"
-    assert err == f"cachetally report: --since 2026-11-01T00:00:00+00:00 is after --until {until_utc}\n"
+    assert err == f"cachetally report: --since 2026-11-01T00:00:00+00:00 is not before --until {until_utc}\n"
 
 
 def test_copies_of_an_invalid_or_undated_record_are_said_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -88,9 +88,9 @@ def _expand(paths: list[Path]) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    if args.since is not None and args.until is not None and args.since > args.until:
-        # Swapped bounds select nothing: a zero bill that looks like an idle period.
-        print(f"cachetally report: --since {args.since.isoformat()} is after --until {args.until.isoformat()}",
+    if args.since is not None and args.until is not None and args.since >= args.until:
+        # Swapped or equal bounds select nothing (--until is excluded): a zero bill that looks like an idle period.
+        print(f"cachetally report: --since {args.since.isoformat()} is not before --until {args.until.isoformat()}",
               file=sys.stderr)
         return 2
     try:
