@@ -40,16 +40,17 @@ def body_of(size: int) -> bytes:
 
 
 @pytest.fixture(scope="module", params=["sim", "upstream"])
-def server(request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, Path]]:
     serve = ["-m", "proxy.server.cli", "serve", "--log-level", "warning"]
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
     with contextlib.ExitStack() as stack:
         if request.param == "sim":
             args = [*serve, "--engine", "sim"]
         else:
             upstream, _ = stack.enter_context(running_server(SIM))
             args = [*serve, "--upstream", upstream]
-        url, proc = stack.enter_context(running_server(args, env=ENV))
-        yield url, proc.pid
+        url, proc = stack.enter_context(running_server(args, env=ENV, log_path=log))
+        yield url, proc.pid, log
 
 
 def rss_mib(pid: int) -> float:
@@ -96,8 +97,8 @@ def status_of(answer: bytes) -> int:
 
 @pytest.mark.loopback
 @pytest.mark.asyncio
-async def test_bodies_still_arriving_are_held_only_up_to_the_budget(server: tuple[str, int]) -> None:
-    url, pid = server
+async def test_bodies_still_arriving_are_held_only_up_to_the_budget(server: tuple[str, int, Path]) -> None:
+    url, pid, log = server
     port = int(url.rsplit(":", 1)[1])
     before_refused = metric_value(httpx.get(f"{url}/metrics").text, "cachetally_request_bodies_refused_total")
     rss_before = rss_mib(pid)
@@ -116,6 +117,7 @@ async def test_bodies_still_arriving_are_held_only_up_to_the_budget(server: tupl
             assert orjson.loads(body)["error"]["type"] == "ServiceUnavailableError"
         text = httpx.get(f"{url}/metrics").text
         assert metric_value(text, "cachetally_request_bodies_refused_total") - before_refused == len(refused)
+        assert "request bodies refused (503)" in log.read_text()  # the operator is told, not only counted
         # The bodies the server took are served once they are whole.
         for c in holders:
             assert status_of(await c.finish()) == 200
