@@ -166,6 +166,7 @@ def test_a_prices_file_that_is_not_toml_is_refused_at_its_line_without_quoting_i
     with pytest.raises(ValueError, match=re.escape(f"cannot read prices {path}: {says}")) as info:
         PriceList.load(path)
     assert "sk-live" not in str(info.value)
+    assert "column" not in str(info.value)  # the line said once, not the parser's "(at line 2, column 14)" again
 
 
 def test_since_and_until_select_requests_by_start_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

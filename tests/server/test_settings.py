@@ -118,8 +118,10 @@ def test_bad_value_in_toml_is_an_error(tmp_path: Path) -> None:
 def test_invalid_toml_and_missing_file_are_errors(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="cannot read config"):
         load_settings(toml(tmp_path, "[cachetally\n"), env={})
-    with pytest.raises(SettingsError, match="cannot read config"):
-        load_settings(tmp_path / "absent.toml", env={})
+    absent = tmp_path / "absent.toml"
+    with pytest.raises(SettingsError) as refused:
+        load_settings(absent, env={})
+    assert str(refused.value) == f"cannot read config {absent}: No such file or directory"  # the reason, once
 
 
 def test_env_vars_without_the_prefix_or_unknown_are_ignored_and_the_unknown_named(
