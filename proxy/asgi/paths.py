@@ -57,16 +57,35 @@ def normalized(path: str) -> str:
     return "/" + "/".join(kept)
 
 
+def cleaned(path: str) -> str:
+    """``path`` as Go's ``path.Clean`` reads it, backslashes as slashes: empty segments dropped
+    as the dot segments are removed, not after (``/a/x//../b`` is ``/a/b``, where
+    :func:`normalized` then merged gives ``/a/x/b``), and a trailing slash kept only where
+    ``path`` ends with one (``/a/b/.`` is ``/a/b``). What Traefik's ``sanitizePath`` (on by
+    default: ``url.JoinPath``) forwards; nginx, where ``proxy_pass`` names a URI (it then forwards
+    the path it normalized), merges so too with its default ``merge_slashes``."""
+    kept: list[str] = []
+    for segment in path.replace("\\", "/").split("/"):
+        if segment == "..":
+            if kept:
+                kept.pop()
+        elif segment not in ("", "."):
+            kept.append(segment)
+    clean = "/" + "/".join(kept)
+    return clean + "/" if path.endswith(("/", "\\")) and kept else clean
+
+
 def forwarded_forms(path: str) -> tuple[str, ...]:
     """``path``, then each other path a hop that normalizes paths could forward it as to the
-    upstream: Istio's default (``BASE``: :func:`normalized`) and the setting it advises
-    against CVE-2021-31920 (``MERGE_SLASHES``: then runs of slashes merged). A sidecar or
-    gateway between cachetally and an upstream so hands the engine a route cachetally never
-    saw by that name (``/v1//chat/completions``, ``/x\\..\\invocations``)."""
+    upstream: Istio's default (``BASE``: :func:`normalized`), the setting it advises against
+    CVE-2021-31920 (``MERGE_SLASHES``: then runs of slashes merged), and Traefik's or nginx's
+    (:func:`cleaned`). A sidecar or gateway between cachetally and an upstream so hands the
+    engine a route cachetally never saw by that name (``/v1//chat/completions``,
+    ``/x\\..\\invocations``, ``/v1/x//../completions``)."""
     if "." not in path and "\\" not in path and "//" not in path:
         return (path,)
     base = normalized(path)
-    return tuple(dict.fromkeys((path, base, _MERGED_SLASHES.sub("/", base))))
+    return tuple(dict.fromkeys((path, base, _MERGED_SLASHES.sub("/", base), cleaned(path))))
 
 
 def logged_path(scope: Scope) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import posixpath
 import re
 import subprocess
 import sys
@@ -461,29 +462,52 @@ def _post_raw_path(url: str, path: str, key: str | None) -> int:
         connection.close()
 
 
-@pytest.mark.parametrize("merges_slashes", [False, True], ids=["istio-base", "istio-merge-slashes"])
+def _go_cleaned(path: str) -> str:
+    """What Traefik's ``sanitizePath`` (on by default) forwards: Go's ``url.JoinPath``, that is
+    ``path.Clean`` (as ``posixpath.normpath``: slashes merged as the dot segments go), a
+    trailing slash kept only where the path ended with one."""
+    cleaned = posixpath.normpath("/" + path.lstrip("/"))
+    return cleaned + "/" if path.endswith("/") and cleaned != "/" else cleaned
+
+
+#: How each hop rewrites the path it forwards: Envoy's ``normalize_path`` (Istio's ``BASE``),
+#: then Istio's ``MERGE_SLASHES``, and Traefik (nginx's default ``merge_slashes`` likewise
+#: merges while it removes dot segments, not after).
+_HOPS = {
+    "istio-base": normalized,
+    "istio-merge-slashes": lambda path: re.sub("/{2,}", "/", normalized(path)),
+    "traefik": lambda path: _go_cleaned(path.replace("\\", "/")),
+}
+
+
+@pytest.mark.parametrize("hop", list(_HOPS))
 def test_a_route_a_normalizing_hop_before_the_upstream_would_serve_is_refused_or_needs_the_key(
-        tmp_path: Path, merges_slashes: bool) -> None:
+        tmp_path: Path, hop: str) -> None:
     """A sidecar or gateway between cachetally and the upstream may normalize the path it
     forwards: Envoy's ``normalize_path``, on in Istio's default (``BASE``), reads backslashes
     as slashes and removes dot segments (RFC 3986), and Istio's ``MERGE_SLASHES`` (its advice
     against CVE-2021-31920) merges runs of slashes too. ``/v1/./completions`` was forwarded as
     no route of the table and reached the engine as ``/v1/completions``, with no record and no
     counter; ``/x\\..\\invocations``, not under a guarded prefix, reached ``/invocations``
-    without the key too. Each is refused (403, counted under the route it names) and needs the
-    key, as the route under a root path is."""
+    without the key too. Traefik (and nginx) merge the slashes as they remove dot segments, so
+    ``/v1/x//../completions`` (``/v1/x/completions`` to Envoy) and ``/v1/completions/.`` (Go's
+    ``path.Clean`` drops the slash a dot segment leaves) reached ``/v1/completions`` there.
+    Each is refused (403, counted under the route it names) and needs the key, as the route
+    under a root path is."""
     inner = echo_upstream([SERVED])
+    forwarded_as = _HOPS[hop]
 
     async def behind_a_normalizing_hop(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            path = normalized(scope["path"])
-            path = re.sub("/{2,}", "/", path) if merges_slashes else path
+            path = forwarded_as(scope["path"])
             scope = {**scope, "path": path, "raw_path": path.encode()}
         await inner(scope, receive, send)
 
     usage = tmp_path / "usage"
-    refused = ["/v1/./completions", "/v1/x/../completions", "/v1\\completions", "/a/..\\invocations"]
-    refused += ["/v1//completions", "/v1/.//completions"] if merges_slashes else []
+    refused = ["/v1/./completions", "/v1/x/../completions", "/v1\\completions", "/a/..\\invocations",
+               "/v1/%2e/completions", "/v1/x/%2E%2e/completions", "/v1%5Ccompletions", "/a/.%2E%5cinvocations"]
+    refused += ["/v1//completions", "/v1/.//completions"] if hop != "istio-base" else []
+    refused += ["/v1/x//../completions", "/v1/completions/.", "/v1/completions/x/.."] if hop == "traefik" else []
     with serving_in_thread(behind_a_normalizing_hop) as upstream:
         settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage),
                             usage_flush_interval_s=0.05, api_key=SHARED).validate()
@@ -491,14 +515,14 @@ def test_a_route_a_normalizing_hop_before_the_upstream_would_serve_is_refused_or
             assert _post_raw_path(url, "/v1/completions", SHARED) == 200  # metered
             for path in refused:
                 assert _post_raw_path(url, path, SHARED) == 403, path
-            for path in ("/x\\..\\invocations", "/.\\invocations", "/x/..\\v1/completions"):
+            for path in ("/x\\..\\invocations", "/.\\invocations", "/x/..\\v1/completions", "/x//../invocations"):
                 assert _post_raw_path(url, path, None) == 401, path
             metrics = httpx.get(f"{url}/metrics").text
     records = [orjson.loads(line) for f in sorted(usage.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
     assert [r["route"] for r in records] == ["completions"]
     counted = {s.labels["route"]: s.value for family in text_string_to_metric_families(metrics)
                for s in family.samples if s.name == "cachetally_refused_unmetered_total"}
-    assert counted == {"/v1/completions": len(refused) - 1, "/invocations": 1}
+    assert counted == {"/v1/completions": len(refused) - 2, "/invocations": 2}
 
 
 def _logprobs_upstream() -> Starlette:

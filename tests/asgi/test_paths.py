@@ -3,12 +3,13 @@ path a normalizing hop (Envoy's ``normalize_path``) hands it."""
 
 from __future__ import annotations
 
+import posixpath
 from urllib.parse import urljoin, urlsplit
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.asgi.paths import forwarded_forms, normalized, tails
+from proxy.asgi.paths import cleaned, forwarded_forms, normalized, tails
 
 
 @given(st.text(alphabet="/av1x", max_size=40), st.integers(min_value=0, max_value=45))
@@ -42,4 +43,16 @@ def test_the_forms_a_normalizing_hop_forwards_are_the_path_then_istios_base_then
     assert forwarded_forms("/v1/chat/completions") == ("/v1/chat/completions",)
     assert forwarded_forms("/v1/.//chat/completions") == (
         "/v1/.//chat/completions", "/v1//chat/completions", "/v1/chat/completions")
-    assert forwarded_forms("/a//../b") == ("/a//../b", "/a/b")  # dot segments first, as Envoy orders them
+    # dot segments first, as Envoy orders them; merged as they go, as Traefik and nginx do
+    assert forwarded_forms("/a//../b") == ("/a//../b", "/a/b", "/b")
+    assert forwarded_forms("/v1/chat/completions/.") == (
+        "/v1/chat/completions/.", "/v1/chat/completions/", "/v1/chat/completions")
+
+
+@given(st.lists(st.sampled_from(["a", "v1", ".", "..", "", ".a", "a."]), max_size=8))
+def test_a_cleaned_path_is_gos_path_clean_with_the_trailing_slash_kept(segments: list[str]) -> None:
+    """Against ``posixpath.normpath`` (Go's ``path.Clean`` but for a leading ``//``, which it
+    keeps), with ``url.JoinPath``'s trailing slash: what Traefik forwards."""
+    path = "/" + "/".join(segments)
+    expected = posixpath.normpath("/" + path.lstrip("/"))
+    assert cleaned(path) == (expected + "/" if path.endswith("/") and expected != "/" else expected)
