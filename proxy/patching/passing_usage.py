@@ -54,9 +54,8 @@ class PassingUsage:
             self._parser.send(part)
             if last:
                 self._parser.close()
-        except ijson.JSONError:  # not JSON from here (or cut short): nothing more to read
-            self._parser = None
-            return
+        except ijson.JSONError:  # not JSON from here (or cut short): nothing more to read, but
+            self._parser = None  # a usage read before that byte in this same part still counts
         if self._found:
             usage, self._parser = self._found[0], None
             self.usage = usage if isinstance(usage, dict) else None

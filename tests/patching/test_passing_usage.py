@@ -55,5 +55,8 @@ def test_what_follows_the_usage_is_not_read_and_a_body_that_is_not_json_gives_no
     usage = {"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
     head = json.dumps({"usage": usage, "prompt_logprobs": ["x" * 100] * 10_000}).encode()
     assert _fed(head[:-1] + b"\x00 not json", [len(head) // 2]).usage == usage
+    # ... in whichever part they come: the usage and what ends the parse in one (a socket read)
+    assert _fed(head[:-1] + b"\x00 not json", []).usage == usage
+    assert _fed(b'{"usage": {"prompt_tokens": 1}, "prompt_logprobs": [', []).usage == {"prompt_tokens": 1}
     assert _fed(b'{"id": \x00, "usage": {"prompt_tokens": 1}}', [5]).usage is None
     assert _fed(b'{"id": "x", "usage": {"prompt_tokens": 1', []).usage is None  # cut short
