@@ -48,7 +48,7 @@ class PassingUsage:
         return None if self.usage is None else {**self._kind, "usage": self.usage}
 
     def feed(self, part: bytes, last: bool = False) -> None:
-        if self._parser is None:
+        if self._parser is None or not (part or last):  # to the parser, an empty buffer is the end
             return
         try:
             self._parser.send(part)

@@ -60,3 +60,12 @@ def test_what_follows_the_usage_is_not_read_and_a_body_that_is_not_json_gives_no
     assert _fed(b'{"usage": {"prompt_tokens": 1}, "prompt_logprobs": [', []).usage == {"prompt_tokens": 1}
     assert _fed(b'{"id": \x00, "usage": {"prompt_tokens": 1}}', [5]).usage is None
     assert _fed(b'{"id": "x", "usage": {"prompt_tokens": 1', []).usage is None  # cut short
+
+
+def test_an_empty_part_is_no_end_of_the_body() -> None:
+    """ASGI lets an app send an empty body part before the last (``more_body``): to the
+    parser an empty buffer is the end of its input, after which the usage was never read."""
+    scanner = PassingUsage()
+    for part, last in ((b'{"id": "x", ', False), (b"", False), (b'"usage": {"prompt_tokens": 5}}', False), (b"", True)):
+        scanner.feed(part, last)
+    assert scanner.usage == {"prompt_tokens": 5}
