@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 import ijson
@@ -34,7 +35,11 @@ class PassingUsage:
         self.usage: dict[str, Any] | None = None
         self._kind = kind
         self._found = ijson.sendable_list()
-        self._parser: Any = ijson.items_coro(self._found, "usage", use_float=True)
+        # Not use_float: its numbers are yajl's int64 and double, so an integer past int64
+        # anywhere before the usage (a client's JSON schema a Responses body echoes) ended the
+        # read. Read from their text instead, integers are Python's and others Decimal
+        # (made floats in the usage read, as a body held whole reads them: :func:`_floats`).
+        self._parser: Any = ijson.items_coro(self._found, "usage")
 
     async def pass_on(self, parts: list[bytes], send: Send) -> None:
         """Send the parts held so far, reading each: the loop serves other requests between them."""
@@ -58,4 +63,19 @@ class PassingUsage:
             self._parser = None  # a usage read before that byte in this same part still counts
         if self._found:
             usage, self._parser = self._found[0], None
-            self.usage = usage if isinstance(usage, dict) else None
+            self.usage = _floats(usage) if isinstance(usage, dict) else None
+
+
+def _floats(usage: dict[str, Any]) -> dict[str, Any]:
+    """``usage`` with each ``Decimal`` in it a float, as the standard library and orjson read
+    such a number: the usage is patched and written as a held body's is, and neither writes
+    a ``Decimal``. A stack, not recursion: an upstream may nest it as deep as it likes."""
+    stack: list[dict[str, Any] | list[Any]] = [usage]
+    while stack:
+        node = stack.pop()
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(value, Decimal):
+                node[key] = float(value)  # type: ignore[index]
+            elif isinstance(value, dict | list):
+                stack.append(value)
+    return usage

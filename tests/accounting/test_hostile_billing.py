@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import posixpath
 import re
 import subprocess
@@ -548,7 +549,8 @@ def _logprobs_upstream() -> Starlette:
         answer = {"id": "resp_1", "object": "response", "created_at": 0, "model": SERVED, "text": body.get("text"),
                   "output": [], "status": "completed",
                   "usage": {"input_tokens": 700, "output_tokens": 9, "total_tokens": 709,
-                            "input_tokens_details": {"cached_tokens": 512}, "output_tokens_details": {}}}
+                            "input_tokens_details": {"cached_tokens": 512}, "output_tokens_details": {},
+                            "cost": 0.25}}  # a figure that is no integer (OpenRouter's usage has one)
         return Response(json.dumps(answer), media_type="application/json")
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -556,17 +558,19 @@ def _logprobs_upstream() -> Starlette:
                              Route("/v1/models", lambda _: JSONResponse({"data": [{"id": SERVED}]}), methods=["GET"])])
 
 
-def test_an_answer_too_large_to_hold_is_still_billed_its_usage(tmp_path: Path) -> None:
+def test_an_answer_too_large_to_hold_is_still_billed_its_usage(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A JSON answer past ``max_response_bytes`` goes out as it comes, unpatched. It was also
     unread: the record had no prompt and 0 completion tokens, so a client that asked vLLM for
     ``prompt_logprobs`` (20 entries a prompt token: a prompt of some 50,000 tokens passes the
     64 MiB default) was billed nothing. Here the bound is 64 KiB. Its usage is read as it
     passes, the client's own ``"usage"`` objects echoed before it (a Responses body's schema)
-    taken for none, and the body reaches the client as the upstream sent it."""
+    taken for none, nor an integer in them past int64 (it ended the read: ijson's fast number
+    path is int64 and double), and the body reaches the client as the upstream sent it."""
     usage_dir = tmp_path / "usage"
     schema = {"format": {"type": "json_schema", "name": "s", "schema": {
         "usage": {"input_tokens": 1, "output_tokens": 0, "input_tokens_details": {"cached_tokens": 1}},
-        "pad": "x" * 70_000}}}
+        "pad": "x" * 70_000, "maximum": 2**64}}}  # past int64 (a JSON schema's bound may be any integer)
     with serving_in_thread(_logprobs_upstream()) as upstream:
         settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage_dir), usage_flush_interval_s=0.05,
                             api_keys_file=str(keys_file(tmp_path)), max_response_bytes=64 * 1024).validate()
@@ -588,3 +592,4 @@ def test_an_answer_too_large_to_hold_is_still_billed_its_usage(tmp_path: Path) -
     assert 'cachetally_patch_skipped_total{reason="body_too_large"} 2.0' in metrics
     totals = read(sorted(usage_dir.glob("*.jsonl"))).total()
     assert (totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens) == (2100, 1536, 27)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # nothing raised on the way

@@ -16,13 +16,13 @@ from proxy.patching.passing_usage import PassingUsage
 _TEXT = st.lists(st.sampled_from(['a', '"', '\\', 'usage', '"usage"', '"usage":', '{', '}', '[', ']', ':', ',', ' ',
                                   'é', '\n']), max_size=6).map("".join)
 _VALUE = st.recursive(
-    st.one_of(st.integers(-5, 10**6), st.none(), st.booleans(), _TEXT),
+    st.one_of(st.integers(-5, 10**6), st.integers(-(2**70), 2**70), st.none(), st.booleans(), _TEXT),  # past int64 too
     lambda inner: st.one_of(st.lists(inner, max_size=4),
                             st.dictionaries(st.one_of(_TEXT, st.just("usage")), inner, max_size=4)),
     max_leaves=20,
 )
-_USAGE = st.dictionaries(st.sampled_from(["prompt_tokens", "completion_tokens", "usage"]), st.integers(0, 10**9),
-                         max_size=3)
+_USAGE = st.dictionaries(st.sampled_from(["prompt_tokens", "completion_tokens", "usage", "cost"]),
+                         st.integers(0, 10**9) | st.floats(allow_nan=False, allow_infinity=False), max_size=3)
 
 
 def _fed(body: bytes, cuts: list[int]) -> PassingUsage:
