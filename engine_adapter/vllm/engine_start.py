@@ -24,6 +24,7 @@ from typing import Any
 from engine_adapter.vllm import compat
 
 _LAUNCH = "launch_core_engines"
+_STOPS = (signal.SIGTERM, signal.SIGINT)
 
 
 class _StopDuringStart(BaseException):
@@ -31,6 +32,10 @@ class _StopDuringStart(BaseException):
 
 
 def _raise_stop(signum: int, frame: object) -> None:
+    # Once: a second signal while the first turns into a KeyboardInterrupt, or while the
+    # launch unwinds, would escape as this private exception, a traceback.
+    for stop in _STOPS:
+        signal.signal(stop, signal.SIG_IGN)
     raise _StopDuringStart(signal.Signals(signum).name)
 
 
@@ -43,7 +48,7 @@ def _stoppable(launch: Callable[..., Any]) -> Callable[..., Any]:
             with launch(*args, **kwargs) as launched:
                 yield launched
             return
-        previous = {signum: signal.signal(signum, _raise_stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+        previous = {signum: signal.signal(signum, _raise_stop) for signum in _STOPS}
         try:
             with launch(*args, **kwargs) as launched:
                 yield launched
