@@ -9,8 +9,11 @@ its prompt and its completion off the bill by asking for an answer that large: v
 So each part is fed, as it passes, to ijson's incremental parser (its C backend, yajl), which
 builds only the value at the prefix ``usage``: the top level's, never a ``"usage"`` key in an
 object the body echoes (a Responses body's JSON schema), nor the letters in a string. The
-parse stops once that value is read (vLLM writes ``usage`` before ``prompt_logprobs``), or at
-the first byte that is not JSON. What it holds meanwhile is the value and the token being read.
+parse stops once that value is read (vLLM's chat body has it before ``prompt_logprobs``), or
+at the first byte that is not JSON. What it holds meanwhile is the value and the token being
+read. The top-level ``model`` is read the same way, so that the request is labelled by the
+response's model on every API: a Responses body echoes the client's ``metadata`` (any keys,
+``"model"`` too) before it, where the first bytes cannot be trusted for it.
 """
 
 from __future__ import annotations
@@ -26,20 +29,27 @@ from starlette.types import Send
 
 class PassingUsage:
     """Feed a JSON body's parts in order (:meth:`feed`); :attr:`usage` is its top-level
-    ``usage`` object once read, else ``None``. ``kind``: the top-level fields that name such a
-    body of its API (a shape's ``body_kind``), for :meth:`payload`."""
+    ``usage`` object once read, else ``None``, and :attr:`model` its top-level ``model``
+    string. ``kind``: the top-level fields that name such a body of its API (a shape's
+    ``body_kind``), for :meth:`payload`."""
 
-    __slots__ = ("usage", "_kind", "_found", "_parser")
+    __slots__ = ("usage", "model", "_kind", "_reads")
 
     def __init__(self, kind: Mapping[str, str] = {}) -> None:
         self.usage: dict[str, Any] | None = None
+        self.model: str | None = None
         self._kind = kind
-        self._found = ijson.sendable_list()
-        # Not use_float: its numbers are yajl's int64 and double, so an integer past int64
-        # anywhere before the usage (a client's JSON schema a Responses body echoes) ended the
-        # read. Read from their text instead, integers are Python's and others Decimal
-        # (made floats in the usage read, as a body held whole reads them: :func:`_floats`).
-        self._parser: Any = ijson.items_coro(self._found, "usage")
+        # One parser a member, each stopped once its value is read, and both once the usage
+        # is: the model comes before it in every API's body (in a Responses body after the
+        # client's metadata, before its output), so its parse is short. Not use_float: its
+        # numbers are yajl's int64 and double, so an integer past int64 anywhere before the
+        # usage (a client's JSON schema a Responses body echoes) ended the read. Read from
+        # their text instead, integers are Python's and others Decimal (made floats in the
+        # usage read, as a body held whole reads them: :func:`_floats`).
+        self._reads: dict[str, tuple[Any, list[Any]]] = {}
+        for member in ("model", "usage"):
+            found = ijson.sendable_list()
+            self._reads[member] = (ijson.items_coro(found, member), found)
 
     async def pass_on(self, parts: list[bytes], send: Send) -> None:
         """Send the parts held so far, reading each: the loop serves other requests between them."""
@@ -49,21 +59,28 @@ class PassingUsage:
             await asyncio.sleep(0)
 
     def payload(self) -> dict[str, Any] | None:
-        """The body as far as its figures go (its kind and usage), once its usage was read."""
-        return None if self.usage is None else {**self._kind, "usage": self.usage}
+        """The body as far as its figures go (its kind, model and usage), once its usage was read."""
+        if self.usage is None:
+            return None
+        return {**self._kind, "usage": self.usage} if self.model is None else \
+            {**self._kind, "model": self.model, "usage": self.usage}
 
     def feed(self, part: bytes, last: bool = False) -> None:
-        if self._parser is None or not (part or last):  # to the parser, an empty buffer is the end
-            return
-        try:
-            self._parser.send(part)
-            if last:
-                self._parser.close()
-        except ijson.JSONError:  # not JSON from here (or cut short): nothing more to read, but
-            self._parser = None  # a usage read before that byte in this same part still counts
-        if self._found:
-            usage, self._parser = self._found[0], None
-            self.usage = _floats(usage) if isinstance(usage, dict) else None
+        for member, (parser, found) in list(self._reads.items()):
+            try:
+                if part:  # to the parser, an empty buffer is the end: ASGI allows one before the last
+                    parser.send(part)
+                if last:
+                    parser.close()
+            except ijson.JSONError:  # not JSON from here (or cut short): nothing more to read, but
+                del self._reads[member]  # a value read before that byte in this same part still counts
+            if found:
+                self._reads.pop(member, None)
+                if member == "model":
+                    self.model = found[0] if isinstance(found[0], str) else None
+                    continue
+                self.usage = _floats(found[0]) if isinstance(found[0], dict) else None
+                self._reads.clear()  # a model after the usage is none that any API writes
 
 
 def _floats(usage: dict[str, Any]) -> dict[str, Any]:

@@ -546,7 +546,8 @@ def _logprobs_upstream() -> Starlette:
 
     async def responses(request: Request) -> Response:
         body = await request.json()
-        answer = {"id": "resp_1", "object": "response", "created_at": 0, "model": SERVED, "text": body.get("text"),
+        answer = {"id": "resp_1", "object": "response", "created_at": 0, "metadata": body.get("metadata"),
+                  "model": SERVED, "text": body.get("text"),
                   "output": [], "status": "completed",
                   "usage": {"input_tokens": 700, "output_tokens": 9, "total_tokens": 709,
                             "input_tokens_details": {"cached_tokens": 512}, "output_tokens_details": {},
@@ -579,7 +580,8 @@ def test_an_answer_too_large_to_hold_is_still_billed_its_usage(
                 small = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}])
                 large = client.chat.completions.with_raw_response.create(
                     model=SERVED, messages=[{"role": "user", "content": "hi"}], extra_body={"prompt_logprobs": 20})
-                echoed = client.responses.with_raw_response.create(model=SERVED, input="hi", text=schema)
+                echoed = client.responses.with_raw_response.create(model=SERVED, input="hi", text=schema,
+                                                                   metadata={"model": "m-listed"})
             metrics = httpx.get(f"{url}/metrics").text
     assert small.usage is not None and small.usage.prompt_tokens == 700
     assert len(large.http_response.content) > 64 * 1024 < len(echoed.http_response.content)
@@ -588,7 +590,7 @@ def test_an_answer_too_large_to_hold_is_still_billed_its_usage(
     billed = [(r["route"], r["tenant"], r["model"], r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"],
                r["completion_source"]) for r in records]
     assert billed == [("chat", "acme", SERVED, 700, 512, 9, "usage")] * 2 + [
-        ("responses", "acme", "unknown", 700, 512, 9, "usage")]
+        ("responses", "acme", SERVED, 700, 512, 9, "usage")]  # not the metadata's model echoed before it
     assert 'cachetally_patch_skipped_total{reason="body_too_large"} 2.0' in metrics
     totals = read(sorted(usage_dir.glob("*.jsonl"))).total()
     assert (totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens) == (2100, 1536, 27)

@@ -69,3 +69,14 @@ def test_an_empty_part_is_no_end_of_the_body() -> None:
     for part, last in ((b'{"id": "x", ', False), (b"", False), (b'"usage": {"prompt_tokens": 5}}', False), (b"", True)):
         scanner.feed(part, last)
     assert scanner.usage == {"prompt_tokens": 5}
+
+
+def test_the_model_is_the_top_levels_not_one_a_client_echoed_before_it() -> None:
+    """A Responses body echoes the client's ``metadata`` (``"model"`` keys too) before its own."""
+    body = json.dumps({"id": "resp_1", "metadata": {"model": "m-client"}, "instructions": '"model": "m-text"',
+                       "model": "m-served", "output": [], "usage": {"input_tokens": 3}}).encode()
+    for cut in range(1, len(body)):
+        scanner = _fed(body, [cut])
+        assert (scanner.model, scanner.usage) == ("m-served", {"input_tokens": 3}), cut
+        assert scanner.payload() == {"model": "m-served", "usage": {"input_tokens": 3}}
+    assert _fed(b'{"model": 5, "usage": {"input_tokens": 3}}', []).payload() == {"usage": {"input_tokens": 3}}
