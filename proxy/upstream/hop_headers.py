@@ -25,7 +25,8 @@ HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade"}
 )
 _REQUEST_ONLY = frozenset({b"host", b"content-length"})
-_CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
+#: With the upstream's own key: the client's credentials stay here too.
+_REQUEST_ONLY_AND_CREDENTIALS = _REQUEST_ONLY | {b"authorization", b"x-api-key"}
 _RESPONSE_ONLY = frozenset({b"date", b"server"})
 
 
@@ -52,7 +53,7 @@ def request_headers(headers: Headers, authorization: bytes | None = None) -> Hea
     with ``authorization`` (the upstream's own), that in place of the client's credentials."""
     if authorization is None:
         return _filter(headers, _REQUEST_ONLY)
-    return [*_filter(headers, _REQUEST_ONLY | _CREDENTIALS), (b"authorization", authorization)]
+    return [*_filter(headers, _REQUEST_ONLY_AND_CREDENTIALS), (b"authorization", authorization)]
 
 
 def declared_length(headers: Headers) -> int | None:
