@@ -239,6 +239,20 @@ def test_a_body_sent_after_its_answer_leaves_the_connection_to_the_keep_alive_ti
             assert let_go(client)
 
 
+def test_a_request_in_the_read_that_ends_an_answered_body_is_not_closed_by_the_keep_alive_timer() -> None:
+    """The end of a body sent after its answer re-arms uvicorn's keep-alive timer; a request
+    that begins in that same read must stand it down, or the timer closed the connection
+    under that request's running response."""
+    with serving_in_thread(AsksLate(), "early-then-next", http=with_client_bounds(60.0, IN_THREAD_BOUND_S),
+                           timeout_keep_alive=0.2 * IN_THREAD_BOUND_S) as url:
+        with connect(url) as client:
+            client.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello")
+            assert client.recv(1 << 16).startswith(b"HTTP/1.1 404 ")
+            # The app takes 0.8 s before it answers: eight keep-alives.
+            client.sendall(b"world" + b"POST /next HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+            assert client.recv(1 << 16).endswith(b"\r\n\r\n3")
+
+
 def test_a_pipelined_header_begun_is_not_closed_by_the_keep_alive_timer() -> None:
     """uvicorn arms its keep-alive timer when a response ends with no request queued, even
     with the next one's header begun: it closed that connection after the keep-alive's
