@@ -8,7 +8,9 @@ is billed, and a key names the tenant billed, so no request is billed to a tenan
 credential gave it. ``/health``, ``/metrics`` and ``/stats`` stay open, so a Kubernetes
 probe or a Prometheus scrape needs no key; paths in ``auth_exempt_paths`` (exact match) are
 opened as well. In front of an upstream (``prefixed``), whose root path is not known here,
-a guarded prefix or metered route after leading segments needs a key too. A guarded request
+a guarded prefix or metered route after leading segments needs a key too, and so does one a
+hop or the upstream's own router may serve the path as (:func:`~proxy.asgi.paths.forwarded_forms`:
+``/x/../invocations``, ``/INVOCATIONS``, ``/invocations/``). A guarded request
 must carry exactly one ``Authorization: Bearer <key>`` header naming a key of the table
 (:class:`KeyTable`: the single ``--api-key`` and the ``--api-keys`` file), looked up by
 SHA-256 digest, so neither the time taken nor anything else tells how much of a guess was

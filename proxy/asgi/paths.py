@@ -81,11 +81,22 @@ def forwarded_forms(path: str) -> tuple[str, ...]:
     CVE-2021-31920 (``MERGE_SLASHES``: then runs of slashes merged), and Traefik's or nginx's
     (:func:`cleaned`). A sidecar or gateway between cachetally and an upstream so hands the
     engine a route cachetally never saw by that name (``/v1//chat/completions``,
-    ``/x\\..\\invocations``, ``/v1/x//../completions``)."""
+    ``/x\\..\\invocations``, ``/v1/x//../completions``). Then each of those as a lenient
+    upstream's own router serves it (:func:`leniently_routed`)."""
     if "." not in path and "\\" not in path and "//" not in path:
-        return (path,)
+        return tuple(dict.fromkeys((path, leniently_routed(path))))
     base = normalized(path)
-    return tuple(dict.fromkeys((path, base, _MERGED_SLASHES.sub("/", base), cleaned(path))))
+    forms = (path, base, _MERGED_SLASHES.sub("/", base), cleaned(path))
+    return tuple(dict.fromkeys((*forms, *map(leniently_routed, forms))))
+
+
+def leniently_routed(path: str) -> str:
+    """The route a router that ignores a trailing slash and letter case serves ``path`` as:
+    Express's and Fiber's defaults (non-strict, case-insensitive routing) serve
+    ``/V1/Chat/Completions/`` as ``/v1/chat/completions``. Upper then lower case, so that the
+    letters a case-insensitive comparison takes for ASCII ones (ASP.NET Core's reads ``ı`` as
+    ``I``, ``ſ`` as ``S``, the Kelvin sign as ``K``) are those ASCII letters here too."""
+    return path.rstrip("/").upper().lower() or path
 
 
 def logged_path(scope: Scope) -> str:

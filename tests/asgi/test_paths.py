@@ -9,7 +9,7 @@ from urllib.parse import urljoin, urlsplit
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.asgi.paths import cleaned, forwarded_forms, normalized, tails
+from proxy.asgi.paths import cleaned, forwarded_forms, leniently_routed, normalized, tails
 
 
 @given(st.text(alphabet="/av1x", max_size=40), st.integers(min_value=0, max_value=45))
@@ -47,6 +47,18 @@ def test_the_forms_a_normalizing_hop_forwards_are_the_path_then_istios_base_then
     assert forwarded_forms("/a//../b") == ("/a//../b", "/a/b", "/b")
     assert forwarded_forms("/v1/chat/completions/.") == (
         "/v1/chat/completions/.", "/v1/chat/completions/", "/v1/chat/completions")
+
+
+def test_a_lenient_router_ignores_trailing_slashes_and_letter_case() -> None:
+    """Express's and Fiber's defaults; ASP.NET Core's case-insensitive comparison reads the
+    dotless ı as I, the long ſ as S and the Kelvin sign as K."""
+    assert leniently_routed("/V1/Chat/Completions//") == "/v1/chat/completions"
+    assert leniently_routed("/v1/completıonſ") == "/v1/completions"
+    assert leniently_routed("/\u212aey") == "/key"
+    assert leniently_routed("/") == "/"
+    assert forwarded_forms("/invocations/") == ("/invocations/", "/invocations")
+    assert forwarded_forms("/x/../Invocations/") == (
+        "/x/../Invocations/", "/Invocations/", "/x/../invocations", "/invocations")
 
 
 @given(st.lists(st.sampled_from(["a", "v1", ".", "..", "", ".a", "a."]), max_size=8))
