@@ -56,6 +56,10 @@ class PatchConfig:
     #: a prefix (upstream mode): an upstream behind its own root path (vLLM's ``--root-path``)
     #: routes ``P/v1/chat/completions`` as ``/v1/chat/completions``, and ``P`` is not known here.
     refuse_prefixed: bool = False
+    #: Answer a metered route's other methods and trailing slash as vLLM's router does
+    #: (upstream mode: :mod:`proxy.patching.route_methods`), where the inner app's router may
+    #: run them unmetered. Inside vLLM its own router answers them.
+    answer_as_vllms_router: bool = False
 
 
 @dataclass(frozen=True, slots=True)

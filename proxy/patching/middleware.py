@@ -48,6 +48,12 @@ from proxy.patching.ledger import UsageLedger
 from proxy.patching.metering import meter
 from proxy.patching.request_side import READ_HEADERS, REPLACED_HEADERS, run_patched
 from proxy.patching.responder import Responder
+from proxy.patching.route_methods import METHOD_OVERRIDE_HEADERS, answered_as_vllms_router
+
+#: Request headers the inner app does not get from a metered request: those replaced, and
+#: the method overrides, so that the engine runs the ``POST`` that is metered.
+_DROPPED = REPLACED_HEADERS | METHOD_OVERRIDE_HEADERS
+
 
 class UsagePatchMiddleware:
     def __init__(
@@ -75,13 +81,14 @@ class UsagePatchMiddleware:
         self.context = PatchContext(app, guard, config, ledger, metrics, recorder, self.echo_header,
                                     BodyBudget(config.max_request_bytes_held))
         #: Every request header a decision reads, and those the inner app gets replaced.
-        self._noted = READ_HEADERS | REPLACED_HEADERS | config.tenancy.reads | {self.echo_header}
+        self._noted = READ_HEADERS | _DROPPED | config.tenancy.reads | {self.echo_header}
         # Read on every request: looked up once here.
         self._refused = config.refused if config.refuse_unmetered else frozenset()
         self._prefixed = config.refuse_unmetered and config.refuse_prefixed
         self._known = frozenset(config.routes) | config.refused
         self._longest = max(map(len, self._known), default=0)
         self._routes = config.routes
+        self._as_vllms_router = config.answer_as_vllms_router
         self._tenant_of = config.tenancy.resolve
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,10 +104,13 @@ class UsagePatchMiddleware:
             await self._refuse(scope, send)
             return
         route = self._routes.get(path)
+        if (self._as_vllms_router and (route is None or scope["method"] != "POST")
+                and await answered_as_vllms_router(scope, send, path, self._routes)):
+            return
         if route is None and self._prefixed and (under := self._under_a_prefix(path)) is not None:
             await self._refuse(scope, send, under)
             return
-        headers = RequestHeaders(scope["headers"], self._noted, REPLACED_HEADERS)
+        headers = RequestHeaders(scope["headers"], self._noted, _DROPPED)
         client_id = self.request_ids.from_headers(headers)
         if route is None or scope["method"] != "POST":
             echo = client_id or self.request_ids.generate()

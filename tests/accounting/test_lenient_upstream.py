@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -91,8 +92,17 @@ def cachetally(usage: Path) -> Iterator[str]:
 
 #: (method, path, extra headers): what a lenient upstream runs as a metered route.
 OTHER_FORMS = [
+    *[("POST", f"{route}/", {}) for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                               "/v1/messages", "/invocations")],
+    ("POST", "/v1/chat/completions//", {}),
+    *[(method, "/v1/chat/completions", {}) for method in ("PUT", "PATCH", "GET", "DELETE", "HEAD")],
+    *[(method, "/v1/chat/completions", {header: "POST"}) for method, header in zip(("PUT", "GET", "PATCH"), OVERRIDES)],
+    ("OPTIONS", "/v1/chat/completions", {"x-http-method-override": "POST"}),
+    ("OPTIONS", "/v1/completions", {"origin": "http://a", "access-control-request-method": "POST",
+                                    "x-http-method-override": "POST"}),  # a "preflight" with a body
+    ("PUT", "/v1/chat/completions/", {"x-http-method-override": "POST"}),
     ("POST", "/V1/Chat/Completions", {}),
-    ("POST", "/v1/chat/completion%C5%BF", {}),  # ſ: ASP.NET Core's case-insensitive match reads it as S
+    ("POST", "/v1/chat/completion%C5%BF", {}),  # ſ: ASP.NET Core's case-insensitive match reads ſ as S
     ("POST", "/api/v1/chat/completions/", {}),  # under the upstream's root path, unknown here
 ]
 
@@ -101,9 +111,11 @@ OTHER_FORMS = [
 def test_no_form_of_a_metered_route_a_lenient_upstream_runs_goes_unbilled(
         tmp_path: Path, method: str, path: str, headers: dict[str, str]) -> None:
     """Each form reached the lenient upstream as no metered request: the client got a
-    completion (200), with no record, no counter and the upstream's own cached figure. Now
-    another letter case, or a trailing slash under a prefix, is a 403, as the other forms a
-    hop may forward."""
+    completion (200), with no record, no counter and the upstream's own cached figure. Now a
+    trailing slash is a 307 to the route, as vLLM's router answers it; any other method but
+    a bodiless CORS preflight a 405 (``Allow: POST``) in the route's error JSON; another
+    letter case or a prefix a 403, as the other forms a hop may forward; and the
+    redirect, followed, is metered."""
     usage = tmp_path / "usage"
     with cachetally(usage) as url:
         response = _request(url, method, path, headers)
@@ -121,6 +133,36 @@ def test_no_form_of_a_metered_route_a_lenient_upstream_runs_goes_unbilled(
     assert len(routes) == counted == (followed == 200)
 
 
+def test_what_vllm_serves_is_served_as_before(tmp_path: Path) -> None:
+    """The official client's chat, a CORS preflight, the model list, health, metrics and
+    stats are answered as before, and the chat is billed."""
+    usage = tmp_path / "usage"
+    with cachetally(usage) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+        chat = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}])
+        assert chat.usage is not None and chat.usage.prompt_tokens == 7
+        preflight = _request(url, "OPTIONS", "/v1/chat/completions",
+                             {"origin": "http://a", "access-control-request-method": "POST"}, b"")
+        assert (preflight.status, preflight.getheader("access-control-allow-origin")) == (204, "*")
+        assert [m.id for m in client.models.list()] == [SERVED]
+        for open_path in ("/health", "/metrics", "/stats"):
+            assert httpx.get(f"{url}{open_path}").status_code == 200, open_path
+        metrics = httpx.get(f"{url}/metrics").text
+    assert _billing(usage, metrics) == (["chat"], 1)
+
+
+def test_a_metered_post_runs_as_the_post_it_is_billed_as(tmp_path: Path) -> None:
+    """Rack, ASP.NET Core and Express's ``method-override`` honour an override on a ``POST``:
+    the upstream ran a metered ``POST`` as the ``PUT`` its header named (here a 404, billed
+    as a request). The headers are not forwarded: each POST is the completion billed."""
+    usage = tmp_path / "usage"
+    with cachetally(usage) as url:
+        for header in OVERRIDES:
+            assert _request(url, "POST", "/v1/chat/completions", {header: "PUT"}).status == 200, header
+        metrics = httpx.get(f"{url}/metrics").text
+    assert _billing(usage, metrics) == (["chat"] * 3, 3)
+
+
 @pytest.mark.parametrize("path", ["/INVOCATIONS", "/invocations/", "/x/../Invocations/", "/V1/models"])
 def test_a_route_a_lenient_upstream_serves_needs_the_key_as_the_route(tmp_path: Path, path: str) -> None:
     """``/invocations`` is outside vLLM's guarded prefixes and ``/V1`` is none of them: a
@@ -129,3 +171,13 @@ def test_a_route_a_lenient_upstream_serves_needs_the_key_as_the_route(tmp_path: 
     with cachetally(tmp_path / "usage") as url:
         assert _request(url, "POST" if "nvocations" in path else "GET", path, {"authorization": ""}).status == 401
 
+
+def test_an_engine_apps_own_router_still_answers_inside_it(tmp_path: Path) -> None:
+    """Where cachetally runs the engine's app (the sim here, vLLM's server with the middleware:
+    both built by ``Accounting.patch`` without ``upstream``), that app's router answers a
+    trailing slash (307, its absolute ``Location``) and another method (405) as before."""
+    settings = Settings(engine="sim", api_key=KEY, usage_dir=str(tmp_path / "usage")).validate()
+    with serving_in_thread(CachetallyApp(settings)) as url:
+        redirected = _request(url, "POST", "/v1/chat/completions/", {})
+        assert (redirected.status, redirected.getheader("location")) == (307, f"{url}/v1/chat/completions")
+        assert _request(url, "PUT", "/v1/chat/completions", {}).status == 405
