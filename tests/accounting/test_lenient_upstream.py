@@ -22,6 +22,10 @@ import openai
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
@@ -181,3 +185,25 @@ def test_an_engine_apps_own_router_still_answers_inside_it(tmp_path: Path) -> No
         redirected = _request(url, "POST", "/v1/chat/completions/", {})
         assert (redirected.status, redirected.getheader("location")) == (307, f"{url}/v1/chat/completions")
         assert _request(url, "PUT", "/v1/chat/completions", {}).status == 405
+
+
+def test_a_trailing_slash_is_redirected_here_not_to_the_upstream(tmp_path: Path) -> None:
+    """A Starlette upstream, as vLLM's server, answers ``/v1/completions/`` with a 307 whose
+    absolute ``Location`` names the ``Host`` it was sent: the upstream's, in upstream mode.
+    Forwarded, it sent the client past cachetally to the upstream (unmetered, and without
+    cachetally's key check); the redirect is to the route here."""
+    async def completion(request: Request) -> JSONResponse:
+        return JSONResponse({"id": "c", "object": "text_completion", "created": 0, "model": SERVED,
+                             "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": _USAGE})
+
+    usage = tmp_path / "usage"
+    with serving_in_thread(Starlette(routes=[Route("/v1/completions", completion, methods=["POST"])])) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage),
+                            usage_flush_interval_s=0.05).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            redirected = _request(url, "POST", "/v1/completions/?x=1", {})
+            assert (redirected.status, redirected.getheader("location")) == (307, "/v1/completions?x=1")
+            body = {"model": SERVED, "prompt": "hi"}
+            assert httpx.post(f"{url}/v1/completions/", json=body, follow_redirects=True).status_code == 200
+            metrics = httpx.get(f"{url}/metrics").text
+    assert _billing(usage, metrics) == (["completions"], 1)
