@@ -31,11 +31,13 @@ class PassingUsage:
     """Feed a JSON body's parts in order (:meth:`feed`); :attr:`usage` is its top-level
     ``usage`` object once read, else ``None``, and :attr:`model` its top-level ``model``
     string. ``kind``: the top-level fields that name such a body of its API (a shape's
-    ``body_kind``), for :meth:`payload`."""
+    ``body_kind``), for :meth:`payload`. ``at``: the member that holds both instead of the
+    top level. ``whole``: they count only if the whole input is one JSON value (an SSE event's
+    data, which its client parses whole or drops: :mod:`proxy.patching.passing_event`)."""
 
-    __slots__ = ("usage", "model", "_kind", "_reads")
+    __slots__ = ("usage", "model", "_kind", "_reads", "_whole", "_rest")
 
-    def __init__(self, kind: Mapping[str, str] = {}) -> None:
+    def __init__(self, kind: Mapping[str, str] = {}, at: str = "", whole: bool = False) -> None:
         self.usage: dict[str, Any] | None = None
         self.model: str | None = None
         self._kind = kind
@@ -49,7 +51,12 @@ class PassingUsage:
         self._reads: dict[str, tuple[Any, list[Any]]] = {}
         for member in ("model", "usage"):
             found = ijson.sendable_list()
-            self._reads[member] = (ijson.items_coro(found, member), found)
+            self._reads[member] = (ijson.items_coro(found, f"{at}.{member}" if at else member), found)
+        # With ``whole``, the usage's parser reads on past the usage (it comes last, or nearly,
+        # in a Responses object) to the end, only to find whether the input is JSON throughout,
+        # and the model's, if not read yet, with it.
+        self._whole = whole
+        self._rest: Any = None
 
     async def pass_on(self, parts: list[bytes], send: Send) -> None:
         """Send the parts held so far, reading each: the loop serves other requests between them."""
@@ -66,6 +73,8 @@ class PassingUsage:
             {**self._kind, "model": self.model, "usage": self.usage}
 
     def feed(self, part: bytes, last: bool = False) -> None:
+        if self._rest is not None:
+            self._read_rest(part, last)
         for member, (parser, found) in list(self._reads.items()):
             try:
                 if part:  # to the parser, an empty buffer is the end: ASGI allows one before the last
@@ -73,14 +82,34 @@ class PassingUsage:
                 if last:
                     parser.close()
             except ijson.JSONError:  # not JSON from here (or cut short): nothing more to read, but
-                del self._reads[member]  # a value read before that byte in this same part still counts
+                del self._reads[member]  # a value read before that byte in this same part still counts,
+                if self._whole:  # unless the whole is to be JSON
+                    self._reads.clear()
+                    self.usage = self.model = self._rest = None
+                    return
             if found:
                 self._reads.pop(member, None)
                 if member == "model":
                     self.model = found[0] if isinstance(found[0], str) else None
                     continue
                 self.usage = _floats(found[0]) if isinstance(found[0], dict) else None
-                self._reads.clear()  # a model after the usage is none that any API writes
+                if self._whole and self.usage is not None:  # read on to the end, the model too if not yet read
+                    self._rest = None if last else parser
+                else:
+                    self._reads.clear()  # a model after the usage is none that any API's body writes
+
+    def _read_rest(self, part: bytes, last: bool) -> None:
+        try:
+            if part:
+                self._rest.send(part)
+            if last:
+                self._rest.close()
+        except ijson.JSONError:  # not one JSON value: what was read of it does not count
+            self.usage = self.model = None
+            self._reads.clear()
+            last = True
+        if last:
+            self._rest = None
 
 
 def _floats(usage: dict[str, Any]) -> dict[str, Any]:

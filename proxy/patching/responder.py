@@ -22,6 +22,7 @@ from proxy.asgi.headers import Headers, RequestHeaders
 from proxy.patching.context import PatchContext
 from proxy.patching.ghost import GhostHold
 from proxy.patching.model_sniff import NO_MODEL_SNIFF, SNIFF_CHUNKS, sniffed_model
+from proxy.patching.passing_event import oversized_reader
 from proxy.patching.passing_usage import PassingUsage
 from proxy.patching.pd_leg import PREFILL, Leg, hand_over
 from proxy.patching.request_body import RequestOptions
@@ -46,12 +47,10 @@ class Responder:
         self.ctx = ctx
         self.route, self.path = route, path  # path: the route's own, which names its error JSON
         self.key = key
-        self.echo = echo
-        self.tenant = tenant
+        self.echo, self.tenant = echo, tenant
         self.notes = RequestNotes(route)
         self.shape = shape_for(route)  # None: the OpenAI shape (proxy.patching.usage)
-        self.request_headers = request_headers
-        self._send = send
+        self.request_headers, self._send = request_headers, send
         self.options: RequestOptions | None = None
         self.leg: Leg | None = None  # a disaggregated prefill/decode leg (proxy.patching.pd_leg)
         self.handed: tuple[int, int, str] | None = None  # a decode leg's: its prefill's (prompt, cached, source)
@@ -155,6 +154,7 @@ class Responder:
                 if self.shape is not None and self.shape.whole_response_events
                 else self.ctx.config.max_event_bytes,
                 on_oversize=lambda: self._count_skip("event_too_large"),
+                read_oversized=oversized_reader(self.shape, self._patch_event),
             )
             await self._send(message)
             return

@@ -8,7 +8,9 @@ chunk, since it may be the first half of ``\\r\\n``.
 Every event goes out byte for byte unless it mentions ``"usage"`` and the event patcher
 rewrites it. At most one partial event is held back, and only until its blank line
 arrives; a partial event larger than ``max_event_bytes`` is flushed unpatched (and the
-rest of it passed through as it comes), and ``on_oversize`` is called once for it.
+rest of it passed through as it comes), and ``on_oversize`` is called once for it. Its bytes
+are handed, as they go out, to a reader that ``read_oversized`` makes for it, when given
+(:mod:`proxy.patching.passing_event`: the usage such an event carries is still read).
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def _patched(data: bytes, patch_payload: PayloadPatcher) -> bytes | Literal[Fals
 class SSEPatcher:
     """Feed it response chunks; send what it returns, then what ``flush`` returns."""
 
-    __slots__ = ("_patch", "_max", "_on_oversize", "_pending", "_scanned", "_line_start", "_oversize")
+    __slots__ = ("_patch", "_max", "_on_oversize", "_read_oversized", "_pending", "_scanned", "_line_start",
+                 "_oversize", "_reader")
 
     def __init__(
         self,
@@ -115,10 +118,13 @@ class SSEPatcher:
         *,
         max_event_bytes: int = 1 << 20,
         on_oversize: Callable[[], None] | None = None,
+        read_oversized: Callable[[], Callable[[bytes], None]] | None = None,
     ) -> None:
         self._patch = patch_payload
         self._max = max_event_bytes
         self._on_oversize = on_oversize
+        self._read_oversized = read_oversized
+        self._reader: Callable[[bytes], None] | None = None  # the oversized event's, fed what goes out
         self._pending = bytearray()  # bytes of the one partial event (or its oversize tail)
         self._scanned = 0  # offset in _pending up to which terminators were scanned
         self._line_start = 0  # offset in _pending where the current line starts (may be < 0)
@@ -137,7 +143,7 @@ class SSEPatcher:
         rest = bytes(self._pending)
         self._pending.clear()
         self._scanned = self._line_start = 0
-        self._oversize = False
+        self._oversize, self._reader = False, None  # an event cut short is not dispatched: not read
         return out + rest
 
     def _drain(self, *, final: bool) -> bytes:
@@ -163,22 +169,30 @@ class SSEPatcher:
             self._scanned -= last
             self._line_start -= last
             if self._oversize:
-                out.append(complete[:first])  # the tail of the oversized event
+                out.append(self._read(complete[:first]))  # the tail of the oversized event
                 complete = complete[first:]
-                self._oversize = False
+                self._oversize, self._reader = False, None
             out.append(self._patch_events(complete))
         if self._oversize or len(buf) > self._max:
             if not self._oversize:
                 self._oversize = True
                 if self._on_oversize is not None:
                     self._on_oversize()
+                if self._read_oversized is not None:
+                    self._reader = self._read_oversized()
             # Pass the partial event on now, all but an unresolved trailing "\r".
             sent = self._scanned
-            out.append(bytes(buf[:sent]))
+            out.append(self._read(bytes(buf[:sent])))
             del buf[:sent]
             self._line_start -= sent
             self._scanned = 0
         return b"".join(out)
+
+    def _read(self, oversized: bytes) -> bytes:
+        """Some of the oversized event's bytes, read on their way out."""
+        if self._reader is not None:
+            self._reader(oversized)
+        return oversized
 
     def _patch_events(self, region: bytes) -> bytes:
         if region.find(_USAGE) < 0:

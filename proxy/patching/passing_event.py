@@ -1,0 +1,138 @@
+"""The usage of one stream event too large to hold, read as the event's bytes pass.
+
+A Responses stream's terminal event (``response.completed``, ``response.incomplete``,
+``response.failed``) holds the whole response object: its output, with logprobs when asked
+(``top_logprobs`` on some 55,000 tokens passes the 64 MiB ``max_response_bytes``), and what
+it echoes of the request. Past that bound the SSE patcher passes the event on as it comes
+(:mod:`proxy.patching.sse`); were it not read, a client could keep its prompt off the bill.
+
+So its bytes are read as they go out, as a JSON body's are (:mod:`proxy.patching.passing_usage`):
+the event is split into lines on ``\\r\\n``, ``\\r`` or ``\\n`` (a ``\\r`` ending one part and
+a ``\\n`` starting the next are one line end), and the value of each ``data`` field (after
+``data:`` and one space, or none for a bare ``data`` line) goes to ijson, a ``\\n`` between
+two such values, which is the data the WHATWG algorithm and the client's SSE parser build
+and ``json.loads``. Other fields and comments (``:``) are skipped. What is read: the data's
+top-level ``type``, and its ``response`` object's ``model`` and ``usage`` (the event's other
+top-level keys are the server's own; ``"usage"`` keys the client echoes sit deeper). The
+event is billed at its blank line, as the client dispatches it, and only if its data is one
+JSON value throughout, as the client parses it (the usage's parser reads on to the end: the
+usage comes last, or nearly, in a response object); an event the stream cuts short is not
+dispatched, so not billed either, as one held whole and cut is not. A wrong figure is worse
+than none: such an event's tokens stay unknown.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ijson
+
+from proxy.patching.passing_usage import PassingUsage
+from proxy.patching.shapes.base import Shape
+
+_TERMINATOR = re.compile(rb"\r\n|\r|\n")
+_DATA = b"data:"
+#: Where the current line stands: its first bytes still read, in a data value, or skipped.
+_HEAD, _VALUE, _SKIP = 0, 1, 2
+
+#: Where the reader hands the event's payload, as far as it was read: the same call that
+#: patches an event held whole, so the figures are resolved and noted the same way.
+Bill = Callable[[dict[str, Any]], object]
+
+
+class PassingEvent:
+    """Feed one event's bytes in order, through its blank line (:meth:`feed`); at that line,
+    ``bill`` is called with ``{"type": ..., holder: {**kind, "model": ..., "usage": ...}}``
+    once the data's ``holder.usage`` was read (``kind``: a shape's ``body_kind``)."""
+
+    __slots__ = ("_usage", "_holder", "_bill", "_type", "_types", "_state", "_head", "_space", "_data_lines",
+                 "_cr", "_done")
+
+    def __init__(self, holder: str, kind: Mapping[str, str], bill: Bill) -> None:
+        self._usage = PassingUsage(kind, at=holder, whole=True)
+        self._holder, self._bill = holder, bill
+        self._types = ijson.sendable_list()
+        self._type: Any = ijson.items_coro(self._types, "type")  # None once read or past reading
+        self._state = _HEAD
+        self._head = b""  # the line's first bytes, until they tell whether it is a data line
+        self._space = False  # a data value's first byte is still to come: a space there is dropped
+        self._data_lines = 0
+        self._cr = False  # the last part ended with "\r": a "\n" next is the same line end
+        self._done = False  # the blank line came
+
+    def feed(self, part: bytes) -> None:
+        at = 1 if self._cr and part[:1] == b"\n" else 0
+        self._cr = False
+        while at < len(part) and not self._done:
+            end = _TERMINATOR.search(part, at)
+            self._line(part[at:] if end is None else part[at:end.start()])
+            if end is None:
+                return
+            self._line_end()
+            self._cr = end.group() == b"\r" and end.end() == len(part)
+            at = end.end()
+
+    def _line(self, text: bytes) -> None:
+        """Some of the current line's bytes, up to its end or the part's."""
+        if self._state == _HEAD:
+            head = self._head + text[:len(_DATA) - len(self._head)]
+            text = text[len(head) - len(self._head):]
+            self._head = head
+            if not _DATA.startswith(head):
+                self._state = _SKIP  # another field or a comment: skipped to its end
+                return
+            if head != _DATA:
+                return  # "data" so far: it ends the line (a bare data line) or goes on to its colon
+            self._data_started()
+            self._state, self._space = _VALUE, True
+        if self._state == _VALUE:
+            if self._space and text:
+                self._space, text = False, text[1:] if text[:1] == b" " else text
+            self._read(text)
+
+    def _line_end(self) -> None:
+        if self._state == _HEAD and not self._head:
+            self._dispatch()  # a blank line
+        elif self._state == _HEAD and self._head == b"data":
+            self._data_started()  # a bare "data" line: an empty value
+        self._state, self._head, self._space = _HEAD, b"", False
+
+    def _data_started(self) -> None:
+        if self._data_lines:
+            self._read(b"\n")  # the data's lines are joined with "\n"
+        self._data_lines += 1
+
+    def _read(self, data: bytes, last: bool = False) -> None:
+        if not (data or last):
+            return
+        self._usage.feed(data, last)
+        if self._type is None:
+            return
+        try:
+            if data:
+                self._type.send(data)
+            if last:
+                self._type.close()
+        except ijson.JSONError:  # not JSON from here: no type to read
+            self._type = None
+        if self._types:
+            self._type = None
+
+    def _dispatch(self) -> None:
+        self._done = True
+        if not self._data_lines:
+            return  # no data: the client dispatches nothing
+        self._read(b"", last=True)
+        read = self._usage.payload()
+        if read is not None and self._types and isinstance(self._types[0], str):
+            self._bill({"type": self._types[0], self._holder: read})
+
+
+def oversized_reader(shape: Shape | None, bill: Bill) -> Callable[[], Callable[[bytes], None]] | None:
+    """What makes a reader for each event of ``shape``'s stream too large to hold, or ``None``
+    where its events carry no usage so large (chat, completions, Messages: a small usage chunk)."""
+    if shape is None or (holder := shape.event_holder) is None:
+        return None
+    return lambda: PassingEvent(holder, shape.body_kind, bill).feed

@@ -1,0 +1,139 @@
+"""The usage of a stream event too large to hold, read as it passes, against an SSE parser that
+is not ours: the ``openai`` SDK's (the WHATWG algorithm: lines on ``\\r\\n``, ``\\r`` or ``\\n``,
+data lines joined with ``\\n``, comments and other fields skipped), then ``json.loads``."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai._streaming import SSEDecoder
+
+from proxy.patching.passing_event import PassingEvent
+from proxy.patching.sse import SSEPatcher
+
+#: Strings full of what could pass for structure, in JSON and in SSE: quotes, brackets, line
+#: ends (escaped in the JSON: they never end a line), "usage", "data:" and a blank line.
+_TEXT = st.lists(st.sampled_from(['a', '"', '\\', 'usage', '"usage":', '{', '}', ':', ',', ' ', 'é', '\n', '\r',
+                                  'data: ', '\n\n', ': c', 'response', '\u2028']), max_size=6).map("".join)
+_VALUE = st.recursive(
+    st.one_of(st.integers(-5, 10**6), st.integers(-(2**70), 2**70), st.none(), st.booleans(), _TEXT),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.one_of(_TEXT, st.sampled_from(["usage", "model", "type"])), inner,
+                                            max_size=3)),
+    max_leaves=12,
+)
+_USAGE = st.none() | st.fixed_dictionaries(
+    {"input_tokens": st.integers(0, 10**9)},
+    optional={"output_tokens": st.integers(0, 10**6), "input_tokens_details": st.fixed_dictionaries(
+        {"cached_tokens": st.integers(0, 10**6)}), "cost": st.floats(0, 10, allow_nan=False)})
+_TYPES = st.sampled_from(["response.completed", "response.incomplete", "response.failed", "response.created"])
+
+
+@st.composite
+def _payloads(draw: st.DrawFn) -> dict[str, Any]:
+    """A Responses event: the response echoes the client's objects (any keys: "usage",
+    "model", "type" too) before, or after, its own model and usage."""
+    response = draw(st.dictionaries(_TEXT.filter(lambda k: k not in ("usage", "model")), _VALUE, max_size=3))
+    if draw(st.booleans()):
+        response["model"] = draw(_TEXT | st.integers(0, 3))
+    response["usage"] = draw(_USAGE | _VALUE)
+    response["metadata"] = draw(_VALUE)
+    order = draw(st.permutations(list(response)))
+    event = {"type": draw(_TYPES | _VALUE), "sequence_number": 3, "response": {k: response[k] for k in order}}
+    return {k: event[k] for k in draw(st.permutations(list(event)))}
+
+
+#: Lines an event may hold beside its data: comments, other fields, "data" look-alikes that
+#: are other fields, and (spoiling the JSON, so nothing is billed) a data line of its own.
+_OTHER_LINES = st.sampled_from([b": usage", b":", b"event: response.completed", b"id: 7", b"retry: 5",
+                                b"dat: x", b"data : x", b"Data: x", b"datax", b"data", b"data:", b"data: x",
+                                b'data: {"usage": {"input_tokens": 1}}'])
+_ENDS = st.sampled_from([b"\n", b"\r\n", b"\r"])
+
+
+@st.composite
+def _events(draw: st.DrawFn) -> bytes:
+    """One event's bytes: its JSON on one data line or over several, ``data:`` with a space or
+    none, other lines among them, each line ended as the server likes, then its blank line."""
+    text = json.dumps(draw(_payloads()), ensure_ascii=draw(st.booleans()),
+                      indent=draw(st.none() | st.integers(0, 2))).encode()
+    lines = [draw(st.sampled_from([b"data:", b"data: ", b"data:  "])) + line for line in text.split(b"\n")]
+    for _ in range(draw(st.integers(0, 3))):
+        lines.insert(draw(st.integers(0, len(lines))), draw(_OTHER_LINES))
+    return b"".join(line + draw(_ENDS) for line in lines) + draw(_ENDS)
+
+
+def _expected(data: str) -> dict[str, Any] | None:
+    """What billing should get of one dispatched event: its type, its response's model and
+    usage (the reduced payload :class:`PassingEvent` hands over), or ``None``."""
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return None
+    response = payload.get("response") if isinstance(payload, dict) else None
+    if not isinstance(response, dict) or not isinstance(response.get("usage"), dict) \
+            or not isinstance(payload.get("type"), str):
+        return None
+    model = response.get("model")
+    return {"type": payload["type"], "response": {"object": "response", **({"model": model} if isinstance(
+        model, str) else {}), "usage": response["usage"]}}
+
+
+def _oracle(stream: bytes) -> list[dict[str, Any] | None]:
+    return [_expected(event.data) for event in SSEDecoder().iter_bytes(iter([stream]))]
+
+
+def _cut(data: bytes, rnd: random.Random, most: int = 10) -> list[bytes]:
+    cuts = sorted(rnd.sample(range(1, len(data)), min(len(data) - 1, rnd.randint(0, most))))
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+
+
+@settings(max_examples=600)
+@given(_events(), st.randoms())
+def test_an_events_usage_is_read_as_the_client_parses_it_wherever_its_bytes_are_cut(
+        event: bytes, rnd: random.Random) -> None:
+    billed: list[dict[str, Any]] = []
+    reader = PassingEvent("response", {"object": "response"}, billed.append)
+    for part in _cut(event, rnd):
+        reader.feed(part)
+    dispatched = _oracle(event)  # a "\r" before the blank line's "\n" fuses into one line end: none
+    assert billed == [e for e in dispatched[:1] if e is not None]
+
+
+@settings(max_examples=300)
+@given(st.lists(_events() | st.sampled_from([b": keep-alive\n\n", b"data: [DONE]\n\n", b"data: x\r\n\r\n",
+                                              b"data:\n\n", b"\n", b"event: ping\ndata: {}\n\n"]),
+                min_size=1, max_size=5), st.integers(16, 400), st.randoms())
+def test_a_stream_bills_what_its_client_reads_whichever_events_are_too_large_to_hold(
+        events: list[bytes], bound: int, rnd: random.Random) -> None:
+    """Through the SSE patcher: an event held whole is patched (here only read), one past its
+    bound is read as it passes; together they are each usage the client's parser reads, and
+    the stream goes out byte for byte however it was cut."""
+    stream = b"".join(events)
+    seen: list[dict[str, Any]] = []
+
+    def held(payload: dict[str, Any]) -> None:
+        seen.append(payload)
+
+    patcher = SSEPatcher(held, max_event_bytes=bound,
+                         read_oversized=lambda: PassingEvent("response", {"object": "response"}, seen.append).feed)
+    out = b"".join(patcher.feed(part) for part in _cut(stream, rnd, 30)) + patcher.flush()
+    assert out == stream
+    read = [_expected(json.dumps(payload)) for payload in seen]
+    assert [e for e in read if e is not None] == [e for e in _oracle(stream) if e is not None]
+
+
+def test_a_bare_data_line_and_a_value_split_after_its_colon_are_data() -> None:
+    """``data`` alone is a data line with an empty value (joined with ``\\n``: JSON whitespace);
+    the one space dropped after ``data:`` may come in the next part."""
+    billed: list[dict[str, Any]] = []
+    reader = PassingEvent("response", {"object": "response"}, billed.append)
+    for part in (b"da", b"ta", b"\r", b"\ndata:", b" ", b'{"type": "response.completed", "response":\r',
+                 b'data: {"model": "m", "usage": {"input_tokens": 3}}}\r', b"\r"):
+        reader.feed(part)
+    assert billed == [{"type": "response.completed",
+                       "response": {"object": "response", "model": "m", "usage": {"input_tokens": 3}}}]

@@ -1,0 +1,131 @@
+"""A streamed answer whose usage event is too large to hold, through real HTTP, in upstream mode.
+
+cachetally runs in a real uvicorn on 127.0.0.1 in front of a fake upstream that streams a
+Responses answer as vLLM does: its terminal event holds the whole response object, the
+output's logprobs and what it echoes of the request (``instructions``, ``metadata``) with it.
+``top_logprobs`` on some 55,000 output tokens takes that event past ``max_response_bytes``
+(64 MiB); here the bound is 256 KiB. The event goes out unpatched, as it comes, and was
+unread: the record had no prompt, so a client could keep its prompt off the bill. Its usage
+is read as it passes (:mod:`proxy.patching.passing_event`), in whatever framing the upstream
+chose: ``\\n`` or ``\\r\\n`` line ends, the JSON over several ``data:`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from starlette.types import Receive, Scope, Send
+
+from proxy.accounting.records.report import read
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
+from tests.servers import serving_in_thread
+
+pytestmark = pytest.mark.loopback
+
+SERVED = "m-real"
+KEY = "sk-acme-0123456789"
+LIMIT = 256 << 10
+USAGE = {"input_tokens": 700, "output_tokens": 9, "total_tokens": 709,
+         "input_tokens_details": {"cached_tokens": 512}, "output_tokens_details": {"reasoning_tokens": 0}}
+#: What the client echoes, which the response carries before its own usage: "usage" and "model"
+#: keys and text, none of them the response's.
+ECHOED = {"metadata": {"model": "m-client", "usage": '{"input_tokens": 1}'},
+          "instructions": 'data: {"usage": {"input_tokens": 1}}\n\n"model": "m-text"'}
+
+
+def _event(kind: str, fields: dict[str, Any], framing: str) -> bytes:
+    data = {"type": kind, **fields}
+    if framing == "multiline":  # the JSON over many data lines, joined with "\n" by the client
+        lines = json.dumps(data, indent=1).encode().split(b"\n")
+        return b"event: %s\n%s\n\n" % (kind.encode(), b"\n".join(b"data: " + line for line in lines))
+    end = b"\r\n" if framing == "crlf" else b"\n"
+    return b"event: %s%sdata: %s%s%s" % (kind.encode(), end, orjson.dumps(data), end, end)
+
+
+def responses_upstream(framing: str, last: str = "response.completed") -> Any:
+    """Streams ``response.created``, 9 text deltas, then ``last`` with 9 tokens' logprobs of
+    20 alternatives each, padded past :data:`LIMIT`, sent in 8 KiB parts as TCP may hand it over."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            return await send({"type": "lifespan.shutdown.complete"})
+        while (await receive()).get("more_body"):
+            pass
+        if scope["path"] == "/v1/models":
+            models = orjson.dumps({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            return await send({"type": "http.response.body", "body": models})
+        head = {"id": "resp_1", "object": "response", "created_at": 1, "model": SERVED, "status": "in_progress",
+                "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None, **ECHOED}
+        logprobs = [{"token": "a", "logprob": -0.5, "bytes": [97],
+                     "top_logprobs": [{"token": "\"usage\":" * 40, "logprob": -1.5, "bytes": [34]}] * 20}] * 9
+        # The output's logprobs: "x" padding stands in for the tens of thousands of tokens.
+        text = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "a" * 9, "annotations": [],
+                             "logprobs": logprobs * (LIMIT // 10_000)}]}
+        final = {**head, "status": last.removeprefix("response."), "usage": USAGE, "output": [text]}
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        opening = _event("response.created", {"response": head, "sequence_number": 0}, framing)
+        await send({"type": "http.response.body", "body": opening, "more_body": True})
+        for n in range(9):
+            delta = _event("response.output_text.delta", {"item_id": "msg_1", "output_index": 0, "content_index": 0,
+                                                          "delta": "a", "logprobs": [], "sequence_number": n + 1}, framing)
+            await send({"type": "http.response.body", "body": delta, "more_body": True})
+        end = _event(last, {"response": final, "sequence_number": 10}, framing)
+        assert len(end) > LIMIT
+        for at in range(0, len(end), 8 << 10):
+            await send({"type": "http.response.body", "body": end[at:at + (8 << 10)], "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+def _proxy(upstream: str, usage_dir: Path, tmp_path: Path) -> Iterator[str]:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'"{KEY}" = "acme"\n')
+    keys.chmod(0o600)
+    settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage_dir), usage_flush_interval_s=0.05,
+                        api_keys_file=str(keys), max_response_bytes=LIMIT).validate()
+    return serving_in_thread(CachetallyApp(settings))
+
+
+def _records(usage_dir: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for f in sorted(usage_dir.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+
+
+@pytest.mark.parametrize(("framing", "last"), [("lf", "response.completed"), ("crlf", "response.incomplete"),
+                                               ("multiline", "response.completed"), ("lf", "response.failed")])
+def test_a_responses_stream_whose_final_event_is_too_large_to_hold_is_still_billed_its_prompt(
+        tmp_path: Path, framing: str, last: str) -> None:
+    """The terminal event past ``max_response_bytes`` reaches the client as the upstream sent
+    it, and the record, the counters and ``cachetally report`` bill its usage: the prompt,
+    its cache reads and the completion, labelled by the response's model, not the echoed one
+    (``response.failed``: a failed request, its tokens billed as its usage says)."""
+    usage_dir = tmp_path / "usage"
+    with serving_in_thread(responses_upstream(framing, last)) as upstream, \
+            _proxy(upstream, usage_dir, tmp_path) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY) as client:
+            events = list(client.responses.create(model=SERVED, input="hi", stream=True, top_logprobs=20))
+        metrics = httpx.get(f"{url}/metrics").text
+    final = events[-1]
+    assert final.type == last and final.response.usage is not None
+    assert final.response.usage.input_tokens == 700  # as it came: the event went out unpatched
+    assert final.response.metadata == ECHOED["metadata"]
+    billed = [(r["route"], r["tenant"], r["model"], r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"],
+               r["completion_source"], r["source"], r["outcome"]) for r in _records(usage_dir)]
+    outcome = "error" if last == "response.failed" else "completed"
+    assert billed == [("responses", "acme", SERVED, 700, 512, 9, "usage", "upstream", outcome)]
+    assert 'cachetally_patch_skipped_total{reason="event_too_large"} 1.0' in metrics
+    assert 'cachetally_prompt_tokens_total{model="m-real",tenant="acme"} 700.0' in metrics
+    totals = read(sorted(usage_dir.glob("*.jsonl"))).total()
+    assert (totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens) == (700, 512, 9)
