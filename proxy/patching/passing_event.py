@@ -45,16 +45,20 @@ Bill = Callable[[dict[str, Any]], object]
 class PassingEvent:
     """Feed one event's bytes in order, through its blank line (:meth:`feed`); at that line,
     ``bill`` is called with ``{"type": ..., holder: {**kind, "model": ..., "usage": ...}}``
-    once the data's ``holder.usage`` was read (``kind``: a shape's ``body_kind``)."""
+    once the data's ``holder.usage`` was read (``kind``: a shape's ``body_kind``), in an event
+    of one of ``types``. The others are read no further than their type: a long output with
+    logprobs makes several events that large (vLLM's ``response.output_text.done``,
+    ``response.output_item.done``), none with a usage."""
 
-    __slots__ = ("_usage", "_holder", "_bill", "_type", "_types", "_state", "_head", "_space", "_data_lines",
-                 "_cr", "_done")
+    __slots__ = ("_usage", "_billed_types", "_holder", "_bill", "_type_parser", "_type_read", "_state", "_head",
+                 "_space", "_data_lines", "_cr", "_done")
 
-    def __init__(self, holder: str, kind: Mapping[str, str], bill: Bill) -> None:
-        self._usage = PassingUsage(kind, at=holder, whole=True)
+    def __init__(self, holder: str, kind: Mapping[str, str], bill: Bill, types: frozenset[str]) -> None:
+        self._usage: PassingUsage | None = PassingUsage(kind, at=holder, whole=True)  # None: no usage to read
+        self._billed_types = types
         self._holder, self._bill = holder, bill
-        self._types = ijson.sendable_list()
-        self._type: Any = ijson.items_coro(self._types, "type")  # None once read or past reading
+        self._type_read = ijson.sendable_list()
+        self._type_parser: Any = ijson.items_coro(self._type_read, "type")  # None once read or past reading
         self._state = _HEAD
         self._head = b""  # the line's first bytes, until they tell whether it is a data line
         self._space = False  # a data value's first byte is still to come: a space there is dropped
@@ -105,29 +109,32 @@ class PassingEvent:
         self._data_lines += 1
 
     def _read(self, data: bytes, last: bool = False) -> None:
-        if not (data or last):
+        if not (data or last) or self._usage is None:
             return
         self._usage.feed(data, last)
-        if self._type is None:
+        if self._type_parser is None:
             return
         try:
             if data:
-                self._type.send(data)
+                self._type_parser.send(data)
             if last:
-                self._type.close()
+                self._type_parser.close()
         except ijson.JSONError:  # not JSON from here: no type to read
-            self._type = None
-        if self._types:
-            self._type = None
+            self._type_parser = None
+        if self._type_read:
+            self._type_parser = None
+            kind = self._type_read[0]
+            if not isinstance(kind, str) or kind not in self._billed_types:
+                self._usage = None
 
     def _dispatch(self) -> None:
         self._done = True
         if not self._data_lines:
             return  # no data: the client dispatches nothing
         self._read(b"", last=True)
-        read = self._usage.payload()
-        if read is not None and self._types and isinstance(self._types[0], str):
-            self._bill({"type": self._types[0], self._holder: read})
+        read = None if self._usage is None else self._usage.payload()
+        if read is not None and self._type_read:
+            self._bill({"type": self._type_read[0], self._holder: read})
 
 
 def oversized_reader(shape: Shape | None, bill: Bill) -> Callable[[], Callable[[bytes], None]] | None:
@@ -135,4 +142,4 @@ def oversized_reader(shape: Shape | None, bill: Bill) -> Callable[[], Callable[[
     where its events carry no usage so large (chat, completions, Messages: a small usage chunk)."""
     if shape is None or (holder := shape.event_holder) is None:
         return None
-    return lambda: PassingEvent(holder, shape.body_kind, bill).feed
+    return lambda: PassingEvent(holder, shape.body_kind, bill, shape.final_events).feed

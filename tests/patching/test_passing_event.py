@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from openai._streaming import SSEDecoder
 
 from proxy.patching.passing_event import PassingEvent
+from proxy.patching.shapes.responses import TERMINAL
 from proxy.patching.sse import SSEPatcher
 
 #: Strings full of what could pass for structure, in JSON and in SSE: quotes, brackets, line
@@ -68,15 +69,16 @@ def _events(draw: st.DrawFn) -> bytes:
 
 
 def _expected(data: str) -> dict[str, Any] | None:
-    """What billing should get of one dispatched event: its type, its response's model and
-    usage (the reduced payload :class:`PassingEvent` hands over), or ``None``."""
+    """What billing should get of one dispatched event: its type, if a terminal one, its
+    response's model and usage (the reduced payload :class:`PassingEvent` hands over), or ``None``."""
     try:
         payload = json.loads(data)
     except ValueError:
         return None
     response = payload.get("response") if isinstance(payload, dict) else None
-    if not isinstance(response, dict) or not isinstance(response.get("usage"), dict) \
-            or not isinstance(payload.get("type"), str):
+    kind = payload.get("type") if isinstance(payload, dict) else None
+    if not (isinstance(response, dict) and isinstance(response.get("usage"), dict) and isinstance(kind, str)
+            and kind in TERMINAL):
         return None
     model = response.get("model")
     return {"type": payload["type"], "response": {"object": "response", **({"model": model} if isinstance(
@@ -97,7 +99,7 @@ def _cut(data: bytes, rnd: random.Random, most: int = 10) -> list[bytes]:
 def test_an_events_usage_is_read_as_the_client_parses_it_wherever_its_bytes_are_cut(
         event: bytes, rnd: random.Random) -> None:
     billed: list[dict[str, Any]] = []
-    reader = PassingEvent("response", {"object": "response"}, billed.append)
+    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
     for part in _cut(event, rnd):
         reader.feed(part)
     dispatched = _oracle(event)  # a "\r" before the blank line's "\n" fuses into one line end: none
@@ -120,7 +122,8 @@ def test_a_stream_bills_what_its_client_reads_whichever_events_are_too_large_to_
         seen.append(payload)
 
     patcher = SSEPatcher(held, max_event_bytes=bound,
-                         read_oversized=lambda: PassingEvent("response", {"object": "response"}, seen.append).feed)
+                         read_oversized=lambda: PassingEvent("response", {"object": "response"}, seen.append,
+                                                                         TERMINAL).feed)
     out = b"".join(patcher.feed(part) for part in _cut(stream, rnd, 30)) + patcher.flush()
     assert out == stream
     read = [_expected(json.dumps(payload)) for payload in seen]
@@ -131,7 +134,7 @@ def test_a_bare_data_line_and_a_value_split_after_its_colon_are_data() -> None:
     """``data`` alone is a data line with an empty value (joined with ``\\n``: JSON whitespace);
     the one space dropped after ``data:`` may come in the next part."""
     billed: list[dict[str, Any]] = []
-    reader = PassingEvent("response", {"object": "response"}, billed.append)
+    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
     for part in (b"da", b"ta", b"\r", b"\ndata:", b" ", b'{"type": "response.completed", "response":\r',
                  b'data: {"model": "m", "usage": {"input_tokens": 3}}}\r', b"\r"):
         reader.feed(part)

@@ -51,8 +51,9 @@ def _event(kind: str, fields: dict[str, Any], framing: str) -> bytes:
 
 
 def responses_upstream(framing: str, last: str = "response.completed") -> Any:
-    """Streams ``response.created``, 9 text deltas, then ``last`` with 9 tokens' logprobs of
-    20 alternatives each, padded past :data:`LIMIT`, sent in 8 KiB parts as TCP may hand it over."""
+    """Streams ``response.created``, 9 text deltas, then ``response.output_item.done`` and
+    ``last`` with 9 tokens' logprobs of 20 alternatives each, repeated past :data:`LIMIT`, sent
+    in 8 KiB parts as TCP may hand them over."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -63,13 +64,14 @@ def responses_upstream(framing: str, last: str = "response.completed") -> Any:
             pass
         if scope["path"] == "/v1/models":
             models = orjson.dumps({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            json_type = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": json_type})
             return await send({"type": "http.response.body", "body": models})
         head = {"id": "resp_1", "object": "response", "created_at": 1, "model": SERVED, "status": "in_progress",
                 "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None, **ECHOED}
         logprobs = [{"token": "a", "logprob": -0.5, "bytes": [97],
                      "top_logprobs": [{"token": "\"usage\":" * 40, "logprob": -1.5, "bytes": [34]}] * 20}] * 9
-        # The output's logprobs: "x" padding stands in for the tens of thousands of tokens.
+        # The output's logprobs: 9 tokens', repeated, stand in for tens of thousands of tokens'.
         text = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
                 "content": [{"type": "output_text", "text": "a" * 9, "annotations": [],
                              "logprobs": logprobs * (LIMIT // 10_000)}]}
@@ -78,13 +80,16 @@ def responses_upstream(framing: str, last: str = "response.completed") -> Any:
         opening = _event("response.created", {"response": head, "sequence_number": 0}, framing)
         await send({"type": "http.response.body", "body": opening, "more_body": True})
         for n in range(9):
-            delta = _event("response.output_text.delta", {"item_id": "msg_1", "output_index": 0, "content_index": 0,
-                                                          "delta": "a", "logprobs": [], "sequence_number": n + 1}, framing)
+            delta = _event("response.output_text.delta", {
+                "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": "a", "logprobs": [],
+                "sequence_number": n + 1}, framing)
             await send({"type": "http.response.body", "body": delta, "more_body": True})
-        end = _event(last, {"response": final, "sequence_number": 10}, framing)
-        assert len(end) > LIMIT
-        for at in range(0, len(end), 8 << 10):
-            await send({"type": "http.response.body", "body": end[at:at + (8 << 10)], "more_body": True})
+        # vLLM's output_item.done holds the item, logprobs and all: as large, and no usage.
+        item = _event("response.output_item.done", {"output_index": 0, "item": text, "sequence_number": 10}, framing)
+        end = _event(last, {"response": final, "sequence_number": 11}, framing)
+        assert len(end) > len(item) > LIMIT
+        for at in range(0, len(item + end), 8 << 10):
+            await send({"type": "http.response.body", "body": (item + end)[at:at + (8 << 10)], "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
     return app
@@ -125,7 +130,7 @@ def test_a_responses_stream_whose_final_event_is_too_large_to_hold_is_still_bill
                r["completion_source"], r["source"], r["outcome"]) for r in _records(usage_dir)]
     outcome = "error" if last == "response.failed" else "completed"
     assert billed == [("responses", "acme", SERVED, 700, 512, 9, "usage", "upstream", outcome)]
-    assert 'cachetally_patch_skipped_total{reason="event_too_large"} 1.0' in metrics
+    assert 'cachetally_patch_skipped_total{reason="event_too_large"} 2.0' in metrics
     assert 'cachetally_prompt_tokens_total{model="m-real",tenant="acme"} 700.0' in metrics
     totals = read(sorted(usage_dir.glob("*.jsonl"))).total()
     assert (totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens) == (700, 512, 9)

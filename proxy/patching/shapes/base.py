@@ -50,9 +50,11 @@ class Shape:
     #: so a partial event is held up to ``max_response_bytes``, as a JSON body is, rather than
     #: ``max_event_bytes``: past that bound it would go out unread, its usage unbilled.
     whole_response_events = False
-    #: The member of a stream event's data that holds the response's ``model`` and ``usage``:
-    #: read as an event past even that bound passes (:mod:`proxy.patching.passing_event`).
+    #: The member of a stream event's data that holds the response's ``model`` and ``usage``,
+    #: in the events of these types: read as such an event past even that bound passes
+    #: (:mod:`proxy.patching.passing_event`).
     event_holder: str | None = None
+    final_events: frozenset[str] = frozenset()
     #: The top-level fields that name a whole JSON body of this API (as :meth:`locate` reads
     #: them), beside its ``usage`` when only that was read (:mod:`proxy.patching.passing_usage`).
     body_kind: dict[str, str] = {}
