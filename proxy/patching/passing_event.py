@@ -16,7 +16,8 @@ top-level ``type``, and its ``response`` object's ``model`` and ``usage`` (the e
 top-level keys are the server's own; ``"usage"`` keys the client echoes sit deeper). The
 event is billed at its blank line, as the client dispatches it, and only if its data is one
 JSON value throughout, as the client parses it (the usage's parser reads on to the end: the
-usage comes last, or nearly, in a response object); an event the stream cuts short is not
+usage comes last, or nearly, in a response object; a usage written twice is the last, as
+``json.loads`` keeps it, a model the first); an event the stream cuts short is not
 dispatched, so not billed either, as one held whole and cut is not. A wrong figure is worse
 than none: such an event's tokens stay unknown.
 """

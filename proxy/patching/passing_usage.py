@@ -56,7 +56,7 @@ class PassingUsage:
         # in a Responses object) to the end, only to find whether the input is JSON throughout,
         # and the model's, if not read yet, with it.
         self._whole = whole
-        self._rest: Any = None
+        self._rest: tuple[Any, list[Any]] | None = None  # the usage's parser, and what it read
 
     async def pass_on(self, parts: list[bytes], send: Send) -> None:
         """Send the parts held so far, reading each: the loop serves other requests between them."""
@@ -94,21 +94,24 @@ class PassingUsage:
                     continue
                 self.usage = _floats(found[0]) if isinstance(found[0], dict) else None
                 if self._whole and self.usage is not None:  # read on to the end, the model too if not yet read
-                    self._rest = None if last else parser
+                    self._rest = None if last else (parser, found)
                 else:
                     self._reads.clear()  # a model after the usage is none that any API's body writes
 
     def _read_rest(self, part: bytes, last: bool) -> None:
+        assert self._rest is not None
+        parser, found = self._rest
         try:
             if part:
-                self._rest.send(part)
+                parser.send(part)
             if last:
-                self._rest.close()
+                parser.close()
         except ijson.JSONError:  # not one JSON value: what was read of it does not count
-            self.usage = self.model = None
+            self.usage = self.model = self._rest = None
             self._reads.clear()
-            last = True
-        if last:
+            return
+        if last:  # a usage written twice is the last, as json.loads reads it
+            self.usage = _floats(found[-1]) if isinstance(found[-1], dict) else None
             self._rest = None
 
 

@@ -140,3 +140,15 @@ def test_a_bare_data_line_and_a_value_split_after_its_colon_are_data() -> None:
         reader.feed(part)
     assert billed == [{"type": "response.completed",
                        "response": {"object": "response", "model": "m", "usage": {"input_tokens": 3}}}]
+
+
+def test_a_usage_written_twice_is_the_last_as_the_client_reads_it() -> None:
+    """No server writes a key twice, but a wrong figure is worse than none: where one did, the
+    client's ``json.loads`` keeps the last, and so does the bill."""
+    data = b'{"type": "response.completed", "response": {"usage": {"input_tokens": 5}, "usage": {"input_tokens": 7}}}'
+    billed: list[dict[str, Any]] = []
+    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
+    for part in (b"data: ", data[:70], data[70:], b"\n", b"\n"):
+        reader.feed(part)
+    assert [_expected(json.dumps(payload)) for payload in billed] == _oracle(b"data: " + data + b"\n\n")
+    assert billed[0]["response"]["usage"] == {"input_tokens": 7}
