@@ -21,6 +21,7 @@ from starlette.types import Message
 
 from engine_adapter.events import Scheduled, current_request_key
 from proxy.accounting.metrics import Metrics
+from proxy.accounting.records.record import MAX_COUNT
 from proxy.patching.context import PatchConfig
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
@@ -122,8 +123,10 @@ def expected_usage(api: str, usage: Any, opening: dict[str, Any] | None = None) 
     if api == "messages":
         sent = sent_figures(usage)
         figures = opening | sent if opening and sent else usage
-        counts = [v if type(v) is int and v >= 0 else None for v in (figures.get(k) for k in ANTHROPIC_INPUT)]
+        counts = [v if type(v) is int and 0 <= v <= MAX_COUNT else None for v in (figures.get(k) for k in ANTHROPIC_INPUT)]
         prompt = None if counts[0] is None else counts[0] + (counts[1] or 0) + (counts[2] or 0)
+        if prompt is not None and prompt > MAX_COUNT:
+            prompt = None  # parts that a record holds, their sum not: no count of the prompt
         if prompt in (None, 90):
             # The engine knows the prompt: input_tokens excludes its reads and writes.
             want |= {"input_tokens": 10, "cache_read_input_tokens": 64, "cache_creation_input_tokens": 16}
