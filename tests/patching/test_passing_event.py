@@ -94,7 +94,7 @@ def _cut(data: bytes, rnd: random.Random, most: int = 10) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
 
 
-@settings(max_examples=600)
+@settings(max_examples=600, deadline=None)
 @given(_events(), st.randoms())
 def test_an_events_usage_is_read_as_the_client_parses_it_wherever_its_bytes_are_cut(
         event: bytes, rnd: random.Random) -> None:
@@ -106,7 +106,7 @@ def test_an_events_usage_is_read_as_the_client_parses_it_wherever_its_bytes_are_
     assert billed == [e for e in dispatched[:1] if e is not None]
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(_events() | st.sampled_from([b": keep-alive\n\n", b"data: [DONE]\n\n", b"data: x\r\n\r\n",
                                               b"data:\n\n", b"\n", b"event: ping\ndata: {}\n\n"]),
                 min_size=1, max_size=5), st.integers(16, 400), st.randoms())
