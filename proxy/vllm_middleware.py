@@ -18,6 +18,8 @@ shutdown it removes the tap and drains the usage records. Each API server proces
 Being outermost, it also runs before vLLM's own ``--api-key`` check. So the first thing
 it does with a request is that same check, as vLLM configured it (:func:`behind_vllm_auth`):
 a request vLLM would refuse gets vLLM's 401 before its body is read, and no record.
+vLLM checks its key under ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` only; the metered
+routes it leaves open (SageMaker's ``/invocations``) need its key here (:func:`vllms_key_guard`).
 
 Per request it is what ``cachetally serve`` has always put in front of vLLM's routes:
 exact ``cached_tokens`` in JSON and SSE, final and continuous-usage chunks, 0 included;
@@ -49,6 +51,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.vllm import compat
 from engine_adapter.vllm.tap import EngineTap
+from proxy.accounting.auth import GUARDED_PREFIXES, ApiKeyGuard
+from proxy.accounting.tenants import DEFAULT_TENANT, KeyTable
 from proxy.asgi.errors import STOPPED, send_error
 from proxy.asgi.paths import route_path
 from proxy.patching.context import DEFAULT_ROUTES
@@ -121,6 +125,8 @@ class CachetallyMiddleware:
                     if _pooling_only(app):  # /invocations runs only pooling handlers, which the tap never sees
                         self._patched.refuse_route(INVOCATIONS)
                     self._front = behind_vllm_auth(app, self._route)
+                    if self.accounting.auth is None:  # cachetally's own keys guard /invocations already
+                        self.accounting.auth = vllms_key_guard(app, self.accounting.settings)
                 return message
 
             async def lifespan_send(message: Message) -> None:
@@ -226,6 +232,24 @@ def behind_vllm_auth(app: Any, inner: ASGIApp) -> ASGIApp:
         if auth_class is not None and cls is auth_class:
             return cls(inner, *args, **kwargs)
     return inner
+
+
+def vllms_key_guard(app: Any, settings: Settings) -> ApiKeyGuard | None:
+    """vLLM's own keys (``--api-key``, ``VLLM_API_KEY``, as vLLM registered its check) on the
+    metered routes vLLM leaves open: SageMaker's ``/invocations``, outside the prefixes vLLM
+    guards. It runs the engine and is billed, and vLLM's key is a credential whose tenant is
+    ``default``: a keyless request there was billed to that tenant, which no credential gave
+    it. ``auth_exempt_paths`` opens it again, as it does beside cachetally's own keys (a
+    SageMaker endpoint that sends none). ``None`` where vLLM checks no key."""
+    auth_class = compat.resolve("AuthenticationMiddleware")
+    for cls, args, kwargs in getattr(app, "user_middleware", ()):
+        # vLLM 0.32 and 0.33 register ``tokens=``; its one argument, passed either way
+        if auth_class is not None and cls is auth_class and (tokens := kwargs.get("tokens", args[0] if args else None)):
+            keys = KeyTable(dict.fromkeys(tokens, DEFAULT_TENANT))
+            left_open = [route for route in DEFAULT_ROUTES if not route.startswith(GUARDED_PREFIXES)]
+            # vLLM's own check answers the rest, with its own 401, behind this one
+            return ApiKeyGuard(keys, settings.auth_exempt_paths, metered=left_open, prefixes=())
+    return None
 
 
 def _describe(app: Any) -> tuple[str, str, str, float]:

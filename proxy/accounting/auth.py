@@ -38,13 +38,16 @@ GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 class ApiKeyGuard:
     def __init__(self, keys: KeyTable, exempt_paths: Iterable[str] = (), metered: Iterable[str] = (), *,
-                 prefixed: bool = False) -> None:
+                 prefixed: bool = False, prefixes: tuple[str, ...] = GUARDED_PREFIXES) -> None:
+        """``prefixes``: the guarded path prefixes; none where another check guards them
+        (:func:`proxy.vllm_middleware.vllms_key_guard`: vLLM's own, for its key)."""
         if not keys:
             raise ValueError("an API key guard needs at least one key")
         self._keys = keys
         self._exempt = frozenset(exempt_paths)
         self._metered = frozenset(metered)
         self._prefixed = prefixed
+        self._prefixes = prefixes
         self._longest = max(map(len, self._metered), default=0)
 
     def guards(self, scope: Scope) -> bool:
@@ -54,7 +57,7 @@ class ApiKeyGuard:
         path = route_path(scope)
         if path in self._exempt:
             return False
-        guarded = path.startswith(GUARDED_PREFIXES) or path in self._metered
+        guarded = path.startswith(self._prefixes) or path in self._metered
         return guarded or (self._prefixed and self._route_under_a_prefix(path) is not None)
 
     def _route_under_a_prefix(self, path: str) -> str | None:
@@ -64,7 +67,7 @@ class ApiKeyGuard:
         as a hop that normalizes paths before the upstream forwards it
         (:func:`~proxy.asgi.paths.forwarded_forms`): ``/x\\..\\invocations`` is ``/invocations``."""
         for form in forwarded_forms(path):
-            if form is not path and (form.startswith(GUARDED_PREFIXES) or form in self._metered):
+            if form is not path and (form.startswith(self._prefixes) or form in self._metered):
                 return form
             if (found := self._after_leading_segments(form)) is not None:
                 return found
@@ -73,7 +76,7 @@ class ApiKeyGuard:
     def _after_leading_segments(self, path: str) -> str | None:
         cut = path.find("/", 1)
         while cut != -1:
-            if path.startswith(GUARDED_PREFIXES, cut):
+            if path.startswith(self._prefixes, cut):
                 return path[cut:]
             cut = path.find("/", cut + 1)
         return next((tail for tail in tails(path, self._longest) if tail in self._metered), None)

@@ -357,3 +357,78 @@ def test_a_tenant_header_or_tenants_alone_fails_the_start_in_one_line(
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.splitlines()[-1].startswith(f"cachetally: {says}")
     assert "Traceback" not in run.stderr and "ready on" not in run.stderr
+
+
+#: vLLM's own server as far as its --api-key goes: vLLM's AuthenticationMiddleware registered
+#: with its tokens, then cachetally's outermost, as ``vllm serve --api-key K --middleware`` builds it.
+_VLLM_WITH_ITS_KEY = """
+import argparse, json, sys
+import httpx
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+from proxy.vllm_middleware import CachetallyMiddleware
+from tests.servers import serving_in_thread
+
+class Client:  # vLLM's engine client, as far as the tap needs one
+    errored = False
+    model_config = argparse.Namespace(served_model_name="m", model="m", dtype="float32", runner_type="generate")
+    async def generate(self, *args, **kwargs):
+        yield None
+
+async def completion(request):  # vLLM's /invocations and /v1/completions: a completions answer
+    return JSONResponse({"id": "cmpl-1", "object": "text_completion", "model": "m",
+                         "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 81, "completion_tokens": 2, "total_tokens": 83}})
+
+app = Starlette(routes=[Route(path, completion, methods=["POST"]) for path in ("/invocations", "/v1/completions")])
+app.state.args = argparse.Namespace(api_key=["sk-vllm"], host="127.0.0.1", port=0, api_server_count=1)
+app.state.engine_client = Client()
+app.add_middleware(AuthenticationMiddleware, tokens=["sk-vllm"])
+app.add_middleware(CachetallyMiddleware)
+body = {"model": "m", "prompt": "hello", "max_tokens": 2}
+answers = {}
+with serving_in_thread(app, start_timeout_s=240) as url:  # the lifespan taps vLLM: its imports take a while
+    for name, path, headers in [("invocations, no key", "/invocations", {}),
+                                ("invocations, a wrong key", "/invocations", {"authorization": "Bearer sk-guess"}),
+                                ("invocations, vLLM's key", "/invocations", {"authorization": "Bearer sk-vllm"}),
+                                ("completions, no key", "/v1/completions", {})]:
+        answer = httpx.post(url + path, json=body, headers={**headers, "x-request-id": name.replace(" ", "")
+                            .replace(",", "-").replace("'", "")}, timeout=120)
+        answers[name] = [answer.status_code, answer.json()]
+print(json.dumps(answers))
+"""
+
+
+@pytest.mark.parametrize("exempt", [False, True], ids=["guarded", "auth_exempt_paths"])
+def test_inside_vllm_its_own_key_guards_invocations_too(tmp_path: Path, exempt: bool) -> None:
+    """vLLM checks its ``--api-key`` under ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` only;
+    SageMaker's ``/invocations`` runs the engine and is billed, so a keyless request there ran and
+    was billed to ``default``, the tenant of vLLM's key: a tenant no credential gave it. It needs
+    vLLM's key too (401, no record), as it needs cachetally's own, unless ``auth_exempt_paths``
+    opens it (a SageMaker endpoint that sends none); ``/v1`` keeps vLLM's own 401."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from proxy.accounting.records.report import read
+    from tests.servers import ROOT
+
+    usage = tmp_path / "usage"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHETALLY_", "VLLM_API_KEY"))}
+    env |= {"CACHETALLY_USAGE_DIR": str(usage)} | ({"CACHETALLY_AUTH_EXEMPT_PATHS": "/invocations"} if exempt else {})
+    run = subprocess.run([sys.executable, "-c", _VLLM_WITH_ITS_KEY], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)  # imports vLLM: slow on a busy machine
+    assert run.returncode == 0, run.stderr[-3000:]
+    answers = json.loads(run.stdout.splitlines()[-1])
+    assert [answers[name][0] for name in answers] == [200 if exempt else 401, 200 if exempt else 401, 200, 401], answers
+    assert answers["completions, no key"][1] == {"error": "Unauthorized"}  # vLLM's own refusal
+    billed = (["invocations-nokey", "invocations-awrongkey"] if exempt else []) + ["invocations-vLLMskey"]
+    records = [json.loads(line) for path in usage.glob("*.jsonl") for line in path.read_text().splitlines()]
+    assert sorted((r["request_id"], r["tenant"], r["prompt_tokens"]) for r in records) == [
+        (rid, "default", 81) for rid in sorted(billed)]
+    report = read(sorted(usage.glob("*.jsonl")))
+    assert {key: (row.requests, row.prompt_tokens) for key, row in report.rows.items()} == {
+        ("default", "m"): (len(billed), 81 * len(billed))}
