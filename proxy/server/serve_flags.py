@@ -58,7 +58,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["vllm", "sim"], help="engine to serve (default: vllm)")
     p.add_argument("--upstream", metavar="URL", help="front a running server instead of embedding one: its root URL, e.g. "
                    "http://127.0.0.1:8001 (not .../v1); an upstream that wants a key of its own gets "
-                   "CACHETALLY_UPSTREAM_API_KEY in place of the client's")
+                   "CACHETALLY_UPSTREAM_API_KEY in place of the credentials of a client cachetally's keys (or "
+                   "the gateway a tenant header needs) authenticated, and on cachetally's model list")
     p.add_argument(
         "--upstream-ca",
         metavar="FILE",

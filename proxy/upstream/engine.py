@@ -68,7 +68,13 @@ class UpstreamEngine:
             )
         )
         self._client: UpstreamClient | None = None
-        key = settings.upstream_api_key
+        # The upstream's key stands in for a client's credential only where the client was
+        # authenticated: by cachetally's own keys, or by the gateway a tenant header needs in
+        # front (docs/ACCOUNTING.md, "Tenants"). Else any client that reached cachetally would
+        # go upstream with the upstream's key: its credentials go as sent, and the key serves
+        # cachetally's own model list alone.
+        authenticated = settings.api_key is not None or settings.api_keys_file or settings.tenant_header
+        key = settings.upstream_api_key if authenticated else None
         self._authorization = None if key is None else b"Bearer " + key.encode("ascii")
 
     async def start(self) -> ASGIApp:

@@ -10,7 +10,8 @@ because uvicorn writes its own (as nginx does).
 
 Headers stay raw ``bytes`` pairs, in order, so repeated headers survive. Nothing here
 logs: ``Authorization`` passes through untouched and is never printed, unless the
-upstream has a key of its own (``upstream_api_key``): then the client's credentials
+upstream has a key of its own (``upstream_api_key``) and the client was authenticated
+(:class:`~proxy.upstream.engine.UpstreamEngine`): then the client's credentials
 (``Authorization``, and the ``x-api-key`` of Anthropic's clients) stay here, and the
 upstream gets its key instead, so a tenant's key never reaches it.
 """

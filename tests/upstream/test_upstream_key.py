@@ -3,7 +3,8 @@ in front of an upstream that wants a key. The upstream is guarded by vLLM's own
 ``AuthenticationMiddleware`` (vLLM 0.32's), so what it accepts is what vLLM accepts.
 
 A tenant's key is cachetally's credential: with the setting, it never reaches the upstream,
-which gets its own key on every request, its model list included."""
+which gets its own key on every request, its model list included. Without keys of its own
+(or the authenticating gateway a tenant header needs), cachetally lends no client that key."""
 
 from __future__ import annotations
 
@@ -84,16 +85,18 @@ def guarded_upstream(seen: list[tuple[str, dict[str, str]]]) -> ASGIApp:
 
 
 @contextlib.contextmanager
-def keyed_proxy(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[str, list[tuple[str, dict[str, str]]]]]:
-    """cachetally, with the tenants' keys and ``env``, in front of the guarded upstream."""
+def keyed_proxy(tmp_path: Path, env: dict[str, str],
+                tenant_keys: bool = True) -> Iterator[tuple[str, list[tuple[str, dict[str, str]]]]]:
+    """cachetally, with the tenants' keys (unless not ``tenant_keys``) and ``env``, in front
+    of the guarded upstream."""
     keys = tmp_path / "keys.toml"
     keys.write_text("".join(f'"{k}" = "{t}"\n' for k, t in TENANT_KEYS.items()))
     keys.chmod(0o600)
     seen: list[tuple[str, dict[str, str]]] = []
     with serving_in_thread(guarded_upstream(seen)) as upstream:
         settings = load_settings(env=env, overrides={
-            "upstream": upstream, "api_keys_file": str(keys), "usage_dir": str(tmp_path / "usage"),
-            "usage_flush_interval_s": 0.05})
+            "upstream": upstream, "usage_dir": str(tmp_path / "usage"), "usage_flush_interval_s": 0.05,
+            **({"api_keys_file": str(keys)} if tenant_keys else {})})
         with serving_in_thread(CachetallyApp(settings)) as url:
             yield url, seen
 
@@ -137,6 +140,40 @@ def test_without_it_the_clients_key_goes_upstream_as_sent_and_the_log_names_the_
     warned = [r.getMessage() for r in caplog.records if "upstream's models" in r.getMessage()]
     assert warned and "set CACHETALLY_UPSTREAM_API_KEY" in warned[0]
     assert not any(key in caplog.text for key in (ACME, UPSTREAM_KEY))
+
+
+def test_without_keys_of_its_own_cachetally_never_lends_a_client_the_upstreams_key(tmp_path: Path) -> None:
+    """With no key checked here, the upstream's key in place of the client's credentials let
+    any client that reached cachetally through the upstream's own check. The upstream checks
+    each client itself then; its key serves cachetally's model list, so labels stay right."""
+    with keyed_proxy(tmp_path, {"CACHETALLY_UPSTREAM_API_KEY": UPSTREAM_KEY}, tenant_keys=False) as (url, seen):
+        body = {"model": SERVED, "prompt": "hi", "max_tokens": 2}
+        keyless = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+        wrong = httpx.post(f"{url}/v1/completions", json=body, headers={"authorization": "Bearer sk-wrong"},
+                           timeout=10)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=UPSTREAM_KEY, max_retries=0) as client:
+            completion = client.completions.create(**body)
+    assert (keyless.status_code, wrong.status_code) == (401, 401)  # the upstream's own check
+    assert completion.usage is not None and completion.usage.prompt_tokens_details.cached_tokens == 3
+    assert ("/v1/models", {"authorization": f"Bearer {UPSTREAM_KEY}"}) in seen
+    sent = [credentials for path, credentials in seen if path == "/v1/completions"]
+    assert sent == [{}, {"authorization": "Bearer sk-wrong"}, {"authorization": f"Bearer {UPSTREAM_KEY}"}]
+    records = _records(tmp_path)
+    assert [(r["tenant"], r["model"], r["status"]) for r in records if r["status"] == 200] == [
+        ("default", SERVED, 200)]
+
+
+def test_behind_the_gateway_a_tenant_header_needs_the_upstream_gets_its_key(tmp_path: Path) -> None:
+    """A tenant header is trusted only behind a gateway that authenticates clients: there the
+    upstream's key goes in place of what the client sent, as beside cachetally's own keys."""
+    env = {"CACHETALLY_UPSTREAM_API_KEY": UPSTREAM_KEY, "CACHETALLY_TENANT_HEADER": "x-tenant",
+           "CACHETALLY_TENANTS": "acme"}
+    with keyed_proxy(tmp_path, env, tenant_keys=False) as (url, seen):
+        answer = httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": "hi", "max_tokens": 2},
+                            headers={"x-tenant": "acme", "authorization": "Bearer sk-gateway"}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert all(credentials == {"authorization": f"Bearer {UPSTREAM_KEY}"} for _, credentials in seen), seen
+    assert [(r["tenant"], r["model"], r["status"]) for r in _records(tmp_path)] == [("acme", SERVED, 200)]
 
 
 @pytest.mark.parametrize(("env", "overrides", "refusal"), [
