@@ -16,6 +16,7 @@ from proxy.accounting.tenants import Tenancy
 from proxy.asgi.error_guard import ErrorGuard
 from proxy.patching.body_budget import BodyBudget
 from proxy.patching.ledger import UsageLedger
+from proxy.patching.response_budget import ResponseBudget
 from proxy.patching.routes import PATCHED, REFUSED
 from proxy.patching.served_models import ServedModels
 from proxy.patching.usage import Missing
@@ -32,6 +33,8 @@ class PatchConfig:
     max_event_bytes: int = 1 << 20
     #: Bytes of request bodies still arriving that one process may hold (proxy.patching.body_budget).
     max_request_bytes_held: int = 1 << 30
+    #: Bytes of responses held to be patched that one process may hold (proxy.patching.response_budget).
+    max_response_bytes_held: int = 1 << 30
     #: Ask the inner app for a usage chunk the client did not request, and drop it
     #: before the client sees it, so every streamed request is counted (upstream mode).
     ghost_usage: bool = False
@@ -78,3 +81,5 @@ class PatchContext:
     echo_header: bytes
     #: This process's request bodies being received, bounded.
     bodies: BodyBudget
+    #: This process's responses held to be patched, bounded.
+    responses: ResponseBudget

@@ -47,6 +47,7 @@ from proxy.patching.context import PatchConfig, PatchContext
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.metering import meter
 from proxy.patching.request_side import READ_HEADERS, REPLACED_HEADERS, run_patched
+from proxy.patching.response_budget import ResponseBudget
 from proxy.patching.responder import Responder
 from proxy.patching.route_methods import METHOD_OVERRIDE_HEADERS, answered_as_vllms_router
 
@@ -79,7 +80,8 @@ class UsagePatchMiddleware:
         self.echo_header = request_ids.header.lower().encode("latin-1")
         guard = app if isinstance(app, ErrorGuard) else None
         self.context = PatchContext(app, guard, config, ledger, metrics, recorder, self.echo_header,
-                                    BodyBudget(config.max_request_bytes_held))
+                                    BodyBudget(config.max_request_bytes_held),
+                                    ResponseBudget(config.max_response_bytes_held))
         #: Every request header a decision reads, and those the inner app gets replaced.
         self._noted = READ_HEADERS | _DROPPED | config.tenancy.reads | {self.echo_header}
         # Read on every request: looked up once here.

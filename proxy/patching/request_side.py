@@ -114,6 +114,7 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         await end_stopped(r, scope)
     finally:
         hold.release()
+        r.held.release()
 
 
 async def _refuse_full(r: Responder, scope: Scope) -> None:

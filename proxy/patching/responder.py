@@ -25,6 +25,7 @@ from proxy.patching.model_sniff import NO_MODEL_SNIFF, SNIFF_CHUNKS, sniffed_mod
 from proxy.patching.passing_event import oversized_reader
 from proxy.patching.passing_usage import PassingUsage
 from proxy.patching.pd_leg import PREFILL, Leg, hand_over
+from proxy.patching.response_budget import ResponseHold
 from proxy.patching.request_body import RequestOptions
 from proxy.patching import json_exact
 from proxy.patching.shapes import shape_for
@@ -46,8 +47,7 @@ class Responder:
     ) -> None:
         self.ctx = ctx
         self.route, self.path = route, path  # path: the route's own, which names its error JSON
-        self.key = key
-        self.echo, self.tenant = echo, tenant
+        self.key, self.echo, self.tenant = key, echo, tenant
         self.notes = RequestNotes(route)
         self.shape = shape_for(route)  # None: the OpenAI shape (proxy.patching.usage)
         self.request_headers, self._send = request_headers, send
@@ -65,7 +65,7 @@ class Responder:
         self._start: Message | None = None
         self._length: tuple[bytes, bytes] | None = None  # a held start's Content-Length
         self._chunks: list[bytes] = []
-        self._size = 0
+        self.held = ResponseHold(ctx.responses)  # given back when the request ends, however it ends
         self._sse: SSEPatcher | None = None
         self._hold: GhostHold | None = None
         self._unheld: PassingUsage | None = None
@@ -148,12 +148,12 @@ class Responder:
             self.mode, self.stream = Mode.SSE, True
             if self.ghost_asked:
                 self._hold = GhostHold()
+            whole = self.shape is not None and self.shape.whole_response_events
             self._sse = SSEPatcher(
                 self._patch_event,
-                max_event_bytes=self.ctx.config.max_response_bytes
-                if self.shape is not None and self.shape.whole_response_events
-                else self.ctx.config.max_event_bytes,
-                on_oversize=lambda: self._count_skip("event_too_large"),
+                max_event_bytes=self.ctx.config.max_response_bytes if whole else self.ctx.config.max_event_bytes,
+                budget=(self.held, self.ctx.config.max_event_bytes) if whole else None,
+                on_oversize=self._count_skip,
                 read_oversized=oversized_reader(self.shape, self._patch_event),
             )
             await self._send(message)
@@ -215,9 +215,8 @@ class Responder:
             self.completed = self.options is not None and self.status == 200
             await self._send_json(whole)
             return
-        self._size += len(self._chunks[-1])
-        if self._size > self.ctx.config.max_response_bytes:
-            self._count_skip("body_too_large")
+        if (why := self.held.keeps(len(self._chunks[-1]), self.ctx.config.max_response_bytes)) is not None:
+            self._count_skip(why)
             # Passed on as it comes; its usage is still read as it passes (proxy.patching.passing_usage).
             self.mode, self._unheld = Mode.PASS, PassingUsage(self.shape.body_kind if self.shape is not None else {})
             if self._sniff_model:
@@ -228,6 +227,7 @@ class Responder:
             await self._send(start)
             held, self._chunks = self._chunks, []
             await self._unheld.pass_on(held, self._send)
+            self.held.release()  # the parts held went out: from here each part passes as it comes
 
     def _read_unheld(self, body: bytes, more: bool) -> None:
         assert self._unheld is not None

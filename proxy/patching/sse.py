@@ -8,9 +8,12 @@ chunk, since it may be the first half of ``\\r\\n``.
 Every event goes out byte for byte unless it mentions ``"usage"`` and the event patcher
 rewrites it. At most one partial event is held back, and only until its blank line
 arrives; a partial event larger than ``max_event_bytes`` is flushed unpatched (and the
-rest of it passed through as it comes), and ``on_oversize`` is called once for it. Its bytes
-are handed, as they go out, to a reader that ``read_oversized`` makes for it, when given
-(:mod:`proxy.patching.passing_event`: the usage such an event carries is still read).
+rest of it passed through as it comes), and ``on_oversize`` is called once for it. With a
+``budget``, its bytes past the free bound the budget names are counted in its process's
+:class:`~proxy.patching.response_budget.ResponseBudget`: one they do not fit in goes the
+same way, as ``on_oversize`` is told. Its bytes are handed, as they go out, to a reader that
+``read_oversized`` makes for it, when given (:mod:`proxy.patching.passing_event`: the usage
+such an event carries is still read).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from proxy.patching import json_exact
+from proxy.patching.response_budget import BUDGET_FULL, ResponseHold
 
 _TERMINATOR = re.compile(rb"\r\n|\r|\n")
 # Substrings are looked up with ``bytes.find``, not ``in``: CPython's ``bytes.__contains__``
@@ -109,19 +113,24 @@ def _patched(data: bytes, patch_payload: PayloadPatcher) -> bytes | Literal[Fals
 class SSEPatcher:
     """Feed it response chunks; send what it returns, then what ``flush`` returns."""
 
-    __slots__ = ("_patch", "_max", "_on_oversize", "_read_oversized", "_pending", "_scanned", "_line_start",
-                 "_oversize", "_reader")
+    __slots__ = ("_patch", "_max", "_budget", "_on_oversize", "_read_oversized", "_pending", "_scanned",
+                 "_line_start", "_oversize", "_reader")
 
     def __init__(
         self,
         patch_payload: PayloadPatcher,
         *,
         max_event_bytes: int = 1 << 20,
-        on_oversize: Callable[[], None] | None = None,
+        budget: tuple[ResponseHold, int] | None = None,
+        on_oversize: Callable[[str], None] | None = None,
         read_oversized: Callable[[], Callable[[bytes], None]] | None = None,
     ) -> None:
+        """``budget``: the response's share of what its process may hold, and the bytes of a
+        partial event held without it; ``on_oversize`` is called with the reason an event went
+        out unpatched (``event_too_large``, or the budget's)."""
         self._patch = patch_payload
         self._max = max_event_bytes
+        self._budget = budget
         self._on_oversize = on_oversize
         self._read_oversized = read_oversized
         self._reader: Callable[[bytes], None] | None = None  # the oversized event's, fed what goes out
@@ -144,7 +153,12 @@ class SSEPatcher:
         self._pending.clear()
         self._scanned = self._line_start = 0
         self._oversize, self._reader = False, None  # an event cut short is not dispatched: not read
+        self._fits(0)
         return out + rest
+
+    def _fits(self, n: int) -> bool:
+        """The partial event may be held at ``n`` bytes: within the budget, where one was given."""
+        return self._budget is None or self._budget[0].holds(max(0, n - self._budget[1]))
 
     def _drain(self, *, final: bool) -> bytes:
         buf = self._pending
@@ -173,11 +187,11 @@ class SSEPatcher:
                 complete = complete[first:]
                 self._oversize, self._reader = False, None
             out.append(self._patch_events(complete))
-        if self._oversize or len(buf) > self._max:
+        if self._oversize or len(buf) > self._max or not self._fits(len(buf)):
             if not self._oversize:
                 self._oversize = True
                 if self._on_oversize is not None:
-                    self._on_oversize()
+                    self._on_oversize("event_too_large" if len(buf) > self._max else BUDGET_FULL)
                 if self._read_oversized is not None:
                     self._reader = self._read_oversized()
             # Pass the partial event on now, all but an unresolved trailing "\r".
@@ -186,6 +200,7 @@ class SSEPatcher:
             del buf[:sent]
             self._line_start -= sent
             self._scanned = 0
+            self._fits(len(buf))  # what is left: at most an unresolved "\r"
         return b"".join(out)
 
     def _read(self, oversized: bytes) -> bytes:

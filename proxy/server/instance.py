@@ -82,6 +82,7 @@ class Accounting:
             max_response_bytes=s.max_response_bytes,
             max_event_bytes=s.max_event_bytes,
             max_request_bytes_held=s.max_request_bytes_held or max(1 << 30, s.max_request_bytes),
+            max_response_bytes_held=s.max_response_bytes_held or max(1 << 30, s.max_response_bytes),
             ghost_usage=upstream,
             strip_details_flag=not upstream,
             default_model=s.model or "unknown",

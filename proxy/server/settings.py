@@ -76,6 +76,9 @@ class Settings:
     # Bodies still arriving, one process (proxy.patching.body_budget); 0: the larger of 1 GiB and
     # max_request_bytes, so a configuration with bodies above 1 GiB starts as it did before the budget.
     max_request_bytes_held: int = 0
+    # Responses held to be patched, one process (proxy.patching.response_budget); 0: the larger of
+    # 1 GiB and max_response_bytes. Past it a response goes on unpatched, still billed.
+    max_response_bytes_held: int = 0
     ledger_ttl_s: float = 900.0
     ledger_max_slots: int = 100_000
     # upstream mode
@@ -148,6 +151,9 @@ class Settings:
                 raise SettingsError(f"{name} must be >= 1")
         if self.max_request_bytes_held < 0 or 0 < self.max_request_bytes_held < self.max_request_bytes:
             raise SettingsError("max_request_bytes_held must be 0 or >= max_request_bytes: no body of that size could be read")
+        if self.max_response_bytes_held < 0 or 0 < self.max_response_bytes_held < self.max_response_bytes:
+            raise SettingsError("max_response_bytes_held must be 0 or >= max_response_bytes: "
+                                "no response of that size could be held")
         if not self.ledger_ttl_s > 0:
             raise SettingsError("ledger_ttl_s must be > 0")
         for name in ("sim_token_delay_s", "sim_prefill_delay_s"):

@@ -74,7 +74,7 @@ def test_sse_patcher_on_hostile_bytes_only_ever_applies_usage_patches(
     data: bytes, cuts: list[int], cap: int
 ) -> None:
     oversize: list[int] = []
-    patcher = SSEPatcher(set_seven, max_event_bytes=cap, on_oversize=lambda: oversize.append(1))
+    patcher = SSEPatcher(set_seven, max_event_bytes=cap, on_oversize=lambda reason: oversize.append(reason))
     output = b"".join(patcher.feed(chunk) for chunk in chunked(data, cuts)) + patcher.flush()
     assert_only_usage_patches(data, output)
     if cap == 1 << 20:

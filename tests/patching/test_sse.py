@@ -434,8 +434,8 @@ BIG_USAGE = (
 
 
 def test_oversize_event_passes_through_unpatched_and_later_events_are_patched() -> None:
-    calls: list[None] = []
-    patcher = SSEPatcher(set_seven, max_event_bytes=128, on_oversize=lambda: calls.append(None))
+    calls: list[str] = []
+    patcher = SSEPatcher(set_seven, max_event_bytes=128, on_oversize=calls.append)
     stream = TOKEN_EVENT + BIG_USAGE + USAGE_EVENT + b"data: [DONE]\n\n"
     chunks = [stream[i : i + 16] for i in range(0, len(stream), 16)]
     out = run(patcher, chunks)
@@ -446,19 +446,19 @@ def test_oversize_event_passes_through_unpatched_and_later_events_are_patched() 
     assert events[1] == BIG_USAGE  # unpatched, byte for byte
     assert orjson.loads(parse_event(events[2])[0] or b"") == PATCHED_USAGE
     assert events[3] == b"data: [DONE]\n\n"
-    assert len(calls) == 1
+    assert calls == ["event_too_large"]
 
 
 def test_each_oversize_event_is_reported_once() -> None:
-    calls: list[None] = []
-    patcher = SSEPatcher(set_seven, max_event_bytes=128, on_oversize=lambda: calls.append(None))
+    calls: list[str] = []
+    patcher = SSEPatcher(set_seven, max_event_bytes=128, on_oversize=calls.append)
     stream = BIG_USAGE + USAGE_EVENT + BIG_USAGE.replace(b"\n", b"\r\n")
     out = run(patcher, [bytes([b]) for b in stream])
     events, _ = split_events(out)
     assert events[0] == BIG_USAGE
     assert orjson.loads(parse_event(events[1])[0] or b"") == PATCHED_USAGE
     assert events[2] == BIG_USAGE.replace(b"\n", b"\r\n")
-    assert len(calls) == 2
+    assert calls == ["event_too_large"] * 2
 
 
 def test_byte_by_byte_holds_at_most_the_current_partial_event() -> None:

@@ -251,6 +251,8 @@ def test_engine_args_from_the_environment_are_read_as_a_shell_reads_them(tmp_pat
         ("toml", "max_request_bytes", "-1", "max_request_bytes must be >= 1"),
         ("env", "max_event_bytes", "0", "max_event_bytes must be >= 1"),
         ("env", "max_request_bytes_held", "1024", "max_request_bytes_held must be 0 or >= max_request_bytes"),
+        ("env", "max_response_bytes_held", "1024", "max_response_bytes_held must be 0 or >= max_response_bytes"),
+        ("toml", "max_response_bytes_held", "-1", "max_response_bytes_held must be 0 or >= max_response_bytes"),
         ("toml", "ledger_ttl_s", "-5", "ledger_ttl_s must be > 0"),
         ("env", "sim_token_delay_s", "-1", "sim_token_delay_s must be >= 0"),
         ("toml", "sim_prefill_delay_s", "-0.5", "sim_prefill_delay_s must be >= 0"),
