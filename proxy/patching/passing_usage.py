@@ -11,7 +11,8 @@ builds only the value at the prefix ``usage``: the top level's, never a ``"usage
 object the body echoes (a Responses body's JSON schema), nor the letters in a string. The
 parse stops once that value is read (vLLM's chat body has it before ``prompt_logprobs``), or
 at the first byte that is not JSON. What it holds meanwhile is the value and the token being
-read. The top-level ``model`` is read the same way, so that the request is labelled by the
+read, a string that a part cuts only while it is short (:mod:`proxy.patching.short_strings`).
+The top-level ``model`` is read the same way, so that the request is labelled by the
 response's model on every API: a Responses body echoes the client's ``metadata`` (any keys,
 ``"model"`` too) before it, where the first bytes cannot be trusted for it.
 """
@@ -26,6 +27,8 @@ from typing import Any
 import ijson
 from starlette.types import Send
 
+from proxy.patching.short_strings import ShortStrings
+
 
 class PassingUsage:
     """Feed a JSON body's parts in order (:meth:`feed`); :attr:`usage` is its top-level
@@ -35,7 +38,7 @@ class PassingUsage:
     top level. ``whole``: they count only if the whole input is one JSON value (an SSE event's
     data, which its client parses whole or drops: :mod:`proxy.patching.passing_event`)."""
 
-    __slots__ = ("usage", "model", "_kind", "_reads", "_whole", "_rest")
+    __slots__ = ("usage", "model", "_kind", "_reads", "_short", "_whole", "_rest")
 
     def __init__(self, kind: Mapping[str, str] = {}, at: str = "", whole: bool = False) -> None:
         self.usage: dict[str, Any] | None = None
@@ -49,6 +52,7 @@ class PassingUsage:
         # their text instead, integers are Python's and others Decimal (made floats in the
         # usage read, as a body held whole reads them: :func:`_floats`).
         self._reads: dict[str, tuple[Any, list[Any]]] = {}
+        self._short = ShortStrings()  # else yajl holds each long string a part cuts whole
         for member in ("model", "usage"):
             found = ijson.sendable_list()
             self._reads[member] = (ijson.items_coro(found, f"{at}.{member}" if at else member), found)
@@ -73,6 +77,8 @@ class PassingUsage:
             {**self._kind, "model": self.model, "usage": self.usage}
 
     def feed(self, part: bytes, last: bool = False) -> None:
+        if self._reads or self._rest is not None:
+            part = self._short.cut(part)
         if self._rest is not None:
             self._read_rest(part, last)
         for member, (parser, found) in list(self._reads.items()):

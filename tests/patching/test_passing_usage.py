@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.patching.passing_usage import PassingUsage
+from proxy.patching.short_strings import KEPT, ShortStrings
 
 #: Strings full of what could pass for structure: quotes, backslashes, brackets, "usage".
 _TEXT = st.lists(st.sampled_from(['a', '"', '\\', 'usage', '"usage"', '"usage":', '{', '}', '[', ']', ':', ',', ' ',
@@ -80,3 +82,63 @@ def test_the_model_is_the_top_levels_not_one_a_client_echoed_before_it() -> None
         assert (scanner.model, scanner.usage) == ("m-served", {"input_tokens": 3}), cut
         assert scanner.payload() == {"model": "m-served", "usage": {"input_tokens": 3}}
     assert _fed(b'{"model": 5, "usage": {"input_tokens": 3}}', []).payload() == {"usage": {"input_tokens": 3}}
+
+
+#: Strings past ShortStrings.KEPT, of escapes and characters of every width, and short ones.
+_LONG = st.sampled_from(["x" * 5000, "é" * 3000, "\"\\" * 2100, "\u2028\U0001f600" * 1500, "\x01" * 800])
+_ANY_TEXT = _TEXT | _LONG
+
+
+def _same_but_long_strings_emptied(got: Any, sent: Any) -> bool:
+    if isinstance(sent, str):
+        return got == sent or (got == "" and len(json.dumps(sent, ensure_ascii=False).encode()) - 2 > KEPT)
+    if isinstance(sent, list):
+        return isinstance(got, list) and len(got) == len(sent) and all(
+            map(_same_but_long_strings_emptied, got, sent))
+    if isinstance(sent, dict):  # keys too may be emptied, so compared in order
+        return isinstance(got, list) and len(got) == len(sent) and all(
+            _same_but_long_strings_emptied(k, sk) and _same_but_long_strings_emptied(v, sv)
+            for (k, v), (sk, sv) in zip(got, sent.items()))
+    return got == sent
+
+
+@settings(max_examples=300)
+@given(st.recursive(st.one_of(st.integers(), st.none(), _ANY_TEXT),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_ANY_TEXT, inner, max_size=3),
+                    max_leaves=12),
+       st.randoms(), st.booleans())
+def test_short_strings_keep_json_whole_and_empty_only_long_strings(value: Any, rnd: random.Random,
+                                                                   ascii_only: bool) -> None:
+    """Cut anywhere (inside an escape, a character of several bytes), the text stays JSON, each
+    string kept whole or, past ``KEPT``, left empty."""
+    body = json.dumps(value, ensure_ascii=ascii_only).encode()
+    cuts = sorted(rnd.sample(range(1, len(body)), min(len(body) - 1, rnd.randint(0, 12)))) if len(body) > 1 else []
+    short, done, out = ShortStrings(), 0, []
+    for cut in [*cuts, len(body)]:
+        out.append(short.cut(body[done:cut]))
+        done = cut
+    assert _same_but_long_strings_emptied(json.loads(b"".join(out), object_pairs_hook=list), value)
+
+
+def test_a_body_of_long_strings_passing_holds_none_of_them() -> None:
+    """Twelve answers of one 24 MiB string each passed unheld held 290 MiB, as many as held
+    whole: yajl kept each string a part cut until its end. Four parses stopped inside one hold
+    a few MiB now, and the usage after it is read."""
+    body = json.dumps({"id": "c", "choices": [{"message": {"content": "x" * (24 << 20)}}],
+                       "usage": {"prompt_tokens": 5}}).encode()
+    parts = [body[k : k + (1 << 20)] for k in range(0, len(body), 1 << 20)]
+    before = _rss_mib()
+    reads = [PassingUsage() for _ in range(4)]
+    for read in reads:
+        for part in parts[:-1]:
+            read.feed(part)
+    assert _rss_mib() - before < 16  # 113 MiB before
+    reads[0].feed(parts[-1], last=True)
+    assert reads[0].usage == {"prompt_tokens": 5}
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
