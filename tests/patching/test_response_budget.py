@@ -206,7 +206,8 @@ async def test_a_partial_event_past_the_budget_goes_on_as_an_oversized_one_and_a
     """A Responses stream's terminal event is held up to ``max_response_bytes``; what it holds
     past ``max_event_bytes`` is counted in the budget. Two 3,500-byte events fit in 6,000 past
     their free 1,000 each; the third goes on unpatched, counted as the budget's, as an event
-    past its bound does; a small event is held and patched whatever the others hold."""
+    past its bound does, its figures read as it passes and billed; a small event is held and
+    patched whatever the others hold."""
     bodies = [responses_stream(i, 3_300) for i in range(3)] + [responses_stream(3, 0)]
     engine, records = Engine(bodies, b"text/event-stream"), Records()
     mw, metrics = serving(engine, records)
@@ -226,3 +227,6 @@ async def test_a_partial_event_past_the_budget_goes_on_as_an_oversized_one_and_a
     assert sum(c.body == body for c, body in zip(clients, bodies)) == 1  # as the upstream sent it
     assert clients[3].body != bodies[3] and skipped(metrics, BUDGET_FULL) == 1
     assert b'"cached_tokens"' in clients[3].body  # the small one was read and patched
+    # and every one billed, the one that went on unheld too: its figures read as it passed
+    assert sorted((r.prompt_tokens, r.completion_tokens, r.model) for r in records.records) == [
+        (100 + i, 2, "m") for i in range(4)]

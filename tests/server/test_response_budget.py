@@ -108,3 +108,53 @@ def test_answers_past_the_budget_go_on_before_their_end_exactly_and_billed(
         == [(100 + i, 64, 2, "completed") for i in range(CLIENTS)]
     warned = [r.getMessage() for r in caplog.records if "passed on unpatched" in r.getMessage()]
     assert len(warned) == 1 and "client" not in json.dumps(warned)  # once a minute, and no prompt text
+
+
+def responses_upstream(instructions: str) -> Starlette:
+    """A Responses stream whose terminal event echoes ``instructions``, as vLLM's does (its
+    first event does too: left out here, so that one event only is too large to hold)."""
+    usage = {"input_tokens": 700, "output_tokens": 2, "total_tokens": 702,
+             "input_tokens_details": {"cached_tokens": 512}, "output_tokens_details": {"reasoning_tokens": 0}}
+    head = {"id": "resp_1", "object": "response", "created_at": 0, "model": SERVED, "output": [],
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+
+    def event(kind: str, n: int, **response: object) -> bytes:
+        data = {"response": {**head, **response}, "sequence_number": n, "type": kind}  # vLLM's order: type last
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+    async def responses(request: Request) -> StreamingResponse:
+        await request.body()
+        done = event("response.completed", 1, status="completed", usage=usage, instructions=instructions)
+
+        async def parts() -> AsyncIterator[bytes]:
+            yield event("response.created", 0, status="in_progress", usage=None)
+            for start in range(0, len(done), 64 * KIB):
+                yield done[start : start + 64 * KIB]
+
+        return StreamingResponse(parts(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/responses", responses, methods=["POST"]),
+                            Route("/v1/models", lambda _: JSONResponse({"data": [{"id": SERVED}]}), methods=["GET"])])
+
+
+def test_a_responses_terminal_event_too_large_to_hold_is_still_billed(tmp_path: Path) -> None:
+    """Past ``max_response_bytes`` (1 MiB here), a Responses stream's terminal event goes out
+    as it comes, unpatched; it went out unread too, and its record had no prompt, so a client
+    could keep its prompt off the bill with 1 MiB of ``instructions`` echoed. Its figures are
+    now read as it passes, as they are past the budget
+    (tests/patching/test_response_budget.py): the record bills the upstream's usage."""
+    usage_dir = tmp_path / "usage"
+    size = 1536 * KIB
+    with serving_in_thread(responses_upstream("x" * size)) as up:
+        settings = Settings(engine="upstream", upstream=up, usage_dir=str(usage_dir), usage_flush_interval_s=0.05,
+                            max_response_bytes=MAX).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url, \
+                openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client:
+            events = list(client.responses.create(model=SERVED, input="hi", stream=True))
+            metrics = httpx.get(f"{url}/metrics").text
+    final = events[-1].response
+    assert final.usage is not None and final.usage.input_tokens == 700 and len(final.instructions or "") == size
+    assert 'cachetally_patch_skipped_total{reason="event_too_large"} 1.0' in metrics
+    records = [orjson.loads(line) for f in sorted(usage_dir.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    assert [(r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"], r["model"], r["outcome"])
+            for r in records] == [(700, 512, 2, SERVED, "completed")]
