@@ -32,6 +32,7 @@ PART = 500
 CONFIG = PatchConfig(max_response_bytes=4_000, max_response_bytes_held=6_000, max_event_bytes=1_000)
 ENDINGS = ("served", "upstream_cut", "client_left", "cancelled")
 RESPONSES = "/v1/responses"
+RESPONSES_STREAM = orjson.dumps({"model": "m", "input": "hi", "stream": True})
 
 
 def answer(i: int, size: int) -> bytes:
@@ -54,9 +55,9 @@ class Engine:
     each when ``go(i, "part")`` lets it; ``upstream_cut`` raises, as a connection that broke;
     ``client_left`` stops sending, as the upstream client does once its client is gone."""
 
-    def __init__(self, bodies: list[bytes], content_type: bytes = b"application/json") -> None:
+    def __init__(self, bodies: list[bytes], streamed: set[int] = set()) -> None:
         self.bodies = bodies
-        self.content_type = content_type
+        self.streamed = streamed  # the requests answered as a Responses stream
         self.gates = [asyncio.Queue[str]() for _ in bodies]
 
     def go(self, i: int, how: str) -> None:
@@ -66,8 +67,9 @@ class Engine:
         i = int(dict(scope["headers"])[b"x-client"])
         await receive()
         body = self.bodies[i]
+        kind = b"text/event-stream" if i in self.streamed else b"application/json"
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", self.content_type), (b"content-length", b"%d" % len(body))]})
+                    "headers": [(b"content-type", kind), (b"content-length", b"%d" % len(body))]})
         parts = parts_of(body)
         for n, part in enumerate(parts):
             how = await self.gates[i].get()
@@ -84,9 +86,10 @@ def serving(engine: Engine, records: Records | None = None) -> tuple[UsagePatchM
     return UsagePatchMiddleware(engine, ledger=ledger, metrics=metrics, config=CONFIG, recorder=records), metrics
 
 
-def start(mw: UsagePatchMiddleware, n: int, body: bytes = b"", path: str | None = None) -> tuple[list[Client], list[asyncio.Future[None]]]:
-    clients = [Client(body or chat_request()) for _ in range(n)]
-    scopes = [http_scope(*(path,) if path else (), headers=[(b"x-client", b"%d" % i)]) for i in range(n)]
+def start(mw: UsagePatchMiddleware, n: int, streamed: set[int] = set()) -> tuple[list[Client], list[asyncio.Future[None]]]:
+    """``n`` requests, chat completions or (``streamed``) Responses streams."""
+    clients = [Client(RESPONSES_STREAM if i in streamed else chat_request()) for i in range(n)]
+    scopes = [http_scope(*(RESPONSES,) if i in streamed else (), headers=[(b"x-client", b"%d" % i)]) for i in range(n)]
     return clients, [asyncio.ensure_future(mw(s, c.receive, c.send)) for s, c in zip(scopes, clients)]
 
 
@@ -134,15 +137,16 @@ async def test_answers_past_the_budget_go_on_unpatched_before_their_end_and_are_
 @pytest.mark.asyncio
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(200, 5_000), st.sampled_from(ENDINGS), st.integers(0, 9)), min_size=1, max_size=6),
-       st.data())
+       st.sets(st.integers(0, 5)), st.data())
 async def test_the_budget_holds_and_is_given_back_however_answers_interleave_and_end(
-    answers: list[tuple[int, str, int]], data: st.DataObject
+    answers: list[tuple[int, str, int]], streamed: set[int], data: st.DataObject
 ) -> None:
-    bodies = [answer(i, size) for i, (size, _, _) in enumerate(answers)]
-    engine, records = Engine(bodies), Records()
+    """JSON answers and Responses streams (``streamed``), their parts interleaved as drawn."""
+    bodies = [responses_stream(i, size) if i in streamed else answer(i, size) for i, (size, _, _) in enumerate(answers)]
+    engine, records = Engine(bodies, streamed), Records()
     mw, metrics = serving(engine, records)
     budget = mw.context.responses
-    clients, tasks = start(mw, len(bodies))
+    clients, tasks = start(mw, len(bodies), streamed)
     try:
         await settle()
         await run_schedule(answers, engine, tasks, budget, data)
@@ -157,15 +161,21 @@ async def test_the_budget_holds_and_is_given_back_however_answers_interleave_and
     for i, client in enumerate(clients):
         if answers[i][1] != "served":
             continue
-        assert client.complete and int(client.header("content-length") or -1) == len(client.body)
-        assert billed[100 + i] == 2
+        assert client.complete and billed[100 + i] == 2
         if client.body == bodies[i]:  # went on as the upstream sent it
             unpatched += 1
             continue
-        got, sent = orjson.loads(client.body), orjson.loads(bodies[i])
-        assert got.pop("usage") == {**sent.pop("usage"), "prompt_tokens_details": {"cached_tokens": 0}}
+        if i in streamed:  # the event's data, its usage patched
+            got, sent = (orjson.loads(b.split(b"data: ", 1)[1]) for b in (client.body, bodies[i]))
+            assert got["response"].pop("usage") == {**sent["response"].pop("usage"),
+                                                    "input_tokens_details": {"cached_tokens": 0}}
+        else:
+            assert int(client.header("content-length") or -1) == len(client.body)
+            got, sent = orjson.loads(client.body), orjson.loads(bodies[i])
+            assert got.pop("usage") == {**sent.pop("usage"), "prompt_tokens_details": {"cached_tokens": 0}}
         assert got == sent
-    assert unpatched <= skipped(metrics, BUDGET_FULL) + skipped(metrics, "body_too_large")
+    reasons = (BUDGET_FULL, "body_too_large", "event_too_large")
+    assert unpatched <= sum(skipped(metrics, reason) for reason in reasons)
 
 
 async def run_schedule(answers: list[tuple[int, str, int]], engine: Engine, tasks: list[asyncio.Future[None]],
@@ -209,9 +219,9 @@ async def test_a_partial_event_past_the_budget_goes_on_as_an_oversized_one_and_a
     past its bound does, its figures read as it passes and billed; a small event is held and
     patched whatever the others hold."""
     bodies = [responses_stream(i, 3_300) for i in range(3)] + [responses_stream(3, 0)]
-    engine, records = Engine(bodies, b"text/event-stream"), Records()
+    engine, records = Engine(bodies, set(range(4))), Records()
     mw, metrics = serving(engine, records)
-    clients, tasks = start(mw, 4, orjson.dumps({"model": "m", "input": "hi", "stream": True}), RESPONSES)
+    clients, tasks = start(mw, 4, set(range(4)))
     await settle()
     for _ in range(len(parts_of(bodies[0])) - 1):
         for i in range(3):
