@@ -25,8 +25,8 @@ from proxy.patching.model_sniff import NO_MODEL_SNIFF, SNIFF_CHUNKS, sniffed_mod
 from proxy.patching.passing_event import oversized_reader
 from proxy.patching.passing_usage import PassingUsage
 from proxy.patching.pd_leg import PREFILL, Leg, hand_over
-from proxy.patching.response_budget import ResponseHold
 from proxy.patching.request_body import RequestOptions
+from proxy.patching.response_budget import ResponseHold
 from proxy.patching import json_exact
 from proxy.patching.shapes import shape_for
 from proxy.patching.shapes.responses import created_model
@@ -117,6 +117,7 @@ class Responder:
         if self._start is not None:  # the inner app failed after a held start: its error answer
             self._start, self.mode, self.stream = None, Mode.PASS, False
             self._chunks.clear()
+            self.held.release()
         echo_header = self.ctx.echo_header
         content_type, encoded, length = b"", False, None
         headers: Headers = []
