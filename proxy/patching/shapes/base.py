@@ -48,7 +48,8 @@ class Shape:
     name = ""
     #: An event of this API can carry the whole response (and the request parts it echoes),
     #: so a partial event is held up to ``max_response_bytes``, as a JSON body is, rather than
-    #: ``max_event_bytes``: past that bound it would go out unread, its usage unbilled.
+    #: ``max_event_bytes``, to be patched; past it, its usage is read as it passes
+    #: (:mod:`proxy.patching.passing_event`).
     whole_response_events = False
     #: The member of a stream event's data that holds the response's ``model`` and ``usage``,
     #: in the events of these types: read as such an event past even that bound passes
