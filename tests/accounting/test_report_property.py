@@ -197,8 +197,9 @@ def fleets(draw: st.DrawFn) -> dict:
         "prices": draw(price_lists(models)),
         "period": draw(st.one_of(st.just((None, None)), st.tuples(  # since, until: µs after BASE
             st.one_of(st.none(), st.integers(0, SECONDS).map(lambda s: s * 10**6)),
-            st.one_of(st.none(), st.integers(0, SECONDS).map(lambda s: s * 10**6))).map(
-                lambda p: p if None in p else tuple(sorted(p))))),  # swapped bounds are refused (test_report.py)
+            st.one_of(st.none(), st.integers(0, SECONDS).map(lambda s: s * 10**6))).filter(
+                lambda p: None in p or p[0] != p[1]).map(  # swapped or equal bounds are refused (test_report.py)
+                lambda p: p if None in p else tuple(sorted(p))))),
     }
 
 
