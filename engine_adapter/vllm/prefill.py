@@ -81,6 +81,16 @@ class Prefill:
     decode_local_tokens: int | None = None  # a disaggregated decode: its own prefix-cache hits
 
 
+def claims_remote_cache(params: Any) -> bool:
+    """Whether vLLM reports a ``remote_prefill_cached_tokens`` in these sampling params as its
+    request's cached tokens, as its ``RequestState.from_new_request`` reads them: from any
+    body's ``kv_transfer_params``, with or without a KV connector."""
+    extra = getattr(params, "extra_args", None)
+    transfer = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
+    return (isinstance(transfer, dict) and bool(transfer.get("do_remote_prefill"))
+            and isinstance(transfer.get("remote_prefill_cached_tokens"), int))
+
+
 class PrefillTap(Generic[Call]):
     """Hands the first :class:`Prefill` of each registered internal request id, with its
     prompt's length, to ``prefilled(call, prefill, prompt_tokens)``, once.

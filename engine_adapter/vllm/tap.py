@@ -46,7 +46,7 @@ from typing import Any
 
 from engine_adapter.events import EventSink, Scheduled, current_request_key
 from engine_adapter.vllm import compat
-from engine_adapter.vllm.prefill import Prefill, PrefillTap
+from engine_adapter.vllm.prefill import Prefill, PrefillTap, claims_remote_cache
 
 logger = logging.getLogger("cachetally.engine.vllm")
 
@@ -57,12 +57,13 @@ class _Call:
     ``output_kind`` of its outputs: ``DELTA`` (a stream's) carry only new tokens, the others
     every token of a choice so far."""
 
-    __slots__ = ("key", "engine_id", "settled", "kind", "tokens", "first_choice", "choices")
+    __slots__ = ("key", "engine_id", "settled", "kind", "tokens", "first_choice", "choices", "claims_cache")
 
     def __init__(self, key: str | None, params: Any, request_id: object) -> None:
         self.key = key
         self.engine_id: str | None = None
         self.settled = False
+        self.claims_cache = claims_remote_cache(params)
         self.kind: str | None = getattr(getattr(params, "output_kind", None), "name", None)
         self.tokens: dict[int, int] = {}  # choice index -> tokens handed so far (not DELTA)
         n = getattr(params, "n", 1)
@@ -118,6 +119,7 @@ class EngineTap:
         self._refused_logged = False
         self._generate = client.generate
         self._add_request = getattr(client, "add_request", None)
+        self._pd_legs = pd_legs
         self._prefill: PrefillTap[_Call] = PrefillTap(client, self._prefilled, pd_legs=pd_legs)
         client.generate = self.generate
         if self._add_request is not None:
@@ -217,7 +219,11 @@ class EngineTap:
             call.settled = True
 
     def _publish_output(self, call: _Call, output: Any) -> None:
-        """``output``'s totals (no prefill hook: exact with ``n = 1``)."""
+        """``output``'s totals (no prefill hook: exact with ``n = 1``). Off a P/D fleet, none for
+        a body that claims a prefill instance's hits: vLLM reports that claim as the output's
+        cached tokens, so the prompt announced at ``add_request`` bills with its cache unknown."""
+        if call.claims_cache and not self._pd_legs:
+            return
         prompt_ids = getattr(output, "prompt_token_ids", None)
         cached = getattr(output, "num_cached_tokens", None)
         if prompt_ids is None or not isinstance(cached, int):

@@ -291,15 +291,21 @@ def _billed(usage: EngineUsage | None) -> tuple[int, int | None] | None:
     return usage.prompt_tokens + usage.unscheduled_tokens, None if usage.unscheduled else usage.cached_tokens
 
 
+def _claiming_params(claim: int) -> Any:
+    """vLLM's own SamplingParams for a chat body carrying a decode leg's ``kv_transfer_params``."""
+    protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_prefill_cached_tokens": claim}}
+    return protocol.ChatCompletionRequest(**body).to_sampling_params(16, {})
+
+
 def _vllm_request_state(claim: int) -> Callable[[str, str, Any], Any]:
     """vLLM's own RequestState for a chat body carrying a decode leg's ``kv_transfer_params``."""
-    protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.output_processor import RequestState
 
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-            "kv_transfer_params": {"do_remote_prefill": True, "remote_prefill_cached_tokens": claim}}
-    params = protocol.ChatCompletionRequest(**body).to_sampling_params(16, {})
+    params = _claiming_params(claim)
 
     def make(internal: str, external: str, _: Any) -> Any:
         request = EngineCoreRequest(
@@ -325,6 +331,37 @@ def test_a_clients_remote_prefill_claim_is_billed_only_behind_a_pd_router(pd_leg
     seen, usage = asyncio.run(asyncio.wait_for(main(), 30))
     assert seen == 1
     assert _figures(usage) == billed
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_a_clients_remote_prefill_claim_is_never_billed_from_the_first_output(monkeypatch, hooked: bool) -> None:
+    """Where a request's figures come from its first output instead of its prefill (it was
+    the oldest of more than the cap waiting for their prefill, which a hundred completions
+    bodies of 1,024 prompts at once make; or the running vLLM has no prefill hook), the output's
+    ``num_cached_tokens`` is the body's ``remote_prefill_cached_tokens`` (vLLM's
+    OutputProcessor puts it there). Billed from it, a client's claim made its prompt cached;
+    off a P/D fleet the prompt is billed with its cache unknown. (The cap is made small here.)"""
+    from engine_adapter.vllm import prefill
+
+    monkeypatch.setattr(prefill, "_MAX_ENTRIES", 2)
+
+    async def main() -> list[tuple | None]:
+        client, ledger = _AsyncLLM(_vllm_request_state(1000)), UsageLedger()
+        if not hooked:  # a vLLM whose output processor takes other parameters: no prefill hook
+            client.output_processor._update_stats_from_output = lambda *args: None
+        EngineTap(client, ledger)
+        requests = [_Request(_stats(1000, 0, 896)) for _ in range(3)]
+        for request in requests:
+            request.prefill.clear()
+        served = [asyncio.create_task(_serve(client, ledger, f"k{i}", r, params=_claiming_params(1000)))
+                  for i, r in enumerate(requests)]
+        await asyncio.sleep(0.05)  # all three added: the first no longer waits for its prefill
+        for request in requests:
+            request.prefill.set()
+        return [_billed(usage) for _, usage in await asyncio.gather(*served)]
+
+    billed = asyncio.run(asyncio.wait_for(main(), 30))
+    assert billed == ([(1000, None), (1000, 0), (1000, 0)] if hooked else [(1000, None)] * 3)
 
 
 def test_figures_that_fail_validation_are_not_published_and_the_request_goes_on(caplog) -> None:
