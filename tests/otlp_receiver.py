@@ -13,7 +13,9 @@ the spans, as far as the exporter can tell, or not. ``max_body`` (bytes) answers
 larger request, as a proxy in front of a collector does (nginx's default: 1 MiB).
 ``drip`` keeps the spans of the next that many requests and answers each a byte every
 0.2 s, with no end: a collector slower than any deadline, though each byte comes well
-within a read timeout. ``requests`` counts every request, whatever the answer."""
+within a read timeout. ``malformed`` adds a header line without a colon to each answer, which
+``http.client`` skips and urllib3 logs a warning for. ``requests`` counts every request, whatever
+the answer."""
 
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class Receiver:
     delay_s: float = 0.0
     max_body: int | None = None
     drip: int = 0
+    malformed: bool = False
     script: list[tuple[int, int]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -131,6 +134,8 @@ def otlp_receiver() -> Iterator[Receiver]:
                 self.send_response(status)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", str(len(answer)))
+                if receiver.malformed:
+                    self._headers_buffer.append(b"a header line without a colon\r\n")  # type: ignore[attr-defined]
                 self.end_headers()
                 self.wfile.write(answer)
 

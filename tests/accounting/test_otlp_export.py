@@ -10,6 +10,7 @@ join its trace.
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 import uuid
@@ -273,3 +274,17 @@ def test_a_flush_whose_last_attempt_went_unanswered_is_not_logged_as_an_earlier_
         delivery = OtlpSink(receiver.url, timeout_s=2.5).write([usage(n) for n in range(3)])
     assert (delivery.written, delivery.unconfirmed, delivery.lost) == (0, 3, 0)
     assert delivery.detail == "export failed; an attempt went unanswered"
+
+
+def test_a_token_in_the_collectors_url_stays_out_of_the_log_when_urllib3_quotes_that_url(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """urllib3 (under the SDK's ``requests`` session) logs a collector's answer whose header it
+    cannot parse with the whole URL, query and all. Its logger has a NullHandler, so the line is
+    seen where the operator's logging config gives the root logger a handler, as caplog does."""
+    with otlp_receiver() as receiver, caplog.at_level(logging.DEBUG):
+        receiver.malformed = True
+        delivery = OtlpSink(f"{receiver.url}?token=SECRET-TOKEN", timeout_s=5.0).write([usage(0)])
+    assert delivery.written == 1  # the collector took the span: its odd header is no failure
+    assert "/v1/traces?***" in caplog.text
+    assert "SECRET" not in caplog.text

@@ -40,7 +40,10 @@ trace sample:
 The exporter's own per-failure log lines are silenced: the recorder's once-a-minute line
 says the same. So is the SDK's line for an ``OTEL_EXPORTER_OTLP_HEADERS`` entry it cannot
 read, which quotes the entry, credentials and all (``Authorization: Bearer ...`` written
-for ``authorization=Bearer%20...``): ours names the variable, not the value.
+for ``authorization=Bearer%20...``): ours names the variable, not the value. urllib3, under the
+SDK's ``requests`` session, quotes the endpoint's query (a token) in its lines: a warning for an
+answer header it cannot parse, a debug line per request. Its NullHandler hides them unless the
+operator's logging config gives the root logger a handler; there they show the query as ``***``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from typing import Any
 
 from proxy.accounting.records.queue import Delivery
 from proxy.accounting.records.record import UsageRecord
+from proxy.server.logs import redacted
 
 MAX_BATCH = 512
 logger = logging.getLogger("cachetally.records")
@@ -100,6 +104,15 @@ class _HeaderEntryUnshown(logging.Filter):
         return False
 
 
+class _QueryUnshown(logging.Filter):
+    """urllib3's lines with each URL or request target they quote :func:`redacted`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redacted(a) if isinstance(a, str) and "?" in a else a for a in record.args)
+        return True
+
+
 class OtlpSink:
     name = "otlp"
     failure = "export_failed"
@@ -123,6 +136,10 @@ class OtlpSink:
         headers = logging.getLogger("opentelemetry.util.re")  # read when the exporter is made
         if not any(isinstance(f, _HeaderEntryUnshown) for f in headers.filters):
             headers.addFilter(_HeaderEntryUnshown())
+        for name in ("urllib3.connection", "urllib3.connectionpool"):  # the warning; the request lines
+            quoting = logging.getLogger(name)
+            if not any(isinstance(f, _QueryUnshown) for f in quoting.filters):
+                quoting.addFilter(_QueryUnshown())
         self._session = ExportSession()  # what the SDK does not pass on: the answer, an attempt's fate
         self._parse_answer, self._not_protobuf = ExportTraceServiceResponse.FromString, DecodeError
         self._exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s, session=self._session)
