@@ -94,6 +94,12 @@ class ErrorGuard:
 
     @staticmethod
     async def _failed(exc: Exception, scope: Scope, send: Send, started: bool) -> None:
+        if started and isinstance(exc, ErrorAnswer):
+            # A failure the engine app logged (an upstream dead mid-body), after the start went
+            # out: nothing can tell the client now. The response is left unfinished, and uvicorn
+            # closes the connection without the body's end, so the client sees it short, as at
+            # a stop (proxy.asgi.errors.cut_by_stop); let through, it was logged with a traceback.
+            return
         # The type only: an exception's text may quote the request.
         logger.error("engine app failed on %s: %s", logged_path(scope), type(exc).__name__)
         if started:
