@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
-from tests.servers import running_server
+from proxy.server.client_bounds import with_client_bounds
+from tests.servers import running_server, serving_in_thread
 from tests.upstream.test_upstream_reports import records
 
 pytestmark = pytest.mark.loopback
@@ -74,3 +77,62 @@ def test_serve_resets_a_client_that_takes_none_of_a_whole_response_whose_connect
             with pytest.raises(ConnectionResetError):  # not the megabytes, then an end
                 while client.recv(1 << 20):
                     pass
+
+
+class Streams:
+    """An app that streams ``MiB`` 64 KiB parts as fast as its client's connection takes them,
+    counting in :attr:`handed` the bytes uvicorn took from it (its ``send`` returned)."""
+
+    def __init__(self, mib: int) -> None:
+        self.parts, self.handed = mib * 16, 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        part = b"x" * (64 << 10)
+        for _ in range(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+            self.handed += len(part)
+        await send({"type": "http.response.body", "body": b""})
+
+
+def asks(url: str, receive_buffer: int) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    client.connect((host, int(port)))
+    client.settimeout(30)
+    client.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    return client
+
+
+def test_a_client_that_takes_its_stream_slowly_but_steadily_is_never_cut() -> None:
+    """The bound is on a stretch with no progress: a client slower than the app, which takes
+    some of the bytes in every stretch, gets its whole stream, however long it takes. (As
+    nginx's ``send_timeout``, progress is what the kernel takes of the connection's buffer: a
+    client that takes less than its socket's buffers free in a bound is cut all the same.)"""
+    app = Streams(16)
+    with serving_in_thread(app, "steady", http=with_client_bounds(1.0, 60.0)) as url, \
+            asks(url, 64 << 10) as client:
+        got = b""
+        while not got.endswith(b"\r\n0\r\n\r\n"):
+            chunk = client.recv(64 << 10)
+            assert chunk, "the server ended the stream before its end"
+            got += chunk
+            time.sleep(0.02)  # 3.2 MiB/s at most: some 5 s for the 16 MiB, past several bounds
+    assert app.handed == 16 << 20
+
+
+def test_a_client_that_takes_nothing_holds_no_more_of_its_stream_than_the_buffers() -> None:
+    """The bound lets such a client go; until then uvicorn's flow control holds the app's
+    ``send``: the server keeps what the buffers hold of the stream, not all of it."""
+    app = Streams(256)
+    with serving_in_thread(app, "takes-nothing", http=with_client_bounds(60.0, 60.0)) as url, \
+            asks(url, 4096) as client:
+        handed = -1
+        while handed != app.handed:  # until the app's send waits
+            handed = app.handed
+            time.sleep(0.5)
+        assert handed < 32 << 20, f"{handed >> 20} MiB of the stream held for a client that read none"
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
