@@ -32,6 +32,7 @@ import ijson
 
 from proxy.patching.passing_usage import PassingUsage
 from proxy.patching.shapes.base import Shape
+from proxy.patching.short_strings import ShortStrings
 
 _TERMINATOR = re.compile(rb"\r\n|\r|\n")
 _DATA = b"data:"
@@ -49,15 +50,19 @@ class PassingEvent:
     once the data's ``holder.usage`` was read (``kind``: a shape's ``body_kind``), in an event
     of one of ``types``. The others are read no further than their type: a long output with
     logprobs makes several events that large (vLLM's ``response.output_text.done``,
-    ``response.output_item.done``), none with a usage."""
+    ``response.output_item.done``), none with a usage. vLLM writes ``type`` last (its fields
+    in the order of OpenAI's models), so its events are read to their end all the same."""
 
-    __slots__ = ("_usage", "_billed_types", "_holder", "_bill", "_type_parser", "_type_read", "_state", "_head",
-                 "_space", "_data_lines", "_cr", "_done")
+    __slots__ = ("_usage", "_billed_types", "_holder", "_bill", "_short", "_type_parser", "_type_read", "_state",
+                 "_head", "_space", "_data_lines", "_cr", "_done")
 
     def __init__(self, holder: str, kind: Mapping[str, str], bill: Bill, types: frozenset[str]) -> None:
         self._usage: PassingUsage | None = PassingUsage(kind, at=holder, whole=True)  # None: no usage to read
         self._billed_types = types
         self._holder, self._bill = holder, bill
+        # Both parsers read the data with its long strings left out: else yajl holds each one a
+        # part cuts whole (vLLM writes ``type`` last, so its parser reads the whole event).
+        self._short = ShortStrings()
         self._type_read = ijson.sendable_list()
         self._type_parser: Any = ijson.items_coro(self._type_read, "type")  # None once read or past reading
         self._state = _HEAD
@@ -112,7 +117,8 @@ class PassingEvent:
     def _read(self, data: bytes, last: bool = False) -> None:
         if not (data or last) or self._usage is None:
             return
-        self._usage.feed(data, last)
+        data = self._short.cut(data)
+        self._usage.read(data, last)
         if self._type_parser is None:
             return
         try:

@@ -78,7 +78,11 @@ class PassingUsage:
 
     def feed(self, part: bytes, last: bool = False) -> None:
         if self._reads or self._rest is not None:
-            part = self._short.cut(part)
+            self.read(self._short.cut(part), last)
+
+    def read(self, part: bytes, last: bool = False) -> None:
+        """:meth:`feed` for a part its caller cut with a :class:`ShortStrings` of its own, in
+        order (:mod:`proxy.patching.passing_event`, whose other parser reads the same text)."""
         if self._rest is not None:
             self._read_rest(part, last)
         for member, (parser, found) in list(self._reads.items()):

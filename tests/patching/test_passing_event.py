@@ -5,6 +5,7 @@ data lines joined with ``\\n``, comments and other fields skipped), then ``json.
 from __future__ import annotations
 
 import json
+import os
 import random
 from typing import Any
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai._streaming import SSEDecoder
 
+from proxy.bench.processes import rss_kib
 from proxy.patching.passing_event import PassingEvent
 from proxy.patching.shapes.responses import TERMINAL
 from proxy.patching.sse import SSEPatcher
@@ -152,3 +154,24 @@ def test_a_usage_written_twice_is_the_last_as_the_client_reads_it() -> None:
         reader.feed(part)
     assert [_expected(json.dumps(payload)) for payload in billed] == _oracle(b"data: " + data + b"\n\n")
     assert billed[0]["response"]["usage"] == {"input_tokens": 7}
+
+
+def test_an_event_of_long_strings_passing_holds_none_of_them() -> None:
+    """vLLM writes an event's ``type`` last, so its parser reads the whole event: it held each
+    long string a part cut whole (four terminal events echoing 24 MiB of instructions held 113
+    MiB passing), as the usage's parser did before its strings were left out."""
+    data = json.dumps({"response": {"id": "r", "instructions": "x" * (24 << 20), "model": "m",
+                                    "usage": {"input_tokens": 5}},
+                       "sequence_number": 9, "type": "response.completed"}).encode()
+    event = b"event: response.completed\ndata: " + data + b"\n\n"
+    parts = [event[k : k + (1 << 20)] for k in range(0, len(event), 1 << 20)]
+    billed: list[dict[str, Any]] = []
+    before = rss_kib(os.getpid())
+    readers = [PassingEvent("response", {"object": "response"}, billed.append, TERMINAL) for _ in range(4)]
+    for reader in readers:
+        for part in parts[:-1]:
+            reader.feed(part)
+    assert rss_kib(os.getpid()) - before < 16 << 10  # KiB
+    readers[0].feed(parts[-1])
+    assert billed == [{"type": "response.completed",
+                       "response": {"object": "response", "model": "m", "usage": {"input_tokens": 5}}}]
