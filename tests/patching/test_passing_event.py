@@ -9,6 +9,7 @@ import os
 import random
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai._streaming import SSEDecoder
@@ -175,3 +176,30 @@ def test_an_event_of_long_strings_passing_holds_none_of_them() -> None:
     readers[0].feed(parts[-1])
     assert billed == [{"type": "response.completed",
                        "response": {"object": "response", "model": "m", "usage": {"input_tokens": 5}}}]
+
+
+#: A long string's bytes that the client's parser refuses (UTF-8, then ``json.loads``): an
+#: escape JSON has not, whole or cut short, a control character, bytes that are not UTF-8 (an
+#: encoded surrogate, a character cut short by the string's end); and some that it takes.
+_REFUSED = [b"\\q", b"\\u12G4", b"\\u12", b"\x01", b"\xff", b"\xed\xa0\x80", b"\xc3"]
+_TAKEN = [b"\\u00e9\\n\\\\\\/", "é😀".encode(), b"\x7f"]
+
+
+@pytest.mark.parametrize("inside", _REFUSED + _TAKEN + [b"\ndata: more"])
+def test_a_long_string_the_client_cannot_parse_keeps_its_event_off_the_bill(inside: bytes) -> None:
+    """A string past ``ShortStrings.KEPT`` is left out of the read, but not what makes it no
+    JSON: such an event was billed, though its client's parser fails on it. Cut at every byte
+    around it; the last case's line break comes from joining two data lines."""
+    head = b'data: {"type": "response.completed", "response": {"instructions": "' + b"x" * 5000
+    event = head + inside + b'", "model": "m", "usage": {"input_tokens": 5}}}\n\n'
+    try:
+        expected = [e for e in _oracle(event) if e is not None]
+    except UnicodeDecodeError:  # the client's SSE parser decodes each line as UTF-8
+        expected = []
+    assert (expected == []) is (inside not in _TAKEN)
+    for at in range(len(head) - 2, len(head) + len(inside) + 2):
+        billed: list[dict[str, Any]] = []
+        reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
+        for part in (event[:1000], event[1000:at], event[at:]):
+            reader.feed(part)
+        assert billed == expected, at
