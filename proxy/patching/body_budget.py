@@ -24,13 +24,7 @@ budget is what one process may spend on bodies still arriving, chosen from its m
 
 from __future__ import annotations
 
-import logging
-import time
-
-logger = logging.getLogger("cachetally.app")
-
-#: At most one warning a minute that bodies were refused, with the count since the last.
-LOG_EVERY_S = 60.0
+from proxy.patching.budget_warning import BudgetWarning
 
 
 class BodyBudgetFull(Exception):
@@ -43,17 +37,12 @@ class BodyBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
-        self._refused = 0
-        self._logged_at: float | None = None
+        self._refused = BudgetWarning("%d request bodies refused (503): this process held max_request_bytes_held "
+                                      "(%d bytes) of bodies still arriving")
 
     def refused(self) -> None:
-        """A body was refused: warn, at most once a minute, with the count since the last warning."""
-        self._refused += 1
-        now = time.monotonic()
-        if self._logged_at is None or now - self._logged_at >= LOG_EVERY_S:
-            logger.warning("%d request bodies refused (503): this process held max_request_bytes_held "
-                           "(%d bytes) of bodies still arriving", self._refused, self.limit)
-            self._logged_at, self._refused = now, 0
+        """A body was refused: warned, with the others, at most once a minute."""
+        self._refused.count(self.limit)
 
 
 class Hold:

@@ -20,13 +20,8 @@ read, whatever the other streams hold.
 
 from __future__ import annotations
 
-import logging
-import time
+from proxy.patching.budget_warning import BudgetWarning
 
-logger = logging.getLogger("cachetally.app")
-
-#: At most one warning a minute that responses went out unheld, with the count since the last.
-LOG_EVERY_S = 60.0
 #: ``cachetally_patch_skipped_total``'s reason for a response or event passed on unpatched
 #: because its process held ``max_response_bytes_held`` already.
 BUDGET_FULL = "response_budget_full"
@@ -38,17 +33,12 @@ class ResponseBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
-        self._unheld = 0
-        self._logged_at: float | None = None
+        self._unheld = BudgetWarning("%d responses passed on unpatched (still billed from their usage): this process "
+                                     "held max_response_bytes_held (%d bytes) of responses")
 
     def passed_unheld(self) -> None:
-        """A response went on unheld: warn, at most once a minute, with the count since the last warning."""
-        self._unheld += 1
-        now = time.monotonic()
-        if self._logged_at is None or now - self._logged_at >= LOG_EVERY_S:
-            logger.warning("%d responses passed on unpatched (still billed from their usage): this process "
-                           "held max_response_bytes_held (%d bytes) of responses", self._unheld, self.limit)
-            self._logged_at, self._unheld = now, 0
+        """A response went on unheld: warned, with the others, at most once a minute."""
+        self._unheld.count(self.limit)
 
 
 class ResponseHold:
