@@ -30,7 +30,7 @@ from typing import Any
 
 import ijson
 
-from proxy.patching.passing_usage import PassingUsage
+from proxy.patching.passing_usage import UNREADABLE, PassingUsage
 from proxy.patching.shapes.base import Shape
 from proxy.patching.short_strings import ShortStrings
 
@@ -126,7 +126,7 @@ class PassingEvent:
                 self._type_parser.send(data)
             if last:
                 self._type_parser.close()
-        except ijson.JSONError:  # not JSON from here: no type to read
+        except UNREADABLE:  # not JSON from here: no type to read
             self._type_parser = None
         if self._type_read:
             self._type_parser = None

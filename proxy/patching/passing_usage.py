@@ -29,6 +29,10 @@ from starlette.types import Send
 
 from proxy.patching.short_strings import ShortStrings
 
+#: What ijson raises at text it cannot read: not JSON, or a string whose UTF-8 it refuses to
+#: decode (a surrogate written in UTF-8, which yajl lets by and Python's ``json`` takes).
+UNREADABLE = (ijson.JSONError, UnicodeDecodeError)
+
 
 class PassingUsage:
     """Feed a JSON body's parts in order (:meth:`feed`); :attr:`usage` is its top-level
@@ -91,7 +95,7 @@ class PassingUsage:
                     parser.send(part)
                 if last:
                     parser.close()
-            except ijson.JSONError:  # not JSON from here (or cut short): nothing more to read, but
+            except UNREADABLE:  # not JSON from here (or cut short): nothing more to read, but
                 del self._reads[member]  # a value read before that byte in this same part still counts,
                 if self._whole:  # unless the whole is to be JSON
                     self._reads.clear()
@@ -116,7 +120,7 @@ class PassingUsage:
                 parser.send(part)
             if last:
                 parser.close()
-        except ijson.JSONError:  # not one JSON value: what was read of it does not count
+        except UNREADABLE:  # not one JSON value: what was read of it does not count
             self.usage = self.model = self._rest = None
             self._reads.clear()
             return

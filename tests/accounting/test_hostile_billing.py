@@ -595,3 +595,37 @@ def test_an_answer_too_large_to_hold_is_still_billed_its_usage(
     totals = read(sorted(usage_dir.glob("*.jsonl"))).total()
     assert (totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens) == (2100, 1536, 27)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # nothing raised on the way
+
+
+def test_an_answer_too_large_to_hold_that_ijson_cannot_decode_still_reaches_its_client_whole(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A surrogate written in UTF-8 in an answer: Python's ``json`` takes it, the client's and
+    that of an answer held whole, and yajl lets it by, but ijson's decoding of the string raises
+    ``UnicodeDecodeError``. The read of an answer too large to hold (or, past
+    ``max_response_bytes_held``, of any size) raised it out of the app, and the client had the
+    connection closed on it, no byte of its answer come. The answer now goes on whole, its
+    figures unknown, as those of a body not JSON are."""
+    body = (b'{"id": "c", "object": "chat.completion", "created": 0, "model": "m-real", "system_fingerprint": '
+            b'"fp\xed\xa0\x80", "choices": [{"index": 0, "message": {"role": "assistant", "content": "'
+            + b"x" * 100_000 + b'"}, "finish_reason": "length"}], '
+            b'"usage": {"prompt_tokens": 700, "completion_tokens": 9, "total_tokens": 709}}')
+
+    async def chat(_: Request) -> Response:
+        return Response(body, media_type="application/json")
+
+    upstream_app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                                     Route("/v1/models", lambda _: JSONResponse({"data": [{"id": SERVED}]}))])
+    usage_dir = tmp_path / "usage"
+    with serving_in_thread(upstream_app) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage_dir), usage_flush_interval_s=0.05,
+                            api_keys_file=str(keys_file(tmp_path)), max_response_bytes=64 * 1024).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-acme-0123456789", max_retries=0) as client:
+                answer = client.chat.completions.with_raw_response.create(
+                    model=SERVED, messages=[{"role": "user", "content": "hi"}])
+    assert answer.http_response.content == body
+    assert answer.parse().usage is not None and answer.parse().usage.prompt_tokens == 700
+    records = [orjson.loads(line) for f in sorted(usage_dir.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    assert [(r["route"], r["tenant"], r["outcome"], r["prompt_tokens"]) for r in records] == [
+        ("chat", "acme", "completed", None)]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

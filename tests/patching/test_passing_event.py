@@ -203,3 +203,14 @@ def test_a_long_string_the_client_cannot_parse_keeps_its_event_off_the_bill(insi
         for part in (event[:1000], event[1000:at], event[at:]):
             reader.feed(part)
         assert billed == expected, at
+
+
+def test_an_event_whose_utf8_ijson_refuses_is_not_billed_and_raises_nothing() -> None:
+    """A surrogate written in UTF-8 in a short string: ijson raised ``UnicodeDecodeError`` out
+    of the reader, which cut the stream; the client's SSE parser refuses the line too."""
+    event = (b'data: {"response": {"model": "m\xed\xa0\x80", "usage": {"input_tokens": 5}}, '
+             b'"type": "response.completed"}\n\n')
+    billed: list[dict[str, Any]] = []
+    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
+    reader.feed(event)
+    assert billed == []
