@@ -34,6 +34,8 @@ from proxy.asgi.paths import forwarded_forms, route_path, tails
 
 #: Path prefixes that need a key: vLLM's own (``vllm.entrypoints.serve.middleware.authenticate``).
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+#: The scope key (an ASGI extension's) set on a request whose key the guard checked.
+AUTHENTICATED = "cachetally.authenticated"
 
 
 class ApiKeyGuard:
@@ -82,10 +84,15 @@ class ApiKeyGuard:
         return next((tail for tail in tails(path, self._longest) if tail in self._metered), None)
 
     def allows(self, scope: Scope) -> bool:
+        """Whether ``scope`` may go on: one this guard does not guard, or one whose key it
+        knows, which it marks :data:`AUTHENTICATED` (an upstream's own key goes with it)."""
         if not self.guards(scope):
             return True
         token = bearer_token(only_header(scope["headers"], b"authorization"))
-        return token is not None and self._keys.tenant_for(token) is not None
+        if token is None or self._keys.tenant_for(token) is None:
+            return False
+        scope[AUTHENTICATED] = True
+        return True
 
     async def refuse(self, scope: Scope, send: Send) -> None:
         if scope["type"] == "websocket":

@@ -27,6 +27,7 @@ from urllib.parse import quote
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from proxy.accounting.auth import AUTHENTICATED
 from proxy.asgi.errors import send_error
 from proxy.asgi.paths import route_path
 from proxy.server.settings import Settings
@@ -69,13 +70,14 @@ class UpstreamEngine:
         )
         self._client: UpstreamClient | None = None
         # The upstream's key stands in for a client's credential only where the client was
-        # authenticated: by cachetally's own keys, or by the gateway a tenant header needs in
-        # front (docs/ACCOUNTING.md, "Tenants"). Else any client that reached cachetally would
-        # go upstream with the upstream's key: its credentials go as sent, and the key serves
-        # cachetally's own model list alone.
-        authenticated = settings.api_key is not None or settings.api_keys_file or settings.tenant_header
-        key = settings.upstream_api_key if authenticated else None
+        # authenticated: by cachetally's own keys (a request they guard: AUTHENTICATED), or by
+        # the gateway a tenant header needs in front (docs/ACCOUNTING.md, "Tenants"), which
+        # answers for every request. Else any client that reached cachetally would go upstream
+        # with the upstream's key: its credentials go as sent, and the key serves cachetally's
+        # own model list alone.
+        key = settings.upstream_api_key
         self._authorization = None if key is None else b"Bearer " + key.encode("ascii")
+        self._gateway = settings.tenant_header is not None
 
     async def start(self) -> ASGIApp:
         if self._client is None:
@@ -111,7 +113,8 @@ class UpstreamEngine:
         if target is None:
             await send_error(send, route_path(scope), 400, "The request target must be an absolute path")
             return
-        await Forward(client, target, scope, receive, send, self._authorization).run()
+        authorization = self._authorization if self._gateway or scope.get(AUTHENTICATED) else None
+        await Forward(client, target, scope, receive, send, authorization).run()
 
     @staticmethod
     def target_for(scope: Scope) -> bytes | None:

@@ -72,6 +72,7 @@ def guarded_upstream(seen: list[tuple[str, dict[str, str]]]) -> ASGIApp:
         Route("/v1/completions", _completion, methods=["POST"]),
         Route("/v1/chat/completions", _chat_stream, methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
+        Route("/tokenize", _completion, methods=["POST"]),  # outside every prefix vLLM guards
     ]), tokens=[UPSTREAM_KEY])
 
     async def recording(scope: Scope, receive: Receive, send: Send) -> None:
@@ -127,6 +128,25 @@ def test_a_tenants_key_never_reaches_the_upstream_which_gets_its_own_on_every_re
     assert all(credentials == {"authorization": f"Bearer {UPSTREAM_KEY}"} for _, credentials in seen), seen
     records = _records(tmp_path)
     assert [(r["tenant"], r["model"], r["status"]) for r in records] == [("acme", SERVED, 200)] * 3
+
+
+def test_a_request_no_key_of_cachetallys_guards_goes_upstream_without_the_upstreams_key(tmp_path: Path) -> None:
+    """With tenants' keys, a request their guard lets by unchecked (a path outside the guarded
+    prefixes, one in ``auth_exempt_paths``) was sent with the upstream's key too: an upstream
+    that checks its key on every path was open there to anyone. Its credentials go as sent."""
+    env = {"CACHETALLY_UPSTREAM_API_KEY": UPSTREAM_KEY, "CACHETALLY_AUTH_EXEMPT_PATHS": "/v1/completions"}
+    with keyed_proxy(tmp_path, env) as (url, seen):
+        body = {"model": SERVED, "prompt": "hi", "max_tokens": 2}
+        unguarded = httpx.post(f"{url}/tokenize", json=body, timeout=10)
+        exempt = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+        keyed = httpx.post(f"{url}/v1/chat/completions", headers={"authorization": f"Bearer {ACME}"}, timeout=10,
+                           json={"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert unguarded.status_code == 200  # vLLM's check guards no such path either
+    assert exempt.status_code == 401, exempt.text  # the upstream's own check, on the client's credentials
+    assert keyed.status_code == 200, keyed.text
+    sent = {path: credentials for path, credentials in seen if path != "/v1/models"}
+    assert sent == {"/tokenize": {}, "/v1/completions": {},
+                    "/v1/chat/completions": {"authorization": f"Bearer {UPSTREAM_KEY}"}}
 
 
 def test_without_it_the_clients_key_goes_upstream_as_sent_and_the_log_names_the_setting(
