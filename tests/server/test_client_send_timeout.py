@@ -7,6 +7,7 @@ as long as it stays (upstream mode, with the pool: tests/upstream/test_client_se
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import struct
 import time
@@ -17,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.server.client_bounds import with_client_bounds
+from proxy.server.client_bounds import ClientBoundsProtocol, with_client_bounds
 from tests.servers import running_server, serving_in_thread
 from tests.upstream.test_upstream_reports import records
 
@@ -80,11 +81,11 @@ def test_serve_resets_a_client_that_takes_none_of_a_whole_response_whose_connect
 
 
 class Streams:
-    """An app that streams ``MiB`` 64 KiB parts as fast as its client's connection takes them,
-    counting in :attr:`handed` the bytes uvicorn took from it (its ``send`` returned)."""
+    """An app that streams ``kib`` KiB in 64 KiB parts as fast as its client's connection takes
+    them, counting in :attr:`handed` the bytes uvicorn took from it (its ``send`` returned)."""
 
-    def __init__(self, mib: int) -> None:
-        self.parts, self.handed = mib * 16, 0
+    def __init__(self, kib: int) -> None:
+        self.parts, self.handed = kib // 64, 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -112,7 +113,7 @@ def test_a_client_that_takes_its_stream_slowly_but_steadily_is_never_cut() -> No
     some of the bytes in every stretch, gets its whole stream, however long it takes. (As
     nginx's ``send_timeout``, progress is what the kernel takes of the connection's buffer: a
     client that takes less than its socket's buffers free in a bound is cut all the same.)"""
-    app = Streams(16)
+    app = Streams(16 << 10)
     with serving_in_thread(app, "steady", http=with_client_bounds(1.0, 60.0)) as url, \
             asks(url, 64 << 10) as client:
         got = b""
@@ -127,7 +128,7 @@ def test_a_client_that_takes_its_stream_slowly_but_steadily_is_never_cut() -> No
 def test_a_client_that_takes_nothing_holds_no_more_of_its_stream_than_the_buffers() -> None:
     """The bound lets such a client go; until then uvicorn's flow control holds the app's
     ``send``: the server keeps what the buffers hold of the stream, not all of it."""
-    app = Streams(256)
+    app = Streams(256 << 10)
     with serving_in_thread(app, "takes-nothing", http=with_client_bounds(60.0, 60.0)) as url, \
             asks(url, 4096) as client:
         handed = -1
@@ -136,3 +137,28 @@ def test_a_client_that_takes_nothing_holds_no_more_of_its_stream_than_the_buffer
             time.sleep(0.5)
         assert handed < 32 << 20, f"{handed >> 20} MiB of the stream held for a client that read none"
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+class SmallSendBuffer(ClientBoundsProtocol):
+    """The protocol on a socket whose kernel send buffer is small, so that what a client
+    takes shows at once in the connection's own buffer, where the bound looks for progress."""
+
+    def connection_made(self, transport: Any) -> None:
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        super().connection_made(transport)
+
+
+def test_a_client_that_takes_a_little_in_every_bound_keeps_its_connection_through_a_long_pause() -> None:
+    """The connection's writes stay paused for many bounds (the client takes 4 KiB a tenth of
+    a second, far below what the app writes), but each bound sees the client took some:
+    progress, and the bound is timed again, never a reset."""
+    app = Streams(192)
+    protocol = functools.partial(SmallSendBuffer, send_timeout_s=0.6, receive_timeout_s=60.0)
+    with serving_in_thread(app, "trickle", http=protocol) as url, asks(url, 4096) as client:
+        got = b""
+        while not got.endswith(b"\r\n0\r\n\r\n"):
+            chunk = client.recv(4096)
+            assert chunk, "the server ended the stream before its end"
+            got += chunk
+            time.sleep(0.1)  # 40 KiB/s: some 5 s for the 192 KiB, a pause of four bounds
+    assert app.handed == 192 << 10
