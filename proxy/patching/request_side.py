@@ -114,7 +114,8 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
         await end_stopped(r, scope)
     finally:
         hold.release()
-        r.held.release()
+        if r.held is not None:
+            r.held.release()
 
 
 async def _refuse_full(r: Responder, scope: Scope) -> None:

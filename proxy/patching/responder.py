@@ -65,7 +65,7 @@ class Responder:
         self._start: Message | None = None
         self._length: tuple[bytes, bytes] | None = None  # a held start's Content-Length
         self._chunks: list[bytes] = []
-        self.held = ResponseHold(ctx.responses)  # given back when the request ends, however it ends
+        self.held: ResponseHold | None = None  # its response budget's share, once it holds one
         self._sse: SSEPatcher | None = None
         self._hold: GhostHold | None = None
         self._unheld: PassingUsage | None = None
@@ -117,7 +117,8 @@ class Responder:
         if self._start is not None:  # the inner app failed after a held start: its error answer
             self._start, self.mode, self.stream = None, Mode.PASS, False
             self._chunks.clear()
-            self.held.release()
+            if self.held is not None:
+                self.held.release()
         echo_header = self.ctx.echo_header
         content_type, encoded, length = b"", False, None
         headers: Headers = []
@@ -149,7 +150,8 @@ class Responder:
             self.mode, self.stream = Mode.SSE, True
             if self.ghost_asked:
                 self._hold = GhostHold()
-            whole = self.shape is not None and self.shape.whole_response_events
+            if whole := self.shape is not None and self.shape.whole_response_events:
+                self.held = ResponseHold(self.ctx.responses)
             self._sse = SSEPatcher(
                 self._patch_event,
                 max_event_bytes=self.ctx.config.max_response_bytes if whole else self.ctx.config.max_event_bytes,
@@ -216,7 +218,8 @@ class Responder:
             self.completed = self.options is not None and self.status == 200
             await self._send_json(whole)
             return
-        if (why := self.held.keeps(len(self._chunks[-1]), self.ctx.config.max_response_bytes)) is not None:
+        self.held = held = self.held or ResponseHold(self.ctx.responses)
+        if (why := held.keeps(len(self._chunks[-1]), self.ctx.config.max_response_bytes)) is not None:
             self._count_skip(why)
             # Passed on as it comes; its usage is still read as it passes (proxy.patching.passing_usage).
             self.mode, self._unheld = Mode.PASS, PassingUsage(self.shape.body_kind if self.shape is not None else {})
@@ -226,9 +229,9 @@ class Responder:
             if self._length is not None:
                 start["headers"].append(self._length)
             await self._send(start)
-            held, self._chunks = self._chunks, []
-            await self._unheld.pass_on(held, self._send)
-            self.held.release()  # the parts held went out: from here each part passes as it comes
+            parts, self._chunks = self._chunks, []
+            await self._unheld.pass_on(parts, self._send)
+            held.release()  # the parts held went out: from here each part passes as it comes
 
     def _read_unheld(self, body: bytes, more: bool) -> None:
         assert self._unheld is not None

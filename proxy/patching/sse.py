@@ -153,7 +153,8 @@ class SSEPatcher:
         self._pending.clear()
         self._scanned = self._line_start = 0
         self._oversize, self._reader = False, None  # an event cut short is not dispatched: not read
-        self._fits(0)
+        if self._budget is not None:
+            self._fits(0)
         return out + rest
 
     def _fits(self, n: int) -> bool:
@@ -187,7 +188,7 @@ class SSEPatcher:
                 complete = complete[first:]
                 self._oversize, self._reader = False, None
             out.append(self._patch_events(complete))
-        if self._oversize or len(buf) > self._max or not self._fits(len(buf)):
+        if self._oversize or len(buf) > self._max or (self._budget is not None and not self._fits(len(buf))):
             if not self._oversize:
                 self._oversize = True
                 if self._on_oversize is not None:
