@@ -37,6 +37,8 @@ SERVED = "m-real"
 KEY = "sk-shared-key"
 OVERRIDES = ("x-http-method-override", "x-http-method", "x-method-override")
 _USAGE = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 3}}
+#: The upstream's own count of the completions it generated, as vLLM's request counter: each is billed.
+GENERATED: list[str] = []
 
 
 async def lenient_upstream(scope: Any, receive: Any, send: Any) -> None:
@@ -53,6 +55,7 @@ async def lenient_upstream(scope: Any, receive: Any, send: Any) -> None:
         status, body, extra = 204, b"", [(b"access-control-allow-origin", b"*"), (b"access-control-allow-methods", b"POST")]
     elif route.endswith(("/completions", "/responses", "/messages", "/invocations")) and method == "POST":
         status = 200
+        GENERATED.append(route)
         body = json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": SERVED,
                            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
                                         "finish_reason": "length"}], "usage": _USAGE}).encode()
@@ -69,7 +72,8 @@ def _request(url: str, method: str, path: str, headers: dict[str, str], body: by
     connection = http.client.HTTPConnection(host, int(port), timeout=10)
     if body is None:
         body = json.dumps({"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
-    connection.request(method, path, body, {"content-type": "application/json", "authorization": f"Bearer {KEY}", **headers})
+    connection.request(method, path, body, {"content-type": "application/json", "authorization": f"Bearer {KEY}", **headers},
+                       encode_chunked="transfer-encoding" in headers)
     response = connection.getresponse()
     response.read()
     connection.close()
@@ -104,6 +108,8 @@ OTHER_FORMS = [
     ("OPTIONS", "/v1/chat/completions", {"x-http-method-override": "POST"}),
     ("OPTIONS", "/v1/completions", {"origin": "http://a", "access-control-request-method": "POST",
                                     "x-http-method-override": "POST"}),  # a "preflight" with a body
+    ("OPTIONS", "/v1/completions", {"origin": "http://a", "access-control-request-method": "POST",
+                                    "x-http-method-override": "POST", "transfer-encoding": "chunked"}),
     ("PUT", "/v1/chat/completions/", {"x-http-method-override": "POST"}),
     ("POST", "/V1/Chat/Completions", {}),
     ("POST", "/v1/chat/completion%C5%BF", {}),  # ſ: ASP.NET Core's case-insensitive match reads ſ as S
@@ -119,8 +125,9 @@ def test_no_form_of_a_metered_route_a_lenient_upstream_runs_goes_unbilled(
     trailing slash is a 307 to the route, as vLLM's router answers it; any other method but
     a bodiless CORS preflight a 405 (``Allow: POST``) in the route's error JSON; another
     letter case or a prefix a 403, as the other forms a hop may forward; and the
-    redirect, followed, is metered."""
+    redirect, followed, is metered. The upstream generates only the completions billed."""
     usage = tmp_path / "usage"
+    GENERATED.clear()
     with cachetally(usage) as url:
         response = _request(url, method, path, headers)
         assert response.status in (307, 403, 405), response.status
@@ -134,7 +141,7 @@ def test_no_form_of_a_metered_route_a_lenient_upstream_runs_goes_unbilled(
             assert followed in (200, 405)
         metrics = httpx.get(f"{url}/metrics").text
     routes, counted = _billing(usage, metrics)
-    assert len(routes) == counted == (followed == 200)
+    assert len(routes) == counted == len(GENERATED) == (followed == 200)
 
 
 def test_what_vllm_serves_is_served_as_before(tmp_path: Path) -> None:
@@ -207,3 +214,23 @@ def test_a_trailing_slash_is_redirected_here_not_to_the_upstream(tmp_path: Path)
             assert httpx.post(f"{url}/v1/completions/", json=body, follow_redirects=True).status_code == 200
             metrics = httpx.get(f"{url}/metrics").text
     assert _billing(usage, metrics) == (["completions"], 1)
+
+
+def test_a_redirect_keeps_the_connection_for_the_route(tmp_path: Path) -> None:
+    """A client follows the 307 on the connection it came on (HTTP/1.1 keep-alive): the
+    redirect is a whole response, so the route's completion comes back on it and is billed."""
+    usage = tmp_path / "usage"
+    with cachetally(usage) as url:
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=10)
+        body = json.dumps({"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        headers = {"content-type": "application/json", "authorization": f"Bearer {KEY}"}
+        statuses = []
+        for path in ("/v1/chat/completions/", "/v1/chat/completions"):
+            connection.request("POST", path, body, headers)
+            response = connection.getresponse()
+            statuses.append((response.status, response.read()[:1]))
+        connection.close()
+        metrics = httpx.get(f"{url}/metrics").text
+    assert statuses == [(307, b""), (200, b"{")]
+    assert _billing(usage, metrics) == (["chat"], 1)
