@@ -32,13 +32,12 @@ _ALLOW_POST = [(b"allow", b"POST")]
 
 
 async def answered_as_vllms_router(scope: Scope, send: Send, path: str, routes: Collection[str]) -> bool:
-    """Answer ``scope`` as vLLM's router would, and say so, where ``path`` (its route path)
-    is a metered route asked with another method than ``POST`` (405), or one with a trailing
-    slash (307 to the route). A CORS preflight, which carries no body, is forwarded: the
-    upstream's CORS middleware answers it, as vLLM's does."""
-    method = scope["method"]
+    """Answer ``scope``, a request that is no metered ``POST``, as vLLM's router would, and
+    say so, where ``path`` (its route path) is a metered route asked with another method
+    (405), or one with a trailing slash (307 to the route). A CORS preflight, which carries no
+    body, is forwarded: the upstream's CORS middleware answers it, as vLLM's does."""
     if path in routes:
-        if method == "POST" or (method == "OPTIONS" and _bodiless_preflight(scope)):
+        if scope["method"] == "OPTIONS" and _bodiless_preflight(scope):
             return False
         await send_error(send, path, 405, "Method Not Allowed", headers=_ALLOW_POST)
         return True
