@@ -234,3 +234,16 @@ def test_a_redirect_keeps_the_connection_for_the_route(tmp_path: Path) -> None:
         metrics = httpx.get(f"{url}/metrics").text
     assert statuses == [(307, b""), (200, b"{")]
     assert _billing(usage, metrics) == (["chat"], 1)
+
+
+def test_a_bodiless_request_with_a_preflights_headers_is_a_preflight_only_as_options(tmp_path: Path) -> None:
+    """A ``PUT`` without a body that names ``Origin`` and ``Access-Control-Request-Method`` is
+    no CORS preflight: a method-override upstream runs it as the ``POST`` it names. It is a 405."""
+    usage = tmp_path / "usage"
+    GENERATED.clear()
+    with cachetally(usage) as url:
+        response = _request(url, "PUT", "/v1/chat/completions", {
+            "origin": "http://a", "access-control-request-method": "POST", "x-http-method-override": "POST"}, b"")
+        metrics = httpx.get(f"{url}/metrics").text
+    assert (response.status, response.getheader("allow")) == (405, "POST")
+    assert (GENERATED, _billing(usage, metrics)) == ([], ([], 0))
