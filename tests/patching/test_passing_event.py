@@ -135,7 +135,7 @@ def test_a_stream_bills_what_its_client_reads_whichever_events_are_too_large_to_
 
 def test_a_bare_data_line_and_a_value_split_after_its_colon_are_data() -> None:
     """``data`` alone is a data line with an empty value (joined with ``\\n``: JSON whitespace);
-    the one space dropped after ``data:`` may come in the next part."""
+    a value may start in the part after its colon, with the space the client drops there."""
     billed: list[dict[str, Any]] = []
     reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
     for part in (b"da", b"ta", b"\r", b"\ndata:", b" ", b'{"type": "response.completed", "response":\r',
@@ -213,4 +213,26 @@ def test_an_event_whose_utf8_ijson_refuses_is_not_billed_and_raises_nothing() ->
     billed: list[dict[str, Any]] = []
     reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
     reader.feed(event)
+    assert billed == []
+
+
+def test_data_lines_are_joined_with_a_line_end_so_a_number_they_split_is_no_number() -> None:
+    """The client joins ``data: 1`` and ``data: 2`` as ``1\\n2``: two values, no JSON, so it
+    reads no usage there; were the lines joined as ``12``, the bill would read 12 tokens."""
+    billed: list[dict[str, Any]] = []
+    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
+    event = b'data: {"type": "response.completed", "response": {"usage": {"input_tokens": 1\ndata: 2}}}\n\n'
+    reader.feed(event)
+    assert _oracle(event) == [None]
+    assert billed == []
+
+
+def test_an_event_without_a_type_is_not_billed() -> None:
+    """A usage in an event whose data has no top-level ``type`` is no terminal event's: the
+    client reads none there, and the reader bills none."""
+    billed: list[dict[str, Any]] = []
+    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
+    event = b'data: {"response": {"model": "m", "usage": {"input_tokens": 12}}}\n\n'
+    reader.feed(event)
+    assert _oracle(event) == [None]
     assert billed == []
