@@ -9,16 +9,18 @@ it echoes of the request. Past that bound the SSE patcher passes the event on as
 So its bytes are read as they go out, as a JSON body's are (:mod:`proxy.patching.passing_usage`):
 the event is split into lines on ``\\r\\n``, ``\\r`` or ``\\n`` (a ``\\r`` ending one part and
 a ``\\n`` starting the next are one line end), and the value of each ``data`` field (after
-``data:`` and one space, or none for a bare ``data`` line) goes to ijson, a ``\\n`` between
-two such values, which is the data the WHATWG algorithm and the client's SSE parser build
-and ``json.loads``. Other fields and comments (``:``) are skipped. What is read: the data's
-top-level ``type``, and its ``response`` object's ``model`` and ``usage`` (the event's other
-top-level keys are the server's own; ``"usage"`` keys the client echoes sit deeper). The
-event is billed at its blank line, as the client dispatches it, and only if its data is one
-JSON value throughout, as the client parses it (the usage's parser reads on to the end: the
-usage comes last, or nearly, in a response object; a usage written twice is the last, as
-``json.loads`` keeps it, a model the first); an event the stream cuts short is not
-dispatched, so not billed either, as one held whole and cut is not. A wrong figure is worse
+``data:``, or none for a bare ``data`` line) goes to ijson, a ``\\n`` between two such values,
+which is the data the WHATWG algorithm and the client's SSE parser build and ``json.loads``
+(the one space the client drops after ``data:`` is read: it stands where JSON may have a
+space, or in a string that the ``\\n`` before it already made no JSON). Other fields and
+comments (``:``) are skipped. What is read: the data's top-level ``type``, and its
+``response`` object's ``model`` and ``usage`` (the event's other top-level keys are the
+server's own; ``"usage"`` keys the client echoes sit deeper). The event is billed at its
+blank line, as the client dispatches it, and only if its data is one JSON value throughout,
+as the client parses it (the usage's parser reads on to the end: the usage comes last, or
+nearly, in a response object; a usage written twice is the last, as ``json.loads`` keeps
+it, a model the first); an event the stream cuts short is not dispatched, so not billed
+either, as one held whole and cut is not. A wrong figure is worse
 than none: such an event's tokens stay unknown.
 """
 
@@ -54,7 +56,7 @@ class PassingEvent:
     in the order of OpenAI's models), so its events are read to their end all the same."""
 
     __slots__ = ("_usage", "_billed_types", "_holder", "_bill", "_short", "_type_parser", "_type_read", "_state",
-                 "_head", "_space", "_data_lines", "_cr", "_done")
+                 "_head", "_data_lines", "_cr", "_done")
 
     def __init__(self, holder: str, kind: Mapping[str, str], bill: Bill, types: frozenset[str]) -> None:
         self._usage: PassingUsage | None = PassingUsage(kind, at=holder, whole=True)  # None: no usage to read
@@ -67,7 +69,6 @@ class PassingEvent:
         self._type_parser: Any = ijson.items_coro(self._type_read, "type")  # None once read or past reading
         self._state = _HEAD
         self._head = b""  # the line's first bytes, until they tell whether it is a data line
-        self._space = False  # a data value's first byte is still to come: a space there is dropped
         self._data_lines = 0
         self._cr = False  # the last part ended with "\r": a "\n" next is the same line end
         self._done = False  # the blank line came
@@ -96,10 +97,8 @@ class PassingEvent:
             if head != _DATA:
                 return  # "data" so far: it ends the line (a bare data line) or goes on to its colon
             self._data_started()
-            self._state, self._space = _VALUE, True
+            self._state = _VALUE
         if self._state == _VALUE:
-            if self._space and text:
-                self._space, text = False, text[1:] if text[:1] == b" " else text
             self._read(text)
 
     def _line_end(self) -> None:
@@ -107,7 +106,7 @@ class PassingEvent:
             self._dispatch()  # a blank line
         elif self._state == _HEAD and self._head == b"data":
             self._data_started()  # a bare "data" line: an empty value
-        self._state, self._head, self._space = _HEAD, b"", False
+        self._state, self._head = _HEAD, b""
 
     def _data_started(self) -> None:
         if self._data_lines:
