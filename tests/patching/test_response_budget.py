@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 from typing import Any
 
 import orjson
@@ -24,7 +25,8 @@ from proxy.accounting.metrics import Metrics
 from proxy.patching.context import PatchConfig
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
-from proxy.patching.response_budget import BUDGET_FULL, ResponseBudget
+from proxy.patching import response_budget
+from proxy.patching.response_budget import BUDGET_FULL, ResponseBudget, ResponseHold
 from tests.patching.test_middleware import Client, chat_request, http_scope
 from tests.patching.test_middleware import _Records as Records
 
@@ -242,3 +244,24 @@ async def test_a_partial_event_past_the_budget_goes_on_as_an_oversized_one_and_a
     # and every one billed, the one that went on unheld too: its figures read as it passed
     assert sorted((r.prompt_tokens, r.completion_tokens, r.model) for r in records.records) == [
         (100 + i, 2, "m") for i in range(4)]
+
+
+def test_the_budget_holds_up_to_its_limit_and_warns_once_a_minute_with_the_count_since_the_last(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``max_response_bytes_held`` bytes are held, not one more; a body is held up to
+    ``max_response_bytes``, not one more; the warning that responses went on unheld comes at
+    most once a minute and says how many went since the last one (the clock is moved, not waited)."""
+    now = [1000.0]
+    monkeypatch.setattr(response_budget, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    budget = ResponseBudget(100)
+    first, second = ResponseHold(budget), ResponseHold(budget)
+    assert (first.keeps(60, 1_000), second.keeps(40, 1_000), budget.held) == (None, None, 100)
+    assert (second.keeps(1, 1_000), first.keeps(1, 1_000), budget.held) == (BUDGET_FULL, BUDGET_FULL, 100)
+    now[0] += response_budget.LOG_EVERY_S
+    assert first.keeps(1, 1_000) == BUDGET_FULL
+    first.release()
+    assert budget.held == 40
+    warned = [r.getMessage() for r in caplog.records if "passed on unpatched" in r.getMessage()]
+    assert [message.split()[0] for message in warned] == ["1", "2"]
+    alone = ResponseHold(ResponseBudget(10_000))
+    assert (alone.keeps(1_000, 1_000), alone.keeps(1, 1_000)) == (None, "body_too_large")
