@@ -56,7 +56,7 @@ class ResponseHold:
         does not fit in what the process may still hold."""
         budget = self._budget
         more = n - self.held
-        if more > 0 and budget.held + more > budget.limit:
+        if budget.held + more > budget.limit:  # never for less: the process holds at most its limit
             budget.passed_unheld()
             return False
         budget.held += more
