@@ -196,6 +196,18 @@ def test_behind_the_gateway_a_tenant_header_needs_the_upstream_gets_its_key(tmp_
     assert [(r["tenant"], r["model"], r["status"]) for r in _records(tmp_path)] == [("acme", SERVED, 200)]
 
 
+def test_beside_cachetallys_single_key_the_upstream_gets_its_own(tmp_path: Path) -> None:
+    """``CACHETALLY_API_KEY`` authenticates clients as a keys file does: the client's key is
+    cachetally's, and the upstream gets its own in its place."""
+    env = {"CACHETALLY_UPSTREAM_API_KEY": UPSTREAM_KEY, "CACHETALLY_API_KEY": ACME}
+    with keyed_proxy(tmp_path, env, tenant_keys=False) as (url, seen):
+        answer = httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": "hi", "max_tokens": 2},
+                            headers={"authorization": f"Bearer {ACME}"}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert all(credentials == {"authorization": f"Bearer {UPSTREAM_KEY}"} for _, credentials in seen), seen
+    assert [(r["model"], r["cached_tokens"], r["status"]) for r in _records(tmp_path)] == [(SERVED, 3, 200)]
+
+
 @pytest.mark.parametrize(("env", "overrides", "refusal"), [
     ({"CACHETALLY_UPSTREAM_API_KEY": ""}, {"upstream": "http://127.0.0.1:9"}, "empty"),
     ({"CACHETALLY_UPSTREAM_API_KEY": UPSTREAM_KEY}, {"engine": "sim"}, "applies to an upstream"),
