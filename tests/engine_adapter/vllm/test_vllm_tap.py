@@ -291,21 +291,23 @@ def _billed(usage: EngineUsage | None) -> tuple[int, int | None] | None:
     return usage.prompt_tokens + usage.unscheduled_tokens, None if usage.unscheduled else usage.cached_tokens
 
 
-def _claiming_params(claim: int) -> Any:
-    """vLLM's own SamplingParams for a chat body carrying a decode leg's ``kv_transfer_params``."""
+def _claiming_params(claim: int, transfer: dict[str, Any] | None = None) -> Any:
+    """vLLM's own SamplingParams for a chat body carrying a decode leg's ``kv_transfer_params``
+    (or ``transfer``)."""
     protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-            "kv_transfer_params": {"do_remote_prefill": True, "remote_prefill_cached_tokens": claim}}
+            "kv_transfer_params": transfer or {"do_remote_prefill": True, "remote_prefill_cached_tokens": claim}}
     return protocol.ChatCompletionRequest(**body).to_sampling_params(16, {})
 
 
-def _vllm_request_state(claim: int) -> Callable[[str, str, Any], Any]:
-    """vLLM's own RequestState for a chat body carrying a decode leg's ``kv_transfer_params``."""
+def _vllm_request_state(claim: int, transfer: dict[str, Any] | None = None) -> Callable[[str, str, Any], Any]:
+    """vLLM's own RequestState for a chat body carrying a decode leg's ``kv_transfer_params``
+    (or ``transfer``)."""
     pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.output_processor import RequestState
 
-    params = _claiming_params(claim)
+    params = _claiming_params(claim, transfer)
 
     def make(internal: str, external: str, _: Any) -> Any:
         request = EngineCoreRequest(
@@ -642,3 +644,36 @@ def test_an_engine_request_says_which_choices_of_its_response_it_makes(
         return usage.per_request
 
     assert asyncio.run(asyncio.wait_for(main(), 30)) == [(300, 256, *choices)]
+
+
+@pytest.mark.parametrize("transfer", [
+    {"do_remote_prefill": False, "remote_prefill_cached_tokens": 1000},
+    {"do_remote_prefill": True, "remote_prefill_cached_tokens": "1000"},
+    {"do_remote_prefill": True},
+], ids=["not-remote", "not-an-int", "no-claim"])
+def test_kv_transfer_params_vllm_does_not_report_leave_the_first_outputs_figures_billed(transfer) -> None:
+    """vLLM reports a ``remote_prefill_cached_tokens`` as the output's cached tokens only with
+    ``do_remote_prefill`` and as an integer: otherwise the output's figures are the
+    scheduler's, and a request whose figures come from it (no prefill hook) bills them."""
+    async def main() -> tuple[int, int | None] | None:
+        client, ledger = _AsyncLLM(_vllm_request_state(0, transfer)), UsageLedger()
+        client.output_processor._update_stats_from_output = lambda *args: None
+        EngineTap(client, ledger)
+        request = _Request(_stats(1000, 512, 488))
+        _, usage = await _serve(client, ledger, "k", request, params=_claiming_params(0, transfer))
+        return _billed(usage)
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == (1000, 512)
+
+
+def test_behind_a_pd_router_a_decodes_claim_is_billed_from_the_first_output_too() -> None:
+    """Behind a P/D router the claim is the prefill instance's hits, as its router sent them:
+    where the figures come from the first output (no prefill hook), it is billed there too."""
+    async def main() -> tuple[int, int | None] | None:
+        client, ledger = _AsyncLLM(_vllm_request_state(256)), UsageLedger()
+        client.output_processor._update_stats_from_output = lambda *args: None
+        EngineTap(client, ledger, pd_legs=True)
+        _, usage = await _serve(client, ledger, "k", _Request(_stats(1000, 0, 896)), params=_claiming_params(256))
+        return _billed(usage)
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == (1000, 256)
