@@ -120,6 +120,27 @@ def test_short_strings_keep_json_whole_and_empty_only_long_strings(value: Any, r
     assert _same_but_long_strings_emptied(json.loads(b"".join(out), object_pairs_hook=list), value)
 
 
+def test_read_on_to_the_end_an_escape_a_part_cuts_after_the_usage_is_still_json() -> None:
+    """Read whole (an SSE event's data), the parse goes on past the usage to the end: the text
+    after it is cut as before it, so a string's escape split by a part's end stays an escape."""
+    body = b'{"model": "m", "usage": {"input_tokens": 3}, "note": "a\\"b"}'
+    assert json.loads(body)["note"] == 'a"b'
+    for cut in range(1, len(body)):
+        read, done = PassingUsage(whole=True), 0
+        for end in (cut, len(body)):
+            read.feed(body[done:end], last=end == len(body))
+            done = end
+        assert read.payload() == {"model": "m", "usage": {"input_tokens": 3}}, cut
+
+
+def test_a_model_a_part_cuts_is_read_up_to_kept_bytes() -> None:
+    """A string a part cuts is kept up to ``KEPT`` bytes: a model name that long is the label
+    read; one byte longer it is left out (no model is ever that long), the usage still read."""
+    for size, model in ((KEPT, "m" * KEPT), (KEPT + 1, "")):
+        body = json.dumps({"model": "m" * size, "usage": {"input_tokens": 3}}).encode()
+        assert _fed(body, [20]).payload() == {"model": model, "usage": {"input_tokens": 3}}, size
+
+
 def test_a_body_of_long_strings_passing_holds_none_of_them() -> None:
     """Twelve answers of one 24 MiB string each passed unheld held 290 MiB, as many as held
     whole: yajl kept each string a part cut until its end. Four parses stopped inside one hold
