@@ -25,7 +25,7 @@ from proxy.accounting.metrics import Metrics
 from proxy.patching.context import PatchConfig
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
-from proxy.patching import response_budget
+from proxy.patching import budget_warning
 from proxy.patching.response_budget import BUDGET_FULL, ResponseBudget, ResponseHold
 from tests.patching.test_middleware import Client, chat_request, http_scope
 from tests.patching.test_middleware import _Records as Records
@@ -252,12 +252,12 @@ def test_the_budget_holds_up_to_its_limit_and_warns_once_a_minute_with_the_count
     ``max_response_bytes``, not one more; the warning that responses went on unheld comes at
     most once a minute and says how many went since the last one (the clock is moved, not waited)."""
     now = [1000.0]
-    monkeypatch.setattr(response_budget, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(budget_warning, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     budget = ResponseBudget(100)
     first, second = ResponseHold(budget), ResponseHold(budget)
     assert (first.keeps(60, 1_000), second.keeps(40, 1_000), budget.held) == (None, None, 100)
     assert (second.keeps(1, 1_000), first.keeps(1, 1_000), budget.held) == (BUDGET_FULL, BUDGET_FULL, 100)
-    now[0] += response_budget.LOG_EVERY_S
+    now[0] += budget_warning.LOG_EVERY_S
     assert first.keeps(1, 1_000) == BUDGET_FULL
     first.release()
     assert budget.held == 40
