@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -97,14 +98,20 @@ def _cut(data: bytes, rnd: random.Random, most: int = 10) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
 
 
+def _billed(parts: Iterable[bytes]) -> list[dict[str, Any]]:
+    """What one event's reader bills, fed ``parts`` in order."""
+    billed: list[dict[str, Any]] = []
+    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
+    for part in parts:
+        reader.feed(part)
+    return billed
+
+
 @settings(max_examples=600, deadline=None)
 @given(_events(), st.randoms())
 def test_an_events_usage_is_read_as_the_client_parses_it_wherever_its_bytes_are_cut(
         event: bytes, rnd: random.Random) -> None:
-    billed: list[dict[str, Any]] = []
-    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
-    for part in _cut(event, rnd):
-        reader.feed(part)
+    billed = _billed(_cut(event, rnd))
     dispatched = _oracle(event)  # a "\r" before the blank line's "\n" fuses into one line end: none
     assert billed == [e for e in dispatched[:1] if e is not None]
 
@@ -136,12 +143,9 @@ def test_a_stream_bills_what_its_client_reads_whichever_events_are_too_large_to_
 def test_a_bare_data_line_and_a_value_split_after_its_colon_are_data() -> None:
     """``data`` alone is a data line with an empty value (joined with ``\\n``: JSON whitespace);
     a value may start in the part after its colon, with the space the client drops there."""
-    billed: list[dict[str, Any]] = []
-    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
-    for part in (b"da", b"ta", b"\r", b"\ndata:", b" ", b'{"type": "response.completed", "response":\r',
-                 b'data: {"model": "m", "usage": {"input_tokens": 3}}}\r', b"\r"):
-        reader.feed(part)
-    assert billed == [{"type": "response.completed",
+    parts = (b"da", b"ta", b"\r", b"\ndata:", b" ", b'{"type": "response.completed", "response":\r',
+             b'data: {"model": "m", "usage": {"input_tokens": 3}}}\r', b"\r")
+    assert _billed(parts) == [{"type": "response.completed",
                        "response": {"object": "response", "model": "m", "usage": {"input_tokens": 3}}}]
 
 
@@ -149,10 +153,7 @@ def test_a_usage_written_twice_is_the_last_as_the_client_reads_it() -> None:
     """No server writes a key twice, but a wrong figure is worse than none: where one did, the
     client's ``json.loads`` keeps the last, and so does the bill."""
     data = b'{"type": "response.completed", "response": {"usage": {"input_tokens": 5}, "usage": {"input_tokens": 7}}}'
-    billed: list[dict[str, Any]] = []
-    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
-    for part in (b"data: ", data[:70], data[70:], b"\n", b"\n"):
-        reader.feed(part)
+    billed = _billed((b"data: ", data[:70], data[70:], b"\n", b"\n"))
     assert [_expected(json.dumps(payload)) for payload in billed] == _oracle(b"data: " + data + b"\n\n")
     assert billed[0]["response"]["usage"] == {"input_tokens": 7}
 
@@ -198,11 +199,7 @@ def test_a_long_string_the_client_cannot_parse_keeps_its_event_off_the_bill(insi
         expected = []
     assert (expected == []) is (inside not in _TAKEN)
     for at in range(len(head) - 2, len(head) + len(inside) + 2):
-        billed: list[dict[str, Any]] = []
-        reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
-        for part in (event[:1000], event[1000:at], event[at:]):
-            reader.feed(part)
-        assert billed == expected, at
+        assert _billed((event[:1000], event[1000:at], event[at:])) == expected, at
 
 
 def test_an_event_whose_utf8_ijson_refuses_is_not_billed_and_raises_nothing() -> None:
@@ -210,29 +207,20 @@ def test_an_event_whose_utf8_ijson_refuses_is_not_billed_and_raises_nothing() ->
     of the reader, which cut the stream; the client's SSE parser refuses the line too."""
     event = (b'data: {"response": {"model": "m\xed\xa0\x80", "usage": {"input_tokens": 5}}, '
              b'"type": "response.completed"}\n\n')
-    billed: list[dict[str, Any]] = []
-    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
-    reader.feed(event)
-    assert billed == []
+    assert _billed([event]) == []
 
 
 def test_data_lines_are_joined_with_a_line_end_so_a_number_they_split_is_no_number() -> None:
     """The client joins ``data: 1`` and ``data: 2`` as ``1\\n2``: two values, no JSON, so it
     reads no usage there; were the lines joined as ``12``, the bill would read 12 tokens."""
-    billed: list[dict[str, Any]] = []
-    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
     event = b'data: {"type": "response.completed", "response": {"usage": {"input_tokens": 1\ndata: 2}}}\n\n'
-    reader.feed(event)
     assert _oracle(event) == [None]
-    assert billed == []
+    assert _billed([event]) == []
 
 
 def test_an_event_without_a_type_is_not_billed() -> None:
     """A usage in an event whose data has no top-level ``type`` is no terminal event's: the
     client reads none there, and the reader bills none."""
-    billed: list[dict[str, Any]] = []
-    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
     event = b'data: {"response": {"model": "m", "usage": {"input_tokens": 12}}}\n\n'
-    reader.feed(event)
     assert _oracle(event) == [None]
-    assert billed == []
+    assert _billed([event]) == []
