@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,8 +202,8 @@ def test_engine_death_fails_requests_at_once_and_the_server_exits_clean(server: 
     """What a supervisor (Kubernetes, systemd) needs: no hung request, then an exit to restart.
 
     The 503 with OpenAI error JSON on the patched routes is the middleware's; ``/health``
-    and the exit are vLLM's own (its watchdog stops the server about 5 s after the engine
-    died, unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``).
+    and the exit are vLLM's own (the first request to meet the dead engine, or its watchdog
+    about 5 s after the engine died, stops the server, unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``).
     """
     assert httpx.get(f"{server.url}/health").status_code == 200
     model = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
@@ -212,14 +213,21 @@ def test_engine_death_fails_requests_at_once_and_the_server_exits_clean(server: 
     killed = time.monotonic()
     core.wait(timeout=10)
     timings = {}
-    for path, body in (
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-        ("/v1/completions", {"prompt": "hi", "stream": True}),
-    ):
+
+    def ask(path: str, body: dict[str, Any]) -> httpx.Response:
         started = time.monotonic()
         resp = httpx.post(f"{server.url}{path}", json={**body, "model": model, "max_tokens": 4},
                           headers=AUTH, timeout=server.pace.timeout())
         timings[path] = time.monotonic() - started
+        return resp
+
+    # At once: vLLM begins its exit at the first request that meets the dead engine (it
+    # closes its listener then), so a request sent after that answer found no server.
+    asked = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+             ("/v1/completions", {"prompt": "hi", "stream": True}))
+    with ThreadPoolExecutor(len(asked)) as pool:
+        answers = list(pool.map(lambda request: ask(*request), asked))
+    for (path, _), resp in zip(asked, answers):
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["type"] == "ServiceUnavailableError"
         assert timings[path] < 5.0
