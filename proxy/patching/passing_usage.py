@@ -80,6 +80,11 @@ class PassingUsage:
         return {**self._kind, "usage": self.usage} if self.model is None else \
             {**self._kind, "model": self.model, "usage": self.usage}
 
+    def fed(self, part: bytes, last: bool) -> dict[str, Any] | None:
+        """:meth:`feed`, then :meth:`payload` once the last part came."""
+        self.feed(part, last)
+        return self.payload() if last else None
+
     def feed(self, part: bytes, last: bool = False) -> None:
         if self._reads or self._rest is not None:
             self.read(self._short.cut(part), last)

@@ -21,6 +21,7 @@ from proxy.asgi.error_guard import REWRITTEN, send_rewritten
 from proxy.asgi.headers import Headers, RequestHeaders
 from proxy.patching.context import PatchContext
 from proxy.patching.ghost import GhostHold
+from proxy.patching.held_error import rewritten_from
 from proxy.patching.model_sniff import NO_MODEL_SNIFF, SNIFF_CHUNKS, sniffed_model
 from proxy.patching.passing_event import oversized_reader
 from proxy.patching.passing_usage import PassingUsage
@@ -101,13 +102,14 @@ class Responder:
             elif mode is Mode.ERROR:
                 await self._on_error(message)
             else:
-                more = message.get("more_body", False)
+                more, body = message.get("more_body", False), message.get("body", b"")
                 if not more:
                     self.completed = self.options is not None and self.status == 200
-                self.notes.body(message.get("body", b""), more)
+                self.notes.body(body, more)
                 await self._send(message)
-                if self._unheld is not None:
-                    self._read_unheld(message.get("body", b""), more)
+                if self._unheld is not None and (payload := self._unheld.fed(body, last=not more)) is not None:
+                    self.notes.whole_usage(payload)
+                    self._patch(payload)  # the body went out unpatched: this reads its figures
         elif kind == "http.response.start":
             await self._on_start(message)
         else:
@@ -210,8 +212,12 @@ class Responder:
         return None if more else b"".join(self._chunks)
 
     async def _on_error(self, message: Message) -> None:
-        if (whole := self._held_body(message)) is not None:
-            await send_rewritten(self._send, self.path, self._take_start(), whole)
+        if self._start is None:
+            return  # its rewrite was given up: what follows is dropped (proxy.patching.held_error)
+        self.held = held = self.held or ResponseHold(self.ctx.responses)
+        if (body := rewritten_from(self._held_body(message), self._chunks, held, self.ctx.config)) is not None:
+            self.notes.body(b"", False)  # the client's answer is whole, however the inner app's ends
+            await send_rewritten(self._send, self.path, self._take_start(), body)
 
     async def _on_json(self, message: Message) -> None:
         if (whole := self._held_body(message)) is not None:
@@ -232,13 +238,6 @@ class Responder:
             parts, self._chunks = self._chunks, []
             await self._unheld.pass_on(parts, self._send)
             held.release()  # the parts held went out: from here each part passes as it comes
-
-    def _read_unheld(self, body: bytes, more: bool) -> None:
-        assert self._unheld is not None
-        self._unheld.feed(body, last=not more)
-        if not more and (payload := self._unheld.payload()) is not None:
-            self.notes.whole_usage(payload)
-            self._patch(payload)  # the body went out unpatched: this reads its figures
 
     async def _send_json(self, body: bytes) -> None:
         start = self._take_start()
