@@ -43,12 +43,13 @@ class ErrorGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rewrite = self.rewrites(scope.get("path", ""))
-        started = False
+        started = dropping = False
         held: Message | None = None
         chunks: list[bytes] = []
+        size = 0
 
         async def guarded_send(message: Message) -> None:
-            nonlocal started, held
+            nonlocal started, held, dropping, size
             kind = message["type"]
             if kind == "http.response.start":
                 if rewrite and message["status"] in REWRITTEN:
@@ -57,11 +58,17 @@ class ErrorGuard:
                 started = True
             elif held is not None and kind == "http.response.body":
                 chunks.append(message.get("body", b""))
-                if message.get("more_body", False):
+                size += len(chunks[-1])
+                more = message.get("more_body", False)
+                if more and size <= HELD_ERROR_BYTES:
                     return
-                start, held = held, None
-                started = True
-                await send_rewritten(send, route_path(scope), start, b"".join(chunks))
+                start, held, started, dropping = held, None, True, more
+                # Past the bound the rewrite is made from no body (the status's phrase), and
+                # the rest of it is dropped as it comes.
+                await send_rewritten(send, route_path(scope), start, b"" if more else b"".join(chunks))
+                chunks.clear()
+                return
+            elif dropping and kind == "http.response.body":
                 return
             await send(message)
 
@@ -112,6 +119,11 @@ class ErrorGuard:
 
 #: The statuses frameworks answer in their own shape, rewritten as the route's error JSON.
 REWRITTEN = frozenset((404, 405))
+#: The most of such a body held before its rewrite is given up. A framework's is a few
+#: bytes (``{"detail": "Not Found"}``) and an error JSON a few hundred; held without a bound,
+#: an inner app's or an upstream's endless error page was held for as long as it came. A
+#: metered route's are bounded by the response budget instead (proxy.patching.held_error).
+HELD_ERROR_BYTES = 64 << 10
 _FRAMEWORK_HEADERS = frozenset((b"content-type", b"content-length"))
 
 

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from proxy.accounting.metrics import Metrics
-from proxy.asgi.error_guard import ErrorGuard
+from proxy.asgi.error_guard import HELD_ERROR_BYTES, ErrorGuard
 from proxy.patching.context import PatchConfig
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
@@ -145,7 +145,7 @@ def test_a_framework_error_within_the_bound_is_rewritten_from_its_body_and_count
     assert held[-1] == len(b'{"detail": "') + PART and mw.context.responses.held == 0
 
 
-def endless_404_upstream(sent: list[int]) -> Starlette:
+def endless_404_upstream(sent: list[int], methods: list[str] | None = None) -> Starlette:
     """An upstream whose 404 on the chat route never ends (a misrouted upstream's error page
     streamed forever), stopped only when its client goes, or at 64 MiB."""
 
@@ -160,7 +160,7 @@ def endless_404_upstream(sent: list[int]) -> Starlette:
 
         return StreamingResponse(parts(), 404, media_type="text/html")
 
-    return Starlette(routes=[Route(CHAT, chat, methods=["POST"]),
+    return Starlette(routes=[Route(CHAT, chat, methods=methods or ["POST"]),
                              Route("/v1/models", lambda _: JSONResponse({"data": [{"id": SERVED}]}), methods=["GET"])])
 
 
@@ -178,4 +178,36 @@ def test_an_upstreams_endless_404_is_answered_and_let_go() -> None:
     assert [m.id for m in models.data] == [SERVED]
     # The upstream's connection was let go once the client had its answer: its body was not
     # read to the end (socket buffers hold a few MiB at most).
+    assert sent[0] < 32 * MIB
+
+
+def test_an_unmetered_routes_framework_error_past_the_guards_bound_is_answered_without_holding_its_body() -> None:
+    """A request the responder does not see (any route but a metered POST): the error guard's
+    own hold, bounded by ``HELD_ERROR_BYTES``; the 16 MiB error page was held whole before."""
+    app = FrameworkError(404)
+    ledger = UsageLedger()
+    inner = Starlette(routes=[Route("/v1/files", app.answer, methods=["GET"])])
+    app.mw = UsagePatchMiddleware(ErrorGuard(inner), ledger=ledger, metrics=Metrics(ledger))
+    with serving_in_thread(app) as url:
+        response = httpx.get(f"{url}/v1/files", timeout=60)
+    assert response.status_code == 404
+    assert response.json() == {"error": {"message": "Not Found", "type": "NotFoundError", "param": None, "code": 404}}
+    assert response.headers["content-length"] == str(len(response.content))
+    assert app.sent_at_answer is not None and app.sent_at_answer <= HELD_ERROR_BYTES + PART
+
+
+def test_an_upstreams_endless_404_to_a_preflight_is_answered_and_let_go() -> None:
+    """A CORS preflight on a metered route, forwarded in upstream mode, reaches the error
+    guard's own hold: the upstream's endless 404 was read for as long as it came."""
+    sent = [0]
+    upstream = endless_404_upstream(sent, methods=["POST", "OPTIONS"])
+    with serving_in_thread(upstream) as up:
+        settings = Settings(engine="upstream", upstream=up).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            response = httpx.options(f"{url}{CHAT}", timeout=60, headers={
+                "origin": "https://app.example", "access-control-request-method": "POST"})
+            models = httpx.get(f"{url}/v1/models", timeout=60)
+    assert response.status_code == 404
+    assert response.json() == {"error": {"message": "Not Found", "type": "NotFoundError", "param": None, "code": 404}}
+    assert models.json()["data"][0]["id"] == SERVED
     assert sent[0] < 32 * MIB
