@@ -9,8 +9,10 @@ its prompt and its completion off the bill by asking for an answer that large: v
 So each part is fed, as it passes, to ijson's incremental parser (its C backend, yajl), which
 builds only the value at the prefix ``usage``: the top level's, never a ``"usage"`` key in an
 object the body echoes (a Responses body's JSON schema), nor the letters in a string. The
-parse stops once that value is read (vLLM's chat body has it before ``prompt_logprobs``), or
-at the first byte that is not JSON. What it holds meanwhile is the value and the token being
+parse goes on past that value to the end, or to the first byte that is not JSON: a usage
+written twice is the last, as the client's ``json.loads`` keeps it (the ``openai`` SDK reads
+that one; a body held whole is read so too), where stopping at the first billed a figure the
+client never read. What it holds meanwhile is the value and the token being
 read, a string that a part cuts only while it is short (:mod:`proxy.patching.short_strings`).
 The top-level ``model`` is read the same way, so that the request is labelled by the
 response's model on every API: a Responses body echoes the client's ``metadata`` (any keys,
@@ -48,7 +50,7 @@ class PassingUsage:
         self.usage: dict[str, Any] | None = None
         self.model: str | None = None
         self._kind = kind
-        # One parser a member, each stopped once its value is read, and both once the usage
+        # One parser a member, the model's stopped once its value is read, and once the usage
         # is: the model comes before it in every API's body (in a Responses body after the
         # client's metadata, before its output), so its parse is short. Not use_float: its
         # numbers are yajl's int64 and double, so an integer past int64 anywhere before the
@@ -60,9 +62,9 @@ class PassingUsage:
         for member in ("model", "usage"):
             found = ijson.sendable_list()
             self._reads[member] = (ijson.items_coro(found, f"{at}.{member}" if at else member), found)
-        # With ``whole``, the usage's parser reads on past the usage (it comes last, or nearly,
-        # in a Responses object) to the end, only to find whether the input is JSON throughout,
-        # and the model's, if not read yet, with it.
+        # The usage's parser reads on past the usage to the end, for a usage written again; with
+        # ``whole`` also to find whether the input is JSON throughout, and the model's parser,
+        # if it has not read one yet, with it.
         self._whole = whole
         self._rest: tuple[Any, list[Any]] | None = None  # the usage's parser, and what it read
 
@@ -112,9 +114,8 @@ class PassingUsage:
                     self.model = found[0] if isinstance(found[0], str) else None
                     continue
                 self.usage = _floats(found[0]) if isinstance(found[0], dict) else None
-                if self._whole and self.usage is not None:  # read on to the end, the model too if not yet read
-                    self._rest = None if last else (parser, found)
-                else:
+                self._rest = None if last else (parser, found)  # read on to the end: a usage written again
+                if not self._whole:  # wins; with ``whole``, the model too, if not read yet
                     self._reads.clear()  # a model after the usage is none that any API's body writes
 
     def _read_rest(self, part: bytes, last: bool) -> None:
@@ -125,10 +126,13 @@ class PassingUsage:
                 parser.send(part)
             if last:
                 parser.close()
-        except UNREADABLE:  # not one JSON value: what was read of it does not count
-            self.usage = self.model = self._rest = None
-            self._reads.clear()
-            return
+        except UNREADABLE:
+            self._rest = None
+            if self._whole:  # not one JSON value: what was read of it does not count
+                self.usage = self.model = None
+                self._reads.clear()
+                return
+            last = True  # not JSON from here: the last usage read before it stands
         if last:  # a usage written twice is the last, as json.loads reads it
             self.usage = _floats(found[-1]) if isinstance(found[-1], dict) else None
             self._rest = None

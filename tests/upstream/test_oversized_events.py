@@ -63,10 +63,7 @@ def responses_upstream(framing: str, last: str = "response.completed") -> Any:
         while (await receive()).get("more_body"):
             pass
         if scope["path"] == "/v1/models":
-            models = orjson.dumps({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
-            json_type = [(b"content-type", b"application/json")]
-            await send({"type": "http.response.start", "status": 200, "headers": json_type})
-            return await send({"type": "http.response.body", "body": models})
+            return await _models(send)
         head = {"id": "resp_1", "object": "response", "created_at": 1, "model": SERVED, "status": "in_progress",
                 "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None, **ECHOED}
         logprobs = [{"token": "a", "logprob": -0.5, "bytes": [97],
@@ -93,6 +90,12 @@ def responses_upstream(framing: str, last: str = "response.completed") -> Any:
         await send({"type": "http.response.body", "body": b""})
 
     return app
+
+
+async def _models(send: Send) -> None:
+    models = orjson.dumps({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": models})
 
 
 def _proxy(upstream: str, usage_dir: Path, tmp_path: Path) -> Iterator[str]:
@@ -134,3 +137,45 @@ def test_a_responses_stream_whose_final_event_is_too_large_to_hold_is_still_bill
     assert 'cachetally_prompt_tokens_total{model="m-real",tenant="acme"} 700.0' in metrics
     totals = read(sorted(usage_dir.glob("*.jsonl"))).total()
     assert (totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens) == (700, 512, 9)
+
+
+def _twice_upstream(content: int) -> Any:
+    """Answers a chat completion of ``content`` bytes of text with ``usage`` written twice at its
+    top level, a figure of 5 prompt tokens before the choices and one of 700 after them."""
+    first = b'{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6,"prompt_tokens_details":{"cached_tokens":0}}'
+    last = b'{"prompt_tokens":700,"completion_tokens":9,"total_tokens":709,"prompt_tokens_details":{"cached_tokens":512}}'
+    answer = (b'{"id":"c1","object":"chat.completion","created":1,"model":"m-real","usage":' + first
+              + b',"choices":[{"index":0,"message":{"role":"assistant","content":"' + b"a" * content
+              + b'"},"finish_reason":"length"}],"usage":' + last + b"}")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            return await send({"type": "lifespan.shutdown.complete"})
+        while (await receive()).get("more_body"):
+            pass
+        if scope["path"] == "/v1/models":
+            return await _models(send)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        for at in range(0, len(answer), 8 << 10):
+            await send({"type": "http.response.body", "body": answer[at:at + (8 << 10)], "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+@pytest.mark.parametrize("content", [10, 2 * LIMIT], ids=["held", "too_large_to_hold"])
+def test_a_usage_written_twice_in_a_json_answer_bills_the_one_its_client_reads(tmp_path: Path, content: int) -> None:
+    """The client's parser (the ``openai`` SDK's ``json.loads``) keeps the last of two top-level
+    ``usage`` members. An answer past ``max_response_bytes`` was billed the first, read as it
+    passed and its read stopped there: 5 prompt tokens for the 700 its client read."""
+    usage_dir = tmp_path / "usage"
+    with serving_in_thread(_twice_upstream(content)) as upstream, _proxy(upstream, usage_dir, tmp_path) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY) as client:
+            answer = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}])
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    read = (answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens, answer.usage.completion_tokens)
+    assert read == (700, 512, 9)
+    billed = [(r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"], r["source"]) for r in _records(usage_dir)]
+    assert billed == [(700, 512, 9, "upstream")]
