@@ -5,6 +5,10 @@ A Responses stream's terminal event (``response.completed``, ``response.incomple
 (``top_logprobs`` on some 55,000 tokens passes the 64 MiB ``max_response_bytes``), and what
 it echoes of the request. Past that bound the SSE patcher passes the event on as it comes
 (:mod:`proxy.patching.sse`); were it not read, a client could keep its prompt off the bill.
+The other streams' usage events are small as engines write them, but an upstream that echoes
+the request's ``model`` in each (llama.cpp) makes every chat or completions chunk, and
+Messages' ``message_start``, as large as the name a client sends: past ``max_event_bytes``
+(1 MiB) the usage chunk went out unread, and the record had no prompt.
 
 So its bytes are read as they go out, as a JSON body's are (:mod:`proxy.patching.passing_usage`):
 the event is split into lines on ``\\r\\n``, ``\\r`` or ``\\n`` (a ``\\r`` ending one part and
@@ -13,9 +17,12 @@ a ``\\n`` starting the next are one line end), and the value of each ``data`` fi
 which is the data the WHATWG algorithm and the client's SSE parser build and ``json.loads``
 (the one space the client drops after ``data:`` is read: it stands where JSON may have a
 space, or in a string that the ``\\n`` before it already made no JSON). Other fields and
-comments (``:``) are skipped. What is read: the data's top-level ``type``, and its
-``response`` object's ``model`` and ``usage`` (the event's other top-level keys are the
-server's own; ``"usage"`` keys the client echoes sit deeper). The event is billed at its
+comments (``:``) are skipped. What is read: the data's top-level ``type``, and the ``model``
+and ``usage`` of the member that holds them in an event of that type: a Responses terminal
+event's ``response`` object, Messages' ``message_start``'s ``message``, and the top level of
+its ``message_delta`` and of a chat or completions chunk, with its choices' ``index`` (the
+event's other top-level keys are the server's own; ``"usage"`` keys the client echoes sit
+deeper). The event is billed at its
 blank line, as the client dispatches it, and only if its data is one JSON value throughout,
 as the client parses it (the usage's parser reads on to the end: the usage comes last, or
 nearly, in a response object; a usage written twice is the last, as ``json.loads`` keeps
@@ -48,25 +55,38 @@ Bill = Callable[[dict[str, Any]], object]
 
 class PassingEvent:
     """Feed one event's bytes in order, through its blank line (:meth:`feed`); at that line,
-    ``bill`` is called with ``{"type": ..., holder: {**kind, "model": ..., "usage": ...}}``
-    once the data's ``holder.usage`` was read (``kind``: a shape's ``body_kind``), in an event
-    of one of ``types``. The others are read no further than their type: a long output with
-    logprobs makes several events that large (vLLM's ``response.output_text.done``,
-    ``response.output_item.done``), none with a usage. vLLM writes ``type`` last (its fields
-    in the order of OpenAI's models), so its events are read to their end all the same."""
+    ``bill`` is called with the data's payload as far as its figures go, once a usage was read.
+    ``reads`` names, for each event ``type`` billed, the member of the data that holds its
+    ``model`` and ``usage`` (``""``: the data itself; under a member, with ``kind`` beside
+    them: a shape's ``body_kind``), so ``{"type": ..., holder: {**kind, "model": ...,
+    "usage": ...}}``. Events of other types are read no further than their type: a long output
+    with logprobs makes several events that large (vLLM's ``response.output_text.done``,
+    ``response.output_item.done``), none with a usage. vLLM writes ``type`` last (its fields in
+    the order of OpenAI's models), so its events are read to their end all the same. An event
+    of a stream whose events have no type (chat and completions chunks: ``reads`` keyed
+    ``None``) is read whole, with the ``index`` of each of its ``choices``, which tells a
+    usage-only chunk (none) from a choice's (one, and which), as the held chunk's ``choices``
+    tells them (:mod:`proxy.patching.usage`): ``{"model": ..., "usage": ..., "choices":
+    [{"index": ...}]}``."""
 
-    __slots__ = ("_usage", "_billed_types", "_holder", "_bill", "_short", "_type_parser", "_type_read", "_state",
-                 "_head", "_data_lines", "_cr", "_done")
+    __slots__ = ("_reads", "_usages", "_bill", "_short", "_type_parser", "_type_read", "_index_parser",
+                 "_indices", "_state", "_head", "_data_lines", "_cr", "_done")
 
-    def __init__(self, holder: str, kind: Mapping[str, str], bill: Bill, types: frozenset[str]) -> None:
-        self._usage: PassingUsage | None = PassingUsage(kind, at=holder, whole=True)  # None: no usage to read
-        self._billed_types = types
-        self._holder, self._bill = holder, bill
-        # Both parsers read the data with its long strings left out: else yajl holds each one a
+    def __init__(self, reads: Mapping[str | None, str], kind: Mapping[str, str], bill: Bill) -> None:
+        self._reads = reads
+        # One reader a holder, each dropped once the type names another (None: no usage to read).
+        self._usages: dict[str, PassingUsage] | None = {
+            holder: PassingUsage(kind if holder else {}, at=holder, whole=True) for holder in set(reads.values())}
+        self._bill = bill
+        # The parsers read the data with its long strings left out: else yajl holds each one a
         # part cuts whole (vLLM writes ``type`` last, so its parser reads the whole event).
         self._short = ShortStrings()
+        untyped = None in reads
         self._type_read = ijson.sendable_list()
-        self._type_parser: Any = ijson.items_coro(self._type_read, "type")  # None once read or past reading
+        # None once read or past reading, or where the stream's events have none.
+        self._type_parser: Any = None if untyped else ijson.items_coro(self._type_read, "type")
+        self._indices = ijson.sendable_list()
+        self._index_parser: Any = ijson.items_coro(self._indices, "choices.item.index") if untyped else None
         self._state = _HEAD
         self._head = b""  # the line's first bytes, until they tell whether it is a data line
         self._data_lines = 0
@@ -114,38 +134,61 @@ class PassingEvent:
         self._data_lines += 1
 
     def _read(self, data: bytes, last: bool = False) -> None:
-        if not (data or last) or self._usage is None:
+        if not (data or last) or not self._usages:
             return
         data = self._short.cut(data)
-        self._usage.read(data, last)
+        for usage in self._usages.values():
+            usage.read(data, last)
+        self._index_parser = _send(self._index_parser, data, last)
         if self._type_parser is None:
             return
-        try:
-            if data:
-                self._type_parser.send(data)
-            if last:
-                self._type_parser.close()
-        except UNREADABLE:  # not JSON from here: no type to read
-            self._type_parser = None
+        self._type_parser = _send(self._type_parser, data, last)
         if self._type_read:
             self._type_parser = None
             kind = self._type_read[0]
-            if not isinstance(kind, str) or kind not in self._billed_types:
-                self._usage = None
+            holder = self._reads.get(kind) if isinstance(kind, str) else None
+            self._usages = None if holder is None else {holder: self._usages[holder]}
 
     def _dispatch(self) -> None:
         self._done = True
         if not self._data_lines:
             return  # no data: the client dispatches nothing
         self._read(b"", last=True)
-        read = None if self._usage is None else self._usage.payload()
-        if read is not None and self._type_read:
-            self._bill({"type": self._type_read[0], self._holder: read})
+        if not self._usages or (None not in self._reads and not self._type_read):
+            return  # no usage to read, or no type read where the events have one
+        ((holder, usage),) = self._usages.items()
+        if (read := usage.payload()) is None:
+            return
+        payload: dict[str, Any] = dict(read) if not holder else {holder: read}
+        if self._type_read:
+            payload = {"type": self._type_read[0], **payload}
+        if None in self._reads:
+            payload["choices"] = [{"index": index} for index in self._indices]
+        self._bill(payload)
 
 
-def oversized_reader(shape: Shape | None, bill: Bill) -> Callable[[], Callable[[bytes], None]] | None:
-    """What makes a reader for each event of ``shape``'s stream too large to hold, or ``None``
-    where its events carry no usage so large (chat, completions, Messages: a small usage chunk)."""
-    if shape is None or (holder := shape.event_holder) is None:
+def _send(parser: Any, data: bytes, last: bool) -> Any:
+    """``data`` fed to ``parser``, closed at the ``last``: the parser, or ``None`` where the
+    text is no JSON from here (nothing more to read)."""
+    if parser is None:
         return None
-    return lambda: PassingEvent(holder, shape.body_kind, bill, shape.final_events).feed
+    try:
+        if data:
+            parser.send(data)
+        if last:
+            parser.close()
+    except UNREADABLE:
+        return None
+    return parser
+
+
+#: The OpenAI shape's chunks (chat, completions): no type, the figures at the top level.
+_CHUNKS: Mapping[str | None, str] = {None: ""}
+
+
+def oversized_reader(shape: Shape | None, bill: Bill) -> Callable[[], Callable[[bytes], None]]:
+    """What makes a reader for each event of ``shape``'s stream too large to hold (``None``: the
+    OpenAI shape's chat and completions chunks)."""
+    if shape is None:
+        return lambda: PassingEvent(_CHUNKS, {}, bill).feed
+    return lambda: PassingEvent(shape.event_holders, shape.body_kind, bill).feed

@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 from openai._streaming import SSEDecoder
 
 from proxy.bench.processes import rss_kib
-from proxy.patching.passing_event import PassingEvent
-from proxy.patching.shapes.responses import TERMINAL
+from proxy.patching.passing_event import PassingEvent, oversized_reader
+from proxy.patching.shapes.messages import SHAPE as MESSAGES
+from proxy.patching.shapes.responses import SHAPE as RESPONSES, TERMINAL
 from proxy.patching.sse import SSEPatcher
+
+RESPONSE_EVENTS = RESPONSES.event_holders
 
 #: Strings full of what could pass for structure, in JSON and in SSE: quotes, brackets, line
 #: ends (escaped in the JSON: they never end a line), "usage", "data:" and a blank line.
@@ -101,7 +104,7 @@ def _cut(data: bytes, rnd: random.Random, most: int = 10) -> list[bytes]:
 def _billed(parts: Iterable[bytes]) -> list[dict[str, Any]]:
     """What one event's reader bills, fed ``parts`` in order."""
     billed: list[dict[str, Any]] = []
-    reader = PassingEvent("response", {"object": "response"}, billed.append, TERMINAL)
+    reader = PassingEvent(RESPONSE_EVENTS, {"object": "response"}, billed.append)
     for part in parts:
         reader.feed(part)
     return billed
@@ -132,8 +135,7 @@ def test_a_stream_bills_what_its_client_reads_whichever_events_are_too_large_to_
         seen.append(payload)
 
     patcher = SSEPatcher(held, max_event_bytes=bound,
-                         read_oversized=lambda: PassingEvent("response", {"object": "response"}, seen.append,
-                                                                         TERMINAL).feed)
+                         read_oversized=lambda: PassingEvent(RESPONSE_EVENTS, {"object": "response"}, seen.append).feed)
     out = b"".join(patcher.feed(part) for part in _cut(stream, rnd, 30)) + patcher.flush()
     assert out == stream
     read = [_expected(json.dumps(payload)) for payload in seen]
@@ -169,7 +171,7 @@ def test_an_event_of_long_strings_passing_holds_none_of_them() -> None:
     parts = [event[k : k + (1 << 20)] for k in range(0, len(event), 1 << 20)]
     billed: list[dict[str, Any]] = []
     before = rss_kib(os.getpid())
-    readers = [PassingEvent("response", {"object": "response"}, billed.append, TERMINAL) for _ in range(4)]
+    readers = [PassingEvent(RESPONSE_EVENTS, {"object": "response"}, billed.append) for _ in range(4)]
     for reader in readers:
         for part in parts[:-1]:
             reader.feed(part)
@@ -224,3 +226,45 @@ def test_an_event_without_a_type_is_not_billed() -> None:
     event = b'data: {"response": {"model": "m", "usage": {"input_tokens": 12}}}\n\n'
     assert _oracle(event) == [None]
     assert _billed([event]) == []
+
+
+def _read_as(shape: Any, event: bytes) -> list[dict[str, Any]]:
+    """What the reader ``oversized_reader`` makes for ``shape``'s stream bills, fed ``event`` in
+    parts of 7 bytes."""
+    billed: list[dict[str, Any]] = []
+    feed = oversized_reader(shape, billed.append)()
+    for at in range(0, len(event), 7):
+        feed(event[at:at + 7])
+    return billed
+
+
+@pytest.mark.parametrize(("chunk", "choices"), [
+    ({"id": "c", "model": "m", "choices": [], "usage": {"prompt_tokens": 7}}, []),
+    ({"id": "c", "model": "m", "choices": [{"index": 2, "delta": {"content": "a"}, "logprobs": {
+        "content": [{"token": "\"index\": 9", "top_logprobs": [{"index": 5}]}]}}], "usage": {"prompt_tokens": 7}},
+     [{"index": 2}]),
+])
+def test_a_chat_chunk_bills_its_usage_with_which_choice_it_is(chunk: dict[str, Any], choices: list[Any]) -> None:
+    """A chat or completions chunk has no type: its top-level usage and model are read, with the
+    ``index`` of each choice (a usage-only chunk has none), never an ``index`` deeper or in text,
+    so that a choice's usage is taken for that choice's, as the held chunk's is."""
+    assert _read_as(None, b"data: " + json.dumps(chunk).encode() + b"\n\n") == [
+        {"model": "m", "usage": {"prompt_tokens": 7}, "choices": choices}]
+
+
+def test_a_chat_chunk_without_usage_or_cut_short_bills_nothing() -> None:
+    assert _read_as(None, b'data: {"model": "m", "choices": [{"index": 0}], "usage": null}\n\n') == []
+    assert _read_as(None, b'data: {"model": "m", "choices": [], "usage": {"prompt_tokens": 7}\n\n') == []
+
+
+def test_messages_events_bill_the_usage_where_each_type_holds_it() -> None:
+    """``message_start`` holds its model and usage in ``message``, ``message_delta`` at its top
+    level; a ``"usage"`` elsewhere in either is not read for them."""
+    start = {"message": {"type": "message", "model": "m", "usage": {"input_tokens": 3}}, "type": "message_start",
+             "usage": {"input_tokens": 99}}
+    delta = {"type": "message_delta", "message": {"usage": {"output_tokens": 99}}, "usage": {"output_tokens": 9}}
+    assert _read_as(MESSAGES, b"event: message_start\ndata: " + json.dumps(start).encode() + b"\n\n") == [
+        {"type": "message_start", "message": {"type": "message", "model": "m", "usage": {"input_tokens": 3}}}]
+    assert _read_as(MESSAGES, b"event: message_delta\ndata: " + json.dumps(delta).encode() + b"\n\n") == [
+        {"type": "message_delta", "usage": {"output_tokens": 9}}]
+    assert _read_as(MESSAGES, b'data: {"type": "ping", "usage": {"input_tokens": 3}}\n\n') == []

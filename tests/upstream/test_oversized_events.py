@@ -7,7 +7,10 @@ output's logprobs and what it echoes of the request (``instructions``, ``metadat
 (64 MiB); here the bound is 256 KiB. The event goes out unpatched, as it comes, and was
 unread: the record had no prompt, so a client could keep its prompt off the bill. Its usage
 is read as it passes (:mod:`proxy.patching.passing_event`), in whatever framing the upstream
-chose: ``\\n`` or ``\\r\\n`` line ends, the JSON over several ``data:`` lines.
+chose: ``\\n`` or ``\\r\\n`` line ends, the JSON over several ``data:`` lines. The same for
+chat, completions and Messages streams whose every event an upstream (llama.cpp) makes too
+large by echoing the client's ``model``; and a JSON answer with its ``usage`` written twice
+is billed the one its client's parser keeps.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import orjson
@@ -137,6 +141,90 @@ def test_a_responses_stream_whose_final_event_is_too_large_to_hold_is_still_bill
     assert 'cachetally_prompt_tokens_total{model="m-real",tenant="acme"} 700.0' in metrics
     totals = read(sorted(usage_dir.glob("*.jsonl"))).total()
     assert (totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens) == (700, 512, 9)
+
+
+def _echoing_upstream(route: str) -> Any:
+    """Streams a chat, completions or Messages answer as llama.cpp does: the request's ``model``
+    echoed in each chunk (in Messages' ``message_start``), the usage in the last one (in
+    ``message_start`` and ``message_delta``), sent in 8 KiB parts."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            return await send({"type": "lifespan.shutdown.complete"})
+        body = b""
+        while (message := await receive()).get("more_body"):
+            body += message.get("body", b"")
+        if scope["path"] == "/v1/models":
+            return await _models(send)
+        model = orjson.loads(body + message.get("body", b""))["model"]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        if route == "messages":
+            usage = {"input_tokens": 188, "cache_read_input_tokens": 512, "cache_creation_input_tokens": 0}
+            start = {"id": "msg_1", "type": "message", "role": "assistant", "content": [], "model": model,
+                     "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
+            events = [_event("message_start", {"message": start}, "lf"),
+                      _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}, "lf"),
+                      *[_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "a"}}, "lf")]
+                      * 9, _event("content_block_stop", {"index": 0}, "lf"),
+                      _event("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                                               "usage": {"output_tokens": 9}}, "lf"),
+                      _event("message_stop", {}, "lf")]
+        else:
+            kind = "chat.completion.chunk" if route == "chat" else "text_completion"
+            head = {"id": "c1", "object": kind, "created": 1, "model": model}
+            choice = {"index": 0, "delta": {"content": "a"}} if route == "chat" else {"index": 0, "text": "a"}
+            events = [b"data: " + orjson.dumps({**head, "choices": [{**choice, "finish_reason": None}]}) + b"\n\n"] * 8
+            events.append(b"data: " + orjson.dumps({**head, "choices": [{**choice, "finish_reason": "length"}]}) + b"\n\n")
+            usage = {"prompt_tokens": 700, "completion_tokens": 9, "total_tokens": 709,
+                     "prompt_tokens_details": {"cached_tokens": 512}}
+            events += [b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n", b"data: [DONE]\n\n"]
+        stream = b"".join(events)
+        for at in range(0, len(stream), 8 << 10):
+            await send({"type": "http.response.body", "body": stream[at:at + (8 << 10)], "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+@pytest.mark.parametrize("route", ["chat", "completions", "messages"])
+def test_a_usage_event_made_too_large_by_the_model_name_it_echoes_is_still_billed(tmp_path: Path, route: str) -> None:
+    """An upstream that echoes the request's ``model`` (llama.cpp) makes each of its events as
+    large as the name a client sends: past ``max_event_bytes`` (here 64 KiB) the usage chunk,
+    and Messages' ``message_start``, went out unread, and the record had no prompt
+    (``prompt_tokens`` ``null``, the completion counted from the chunks: 11 for 9 tokens). Read
+    as they pass, they are billed as the client reads them."""
+    usage_dir = tmp_path / "usage"
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'"{KEY}" = "acme"\n')
+    keys.chmod(0o600)
+    name = "m" * (512 << 10)
+    with serving_in_thread(_echoing_upstream(route)) as upstream:
+        settings = Settings(engine="upstream", upstream=upstream, usage_dir=str(usage_dir), usage_flush_interval_s=0.05,
+                            api_keys_file=str(keys), max_event_bytes=64 << 10).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            if route == "messages":
+                with anthropic.Anthropic(base_url=url, api_key=KEY) as messages_client, messages_client.messages.stream(
+                        model=name, max_tokens=9, messages=[{"role": "user", "content": "hi"}]) as stream:
+                    got = stream.get_final_message().usage
+                read = (got.input_tokens + (got.cache_read_input_tokens or 0), got.cache_read_input_tokens,
+                        got.output_tokens)
+            else:
+                with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY) as client:
+                    chunks = list(client.chat.completions.create(
+                        model=name, messages=[{"role": "user", "content": "hi"}], stream=True,
+                        stream_options={"include_usage": True}) if route == "chat" else client.completions.create(
+                        model=name, prompt="hi", stream=True, stream_options={"include_usage": True}))
+                usage = chunks[-1].usage
+                assert usage is not None and usage.prompt_tokens_details is not None
+                read = (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens)
+            metrics = httpx.get(f"{url}/metrics").text
+    assert read == (700, 512, 9)
+    assert 'cachetally_patch_skipped_total{reason="event_too_large"}' in metrics
+    billed = [(r["route"], r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"], r["completion_source"],
+               r["source"]) for r in _records(usage_dir)]
+    assert billed == [(route, 700, 512, 9, "usage", "upstream")]
 
 
 def _twice_upstream(content: int) -> Any:

@@ -51,11 +51,10 @@ class Shape:
     #: ``max_event_bytes``, to be patched; past it, its usage is read as it passes
     #: (:mod:`proxy.patching.passing_event`).
     whole_response_events = False
-    #: The member of a stream event's data that holds the response's ``model`` and ``usage``,
-    #: in the events of these types: read as such an event past even that bound passes
-    #: (:mod:`proxy.patching.passing_event`).
-    event_holder: str | None = None
-    final_events: frozenset[str] = frozenset()
+    #: For each type of stream event that carries a usage, the member of its data that holds
+    #: that ``usage`` and the ``model`` (``""``: the data itself): read as such an event too
+    #: large to hold passes (:mod:`proxy.patching.passing_event`).
+    event_holders: dict[str, str] = {}
     #: The top-level fields that name a whole JSON body of this API (as :meth:`locate` reads
     #: them), beside its ``usage`` when only that was read (:mod:`proxy.patching.passing_usage`).
     body_kind: dict[str, str] = {}

@@ -32,6 +32,7 @@ _INPUT_FIGURES = ("input_tokens", "cache_read_input_tokens", "cache_creation_inp
 class MessagesShape(Shape):
     name = "messages"
     body_kind = {"type": "message"}
+    event_holders = {"message_start": "message", "message_delta": ""}
 
     def locate(self, payload: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
         kind = payload.get("type")

@@ -29,7 +29,7 @@ TERMINAL = frozenset({"response.completed", "response.incomplete", "response.fai
 class ResponsesShape(Shape):
     name = "responses"
     whole_response_events = True  # the terminal events hold the response object
-    event_holder, final_events = "response", TERMINAL
+    event_holders = dict.fromkeys(TERMINAL, "response")
     body_kind = {"object": "response"}
 
     def refusal(self, payload: dict[str, Any]) -> str | None:
