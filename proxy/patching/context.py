@@ -57,7 +57,9 @@ class PatchConfig:
     refused: frozenset[str] = REFUSED
     #: With ``refuse_unmetered``, also refuse a path that is a metered or refused route under
     #: a prefix (upstream mode): an upstream behind its own root path (vLLM's ``--root-path``)
-    #: routes ``P/v1/chat/completions`` as ``/v1/chat/completions``, and ``P`` is not known here.
+    #: routes ``P/v1/chat/completions`` as ``/v1/chat/completions``, and ``P`` is not known here;
+    #: and a path that is no route of the table, which another engine's server may run
+    #: (:func:`proxy.patching.routes.runs_no_engine`).
     refuse_prefixed: bool = False
     #: Answer a metered route's other methods and trailing slash as vLLM's router does
     #: (upstream mode: :mod:`proxy.patching.route_methods`), where the inner app's router may

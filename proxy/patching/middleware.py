@@ -50,10 +50,13 @@ from proxy.patching.request_side import READ_HEADERS, REPLACED_HEADERS, run_patc
 from proxy.patching.response_budget import ResponseBudget
 from proxy.patching.responder import Responder
 from proxy.patching.route_methods import METHOD_OVERRIDE_HEADERS, answered_as_vllms_router
+from proxy.patching.routes import runs_no_engine
 
 #: Request headers the inner app does not get from a metered request: those replaced, and
 #: the method overrides, so that the engine runs the ``POST`` that is metered.
 _DROPPED = REPLACED_HEADERS | METHOD_OVERRIDE_HEADERS
+#: The ``route`` label of a refused path that is no route of the table (a bounded label).
+UNKNOWN_ROUTE = "unknown"
 
 
 class UsagePatchMiddleware:
@@ -109,9 +112,13 @@ class UsagePatchMiddleware:
         if (self._as_vllms_router and (route is None or scope["method"] != "POST")
                 and await answered_as_vllms_router(scope, send, path, self._routes)):
             return
-        if route is None and self._prefixed and (under := self._under_a_prefix(path)) is not None:
-            await self._refuse(scope, send, under)
-            return
+        if route is None and self._prefixed:
+            if (under := self._under_a_prefix(path)) is not None:
+                await self._refuse(scope, send, under)
+                return
+            if not all(runs_no_engine(form, scope["method"]) for form in forwarded_forms(path)):
+                await self._refuse_unknown(send, path)
+                return
         headers = RequestHeaders(scope["headers"], self._noted, _DROPPED)
         client_id = self.request_ids.from_headers(headers)
         if route is None or scope["method"] != "POST":
@@ -162,6 +169,14 @@ class UsagePatchMiddleware:
             return
         why = f"{path} runs the engine unmetered: it is refused while billing is on"
         await send_error(send, path, 403, why)  # the route refused names the error's shape
+
+    async def _refuse_unknown(self, send: Send, path: str) -> None:
+        """Refuse ``path``, no route of :mod:`proxy.patching.routes` (upstream mode, billing on):
+        the upstream may be a server whose own routes run the engine (``/chat/completions`` on
+        llama.cpp, ``/generate`` on SGLang), which no record or key here would cover."""
+        self.metrics.refused_unmetered.labels(UNKNOWN_ROUTE).inc()
+        why = "no route this server meters or knows to run no engine: it is refused while billing is on"
+        await send_error(send, path, 403, why)  # the path names the error's shape (/v1/messages/...)
 
     def _take(self, key: str) -> bool:
         return key not in self.ledger

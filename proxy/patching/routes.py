@@ -7,6 +7,11 @@
   ``cachetally_refused_unmetered_total``, so no key can use the engine unmetered;
 - ``none``: does not run the engine (health, models, tokenizer, render, admin, ...).
 
+In upstream mode the engine may be another server than vLLM, whose own routes run it
+(llama.cpp's ``/chat/completions``, ``/completion`` and ``/infill``, SGLang's ``/generate``,
+Ollama's ``/api/chat``, TGI's ``POST /``): while billing is on, only the routes of this table
+are forwarded (:func:`runs_no_engine` says which of the others may be).
+
 No route of these versions is "metered only": each metered route is also patched.
 ``tests/patching/test_routes.py`` builds the installed vLLM's app and walks ``app.routes``, and
 reads the 0.33.0 wheel's route decorators, and fails on any path this table does not
@@ -15,6 +20,7 @@ classify, so a new vLLM cannot add a generating route unnoticed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Literal
 
@@ -90,3 +96,33 @@ def kind(path: str) -> Kind | None:
     if path in NOT_GENERATING:
         return "none"
     return None
+
+
+#: The templated routes of :data:`NOT_GENERATING` and the methods vLLM serves them for: another
+#: server may fill the parameter with a route of its own (OpenAI's ``POST /v1/responses/compact``
+#: runs a model, as the gateways that serve it do).
+_TEMPLATE_METHODS: Mapping[str, frozenset[str]] = {
+    "/v1/responses/{response_id}": frozenset({"GET", "HEAD"}),
+    "/v1/responses/{response_id}/cancel": frozenset({"POST"}),
+}
+
+
+def _after_leading_segments(routes: list[str]) -> re.Pattern[str]:
+    """A path that is one of ``routes`` (templates: a ``{parameter}`` is one segment) after any
+    leading segments (an upstream's root path, unknown here: ``/api/v1/models``), with or
+    without a trailing slash (vLLM redirects it)."""
+    patterns = (re.sub(r"\\\{[^/]*?\\\}", "[^/]+", re.escape(route)) for route in routes)
+    return re.compile("(?:/.*)?(?:" + "|".join(patterns) + ")/?", re.DOTALL)
+
+
+_FIXED_ROUTES = _after_leading_segments(sorted(NOT_GENERATING - _TEMPLATE_METHODS.keys(), key=len, reverse=True))
+_TEMPLATES = [(_after_leading_segments([route]), methods) for route, methods in _TEMPLATE_METHODS.items()]
+
+
+def runs_no_engine(path: str, method: str) -> bool:
+    """Whether ``method`` on ``path`` (a request's, not a template) is a route of
+    :data:`NOT_GENERATING`, after any leading segments and with an optional trailing slash:
+    what upstream mode forwards, besides the metered routes, while billing is on."""
+    if _FIXED_ROUTES.fullmatch(path) is not None:
+        return True
+    return any(method in methods and pattern.fullmatch(path) is not None for pattern, methods in _TEMPLATES)
