@@ -133,6 +133,7 @@ class PassingUsage:
                 self._reads.clear()
                 return
             last = True  # not JSON from here: the last usage read before it stands
+        del found[:-1]  # only the last counts: else a body of usages written over and over is held as read
         if last:  # a usage written twice is the last, as json.loads reads it
             self.usage = _floats(found[-1]) if isinstance(found[-1], dict) else None
             self._rest = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +164,19 @@ def _rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
+
+
+def test_a_usage_written_over_and_over_holds_only_the_last() -> None:
+    """The usage is read on to the body's end, for one written again, and each read was kept
+    until then: an answer of 8 MiB of top-level ``usage`` members held some 100 MiB (yajl's
+    values, in a list that grew with the body). Only the last, the one billed, is kept now."""
+    member = b'"usage":{"prompt_tokens":1},'
+    body = b'{"model":"m",' + member * ((8 << 20) // len(member)) + b'"usage":{"prompt_tokens":700}}'
+    tracemalloc.start()
+    try:
+        read = _fed(body, list(range(1 << 16, len(body), 1 << 16)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert read.usage == json.loads(body)["usage"] == {"prompt_tokens": 700}
+    assert peak < 2 << 20
