@@ -113,6 +113,7 @@ class PassingUsage:
                 if member == "model":
                     self.model = found[0] if isinstance(found[0], str) else None
                     continue
+                del found[:-1]  # written twice in this part, the last: json.loads keeps it
                 self.usage = _floats(found[0]) if isinstance(found[0], dict) else None
                 self._rest = None if last else (parser, found)  # read on to the end: a usage written again
                 if not self._whole:  # wins; with ``whole``, the model too, if not read yet

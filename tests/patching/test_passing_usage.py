@@ -9,11 +9,22 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import openai
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
+from proxy.accounting.metrics import Metrics
+from proxy.patching.context import PatchConfig
+from proxy.patching.ledger import UsageLedger
+from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.patching.passing_usage import PassingUsage
 from proxy.patching.short_strings import KEPT, ShortStrings
+from tests.patching.test_middleware import _Records as Records
+from tests.servers import serving_in_thread
 
 #: Strings full of what could pass for structure: quotes, backslashes, brackets, "usage".
 _TEXT = st.lists(st.sampled_from(['a', '"', '\\', 'usage', '"usage"', '"usage":', '{', '}', '[', ']', ':', ',', ' ',
@@ -180,3 +191,42 @@ def test_a_usage_written_over_and_over_holds_only_the_last() -> None:
         tracemalloc.stop()
     assert read.usage == json.loads(body)["usage"] == {"prompt_tokens": 700}
     assert peak < 2 << 20
+
+
+def test_a_usage_written_twice_in_the_last_part_is_read_as_json_loads_reads_it() -> None:
+    """Found in the part that ends the body, the first of two was taken: it is read on only
+    while more is to come."""
+    body = b'{"model":"m","choices":[],"usage":{"prompt_tokens":5},"usage":{"prompt_tokens":700}}'
+    for cuts in ([], [10]):
+        assert _fed(body, cuts).usage == json.loads(body)["usage"] == {"prompt_tokens": 700}, cuts
+
+
+@pytest.mark.loopback
+def test_an_answer_too_large_to_hold_whose_last_part_writes_its_usage_twice_bills_the_one_its_client_reads() -> None:
+    """An inner app that sends data in its last part (ASGI allows it, as Starlette's ``Response``
+    does): both usages in it, past ``max_response_bytes``, billed 5 prompt tokens for the 700
+    the ``openai`` client read."""
+    pad = b'{"id":"c1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":' \
+          b'{"role":"assistant","content":"' + b"a" * (64 << 10) + b'"},"finish_reason":"length"}]'
+    usages = b',"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6},' \
+             b'"usage":{"prompt_tokens":700,"completion_tokens":9,"total_tokens":709}}'
+
+    class Engine:
+        """The chat route, as an ASGI app of its own (Starlette's routes serve it as sent)."""
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            while (await receive()).get("more_body"):
+                pass
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": pad, "more_body": True})
+            await send({"type": "http.response.body", "body": usages})
+
+    ledger, records = UsageLedger(), Records()
+    inner = Starlette(routes=[Route("/v1/chat/completions", Engine(), methods=["POST"])])
+    app = UsagePatchMiddleware(inner, ledger=ledger, metrics=Metrics(ledger), recorder=records,
+                               config=PatchConfig(max_response_bytes=16 << 10))
+    with serving_in_thread(app) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client:
+        answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert answer.usage is not None and answer.usage.prompt_tokens == 700
+    assert [(r.prompt_tokens, r.completion_tokens) for r in records.records] == [(700, 9)]
