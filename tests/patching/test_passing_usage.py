@@ -63,9 +63,10 @@ def test_the_top_level_usage_is_read_wherever_the_body_is_cut(
     assert _fed(body, cuts).usage == json.loads(body).get("usage") == usage
 
 
-def test_what_follows_the_usage_is_not_read_and_a_body_that_is_not_json_gives_none() -> None:
-    """vLLM writes ``usage`` before ``prompt_logprobs``: once read, the rest is not parsed,
-    so bytes after it that are not JSON change nothing; before it, they end the read."""
+def test_bytes_that_are_not_json_after_the_usage_keep_it_and_before_it_end_the_read() -> None:
+    """vLLM writes ``usage`` before ``prompt_logprobs``: the rest is read on for a usage written
+    again, and bytes after it that are not JSON end that read with the usage read before them;
+    before it, they end the read with none."""
     usage = {"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
     head = json.dumps({"usage": usage, "prompt_logprobs": ["x" * 100] * 10_000}).encode()
     assert _fed(head[:-1] + b"\x00 not json", [len(head) // 2]).usage == usage
