@@ -49,7 +49,7 @@ from proxy.patching.metering import meter
 from proxy.patching.request_side import READ_HEADERS, REPLACED_HEADERS, run_patched
 from proxy.patching.response_budget import ResponseBudget
 from proxy.patching.responder import Responder
-from proxy.patching.route_methods import METHOD_OVERRIDE_HEADERS, answered_as_vllms_router
+from proxy.patching.route_methods import METHOD_OVERRIDE_HEADERS, answered_as_vllms_router, bodiless_preflight
 from proxy.patching.routes import runs_no_engine
 
 #: Request headers the inner app does not get from a metered request: those replaced, and
@@ -116,7 +116,9 @@ class UsagePatchMiddleware:
             if (under := self._under_a_prefix(path)) is not None:
                 await self._refuse(scope, send, under)
                 return
-            if not all(runs_no_engine(form, scope["method"]) for form in forwarded_forms(path)):
+            method = scope["method"]
+            preflight = method == "OPTIONS" and bodiless_preflight(scope)
+            if not all(runs_no_engine(form, method, preflight) for form in forwarded_forms(path)):
                 await self._refuse_unknown(send, path)
                 return
         headers = RequestHeaders(scope["headers"], self._noted, _DROPPED)

@@ -37,7 +37,7 @@ async def answered_as_vllms_router(scope: Scope, send: Send, path: str, routes: 
     (405), or one with a trailing slash (307 to the route). A CORS preflight, which carries no
     body, is forwarded: the upstream's CORS middleware answers it, as vLLM's does."""
     if path in routes:
-        if scope["method"] == "OPTIONS" and _bodiless_preflight(scope):
+        if scope["method"] == "OPTIONS" and bodiless_preflight(scope):
             return False
         await send_error(send, path, 405, "Method Not Allowed", headers=_ALLOW_POST)
         return True
@@ -60,7 +60,7 @@ async def _redirect(scope: Scope, send: Send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-def _bodiless_preflight(scope: Scope) -> bool:
+def bodiless_preflight(scope: Scope) -> bool:
     """An ``OPTIONS`` that Starlette's ``CORSMiddleware`` answers itself (it names ``Origin``
     and ``Access-Control-Request-Method``) and that carries no body, as no browser's does."""
     names: set[bytes] = set()

@@ -119,10 +119,13 @@ _FIXED_ROUTES = _after_leading_segments(sorted(NOT_GENERATING - _TEMPLATE_METHOD
 _TEMPLATES = [(_after_leading_segments([route]), methods) for route, methods in _TEMPLATE_METHODS.items()]
 
 
-def runs_no_engine(path: str, method: str) -> bool:
+def runs_no_engine(path: str, method: str, preflight: bool = False) -> bool:
     """Whether ``method`` on ``path`` (a request's, not a template) is a route of
     :data:`NOT_GENERATING`, after any leading segments and with an optional trailing slash:
-    what upstream mode forwards, besides the metered routes, while billing is on."""
+    what upstream mode forwards, besides the metered routes, while billing is on. A bodiless
+    CORS preflight (``preflight``) runs no handler, so any method of a templated route's: the
+    upstream's CORS middleware answers it, as for a browser's read of a stored response."""
     if _FIXED_ROUTES.fullmatch(path) is not None:
         return True
-    return any(method in methods and pattern.fullmatch(path) is not None for pattern, methods in _TEMPLATES)
+    return any((preflight or method in methods) and pattern.fullmatch(path) is not None
+               for pattern, methods in _TEMPLATES)

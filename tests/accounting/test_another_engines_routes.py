@@ -138,3 +138,17 @@ def test_routes_that_run_no_engine_are_still_forwarded(tmp_path: Path) -> None:
     with cachetally(None, None) as url:
         assert httpx.post(f"{url}/generate", json={"text": "hi"}).status_code == 200
     assert GENERATED == ["/generate"]
+
+
+@pytest.mark.parametrize("path", ["/v1/responses/resp_1", "/v1/responses/resp_1/cancel", "/api/v1/responses/resp_1"])
+def test_a_browsers_preflight_for_a_stored_response_reaches_the_upstream(tmp_path: Path, path: str) -> None:
+    """A browser asks ``OPTIONS`` (no body, no key) before it reads or cancels a stored response
+    with its key: refused as no ``GET`` of the route (403), the browser could read none, where
+    its preflight for the chat route it made the response with was answered. The upstream's
+    CORS middleware answers it (here the stub's 404, as it has none); one with a body is still
+    refused, as any other method but the route's."""
+    preflight = {"origin": "https://app.example", "access-control-request-method": "GET"}
+    with cachetally(tmp_path / "usage", KEY) as url:
+        assert httpx.options(f"{url}{path}", headers=preflight).json() == {"error": "not found"}
+        with_body = httpx.request("OPTIONS", f"{url}{path}", headers=preflight, content=b"{}")
+        assert with_body.status_code == 403 and with_body.json()["error"]["code"] == 403
