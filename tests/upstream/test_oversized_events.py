@@ -60,14 +60,8 @@ def responses_upstream(framing: str, last: str = "response.completed") -> Any:
     in 8 KiB parts as TCP may hand them over."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            return await send({"type": "lifespan.shutdown.complete"})
-        while (await receive()).get("more_body"):
-            pass
-        if scope["path"] == "/v1/models":
-            return await _models(send)
+        if await _request_body(scope, receive, send) is None:
+            return
         head = {"id": "resp_1", "object": "response", "created_at": 1, "model": SERVED, "status": "in_progress",
                 "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None, **ECHOED}
         logprobs = [{"token": "a", "logprob": -0.5, "bytes": [97],
@@ -96,10 +90,23 @@ def responses_upstream(framing: str, last: str = "response.completed") -> Any:
     return app
 
 
-async def _models(send: Send) -> None:
+async def _request_body(scope: Scope, receive: Receive, send: Send) -> bytes | None:
+    """The request's body, or ``None`` where the stub upstream answered it here: its lifespan,
+    and the model list cachetally reads as it starts."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return None
+    body = b""
+    while (message := await receive()).get("more_body"):
+        body += message.get("body", b"")
+    if scope["path"] != "/v1/models":
+        return body + message.get("body", b"")
     models = orjson.dumps({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": models})
+    return None
 
 
 def _proxy(upstream: str, usage_dir: Path, tmp_path: Path) -> Iterator[str]:
@@ -149,16 +156,9 @@ def _echoing_upstream(route: str) -> Any:
     ``message_start`` and ``message_delta``), sent in 8 KiB parts."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            return await send({"type": "lifespan.shutdown.complete"})
-        body = b""
-        while (message := await receive()).get("more_body"):
-            body += message.get("body", b"")
-        if scope["path"] == "/v1/models":
-            return await _models(send)
-        model = orjson.loads(body + message.get("body", b""))["model"]
+        if (body := await _request_body(scope, receive, send)) is None:
+            return
+        model = orjson.loads(body)["model"]
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         if route == "messages":
             usage = {"input_tokens": 188, "cache_read_input_tokens": 512, "cache_creation_input_tokens": 0}
@@ -237,14 +237,8 @@ def _twice_upstream(content: int) -> Any:
               + b'"},"finish_reason":"length"}],"usage":' + last + b"}")
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            return await send({"type": "lifespan.shutdown.complete"})
-        while (await receive()).get("more_body"):
-            pass
-        if scope["path"] == "/v1/models":
-            return await _models(send)
+        if await _request_body(scope, receive, send) is None:
+            return
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         for at in range(0, len(answer), 8 << 10):
             await send({"type": "http.response.body", "body": answer[at:at + (8 << 10)], "more_body": True})
