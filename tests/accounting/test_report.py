@@ -7,6 +7,8 @@ import io
 import json
 import re
 import sys
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import orjson
@@ -394,3 +396,38 @@ def test_copies_of_an_invalid_or_undated_record_are_said_once(tmp_path: Path, ca
     assert (report["records"], report["invalid_records"], report["undated"], report["duplicates"]) == (1, 1, 1, 3)
     assert "1 record(s) with a token figure that is not a count" in err
     assert "1 record(s) with no readable start_time" in err
+
+
+@pytest.mark.parametrize(("price", "message"), [
+    ("1e999999999999999999", "input must be a number >= 0, below 1e100"),  # overflowed: a traceback
+    ("1e-999999999999999999", "with at most 100 decimals"),  # MemoryError
+    ("1" * 101, "below 1e100"),
+])
+def test_a_price_too_wide_to_bill_is_refused_in_words_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], price: str, message: str
+) -> None:
+    usage = write(tmp_path / "a.jsonl", RECORDS)
+    prices = tmp_path / "prices.toml"
+    prices.write_text(f"[default]\ninput = {price}\ncached_input = 0.5\noutput = 10.0\n")
+    assert main(["report", str(usage), "--prices", str(prices), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err
+
+
+def test_prices_with_many_decimals_bill_to_the_last_digit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """100 decimals, trailing zeros past them, and a price just below 1e100 are all billed exactly."""
+    decimals = "0." + "0" * 99 + "1" + "000"
+    usage = write(tmp_path / "a.jsonl", [rec("acme", "m1", 2**63 - 1, 0, 2**63 - 1)])
+    prices = tmp_path / "prices.toml"
+    prices.write_text(f"[default]\ninput = {decimals}\ncached_input = 0\noutput = {'9' * 100}\n")
+    assert main(["report", str(usage), "--prices", str(prices), "--json"]) == 0
+    cost = json.loads(capsys.readouterr()[0], parse_float=Decimal)["total"]["cost"]
+    tokens = 2**63 - 1  # by hand, in fractions: tokens x 10**-100 + tokens x (10**100 - 1), per million
+    assert Fraction(cost) == (Fraction(tokens, 10**100) + tokens * (10**100 - 1)) / 10**6
+
+
+def test_a_models_key_that_is_not_a_table_is_refused_in_words(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text("models = 3\n[default]\ninput = 1\ncached_input = 0\noutput = 1\n")
+    with pytest.raises(ValueError, match="models holds tables"):
+        PriceList.load(path)

@@ -3,7 +3,8 @@
 A ``[default]`` table and optional per-model tables that override it, each with ``input``,
 ``cached_input``, ``output`` and optionally ``cache_write_input`` (else cache writes are
 priced as ``input``). Prices are read as :class:`~decimal.Decimal` (``0.1`` stays 0.1), and
-every cost is computed in :data:`EXACT`, so no sum or product is ever rounded. The fields,
+every cost is computed in :data:`EXACT`, so no sum or product is ever rounded; a price
+below 1e100 with at most 100 decimals (:data:`PRICE_DIGITS`) keeps every cost a few hundred digits. The fields,
 with an example: ``config/prices.example.toml``.
 """
 
@@ -19,6 +20,10 @@ from proxy.server.config_file import read_toml
 
 PRICE_KEYS = ("input", "cached_input", "output")
 OPTIONAL_PRICE_KEYS = ("cache_write_input",)
+#: A price has at most this many digits either side of the point: 1e999999999999999999
+#: overflowed the first product (a traceback, no bill) and 1e-999999999999999999 asked the
+#: first sum for 10**18 digits (MemoryError). No tariff is near either bound.
+PRICE_DIGITS = 100
 #: Money arithmetic: wide enough that no product or sum is ever rounded (one would raise).
 EXACT = Context(prec=MAX_PREC, Emax=MAX_EMAX, Emin=MIN_EMIN, traps=[Inexact, InvalidOperation, Overflow])
 
@@ -60,6 +65,8 @@ class PriceList:
             named = sorted(name for name in unknown if _TABLE_LIKE.fullmatch(name))
             raise ValueError(f"{path}: {len(unknown)} unknown table(s) or key(s){f', such as {named[0]}' if named else ''}; "
                              "expected only [default] and [models.NAME]")
+        if not isinstance(data.get("models", {}), dict):  # models = 3 raised AttributeError, a traceback
+            raise ValueError(f"{path}: models holds tables [models.NAME], not a value")
         default = _prices(data["default"], f"{path} [default]", None) if "default" in data else None
         models = {
             name: _prices(table, f"{path} [models.{name}]", default)
@@ -79,7 +86,15 @@ def _prices(table: Any, where: str, base: Prices | None) -> Prices:
         if value is None and key in OPTIONAL_PRICE_KEYS:
             continue  # Prices' default: None, priced as input
         price = None if isinstance(value, bool) or not isinstance(value, int | Decimal) else Decimal(value)
-        if price is None or not price.is_finite() or price < 0:  # inf and nan made every cost null
-            raise ValueError(f"{where}: {key} must be a number >= 0")
+        # inf and nan made every cost null; a price past PRICE_DIGITS made no bill at all
+        if price is None or not price.is_finite() or price < 0 or not _within_digits(price):
+            raise ValueError(f"{where}: {key} must be a number >= 0, below 1e{PRICE_DIGITS}, "
+                             f"with at most {PRICE_DIGITS} decimals")
         values[key] = price.copy_abs()  # -0.0 is 0: no cost printed "-0"
     return Prices(**values)  # type: ignore[arg-type]
+
+
+def _within_digits(price: Decimal) -> bool:
+    """Whether ``price`` (finite) has at most :data:`PRICE_DIGITS` digits either side of the point."""
+    return not price or (price.adjusted() < PRICE_DIGITS
+                         and price.normalize(EXACT).as_tuple().exponent >= -PRICE_DIGITS)  # 0.50 has 2 decimals
