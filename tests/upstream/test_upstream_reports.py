@@ -28,6 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from proxy.server.app import CachetallyApp
+from proxy.server.cli import main
 from proxy.server.settings import Settings
 from tests.otlp_receiver import otlp_receiver
 from tests.servers import metric_value, serving_in_thread
@@ -337,6 +338,22 @@ def test_an_answer_encoded_against_the_request_is_delivered_and_its_tokens_are_u
     assert (record["outcome"], record["completion_tokens"], record["completion_source"]) == ("completed", 0, "unknown")
     assert (record["prompt_tokens"], record["cached_tokens"]) == (None, None)
     assert metric_value(metrics, "cachetally_patch_skipped_total", reason="encoded") == 1
+
+
+def test_the_bill_says_how_many_answers_went_out_with_their_tokens_unknown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Such an answer's record bills 0 tokens, prompt and completion; ``cachetally report``
+    showed one request that cost nothing, and said nothing of it."""
+    with proxied(tmp_path) as (client, _):
+        assert ask(client, "gzipped", False)[0] == "Hello"
+        assert ask(client, "fair", False)[0] == "Hello"
+        records(tmp_path, 2)
+    (tmp_path / "prices.toml").write_text("[default]\ninput = 1\ncached_input = 0.1\noutput = 2\n")
+    assert main(["report", str(tmp_path), "--prices", str(tmp_path / "prices.toml"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    bill = json.loads(out)
+    assert (bill["total"]["requests"], bill["total"]["completion_tokens"], bill["unknown_completions"]) == (2, 3, 1)
+    assert "1 record(s) went out with their completion tokens unknown" in err
 
 
 @pytest.mark.parametrize("include_usage", [True, False])

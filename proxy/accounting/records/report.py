@@ -13,7 +13,10 @@ client's ``request_id`` is never a key: clients reuse it. Records written before
 ``record_id`` existed (schema 1) have none and each counts. A record with no
 ``prompt_tokens`` (refused or abandoned before the engine saw it, or a stream cut before
 its usage in upstream mode: counted in ``unknown_prompts`` when it generated tokens) adds a
-request and its completion tokens only. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
+request and its completion tokens only. One whose ``completion_source`` is ``unknown`` (a
+response that went out unread, or whose usage held no count) adds 0 completion tokens for
+what it delivered: counted in ``unknown_completions``, since a bill that said nothing of
+it read as an answer that cost nothing. ``cached_tokens`` unknown counts as 0 cached: the whole prompt is
 billed as uncached input; one past its prompt (written by an upstream before cachetally
 stopped believing such figures) counts as the whole prompt cached, and is counted in
 ``clamped``. Cache writes (``cache_creation_tokens``: uncached prompt tokens the engine
@@ -131,6 +134,8 @@ class Report:
     undated: int = 0
     #: Records that generated tokens but have no prompt_tokens: their prompts are in no total.
     unknown_prompts: int = 0
+    #: Records whose completion tokens are not known (``completion_source: "unknown"``): billed 0 output.
+    unknown_completions: int = 0
     #: Whether :meth:`price` ran: then a bill over no record costs 0, not "no price".
     priced: bool = False
 
@@ -165,6 +170,7 @@ class Report:
         completion = record.get("completion_tokens")
         self.clamped += isinstance(prompt, int) and isinstance(cached, int) and cached > prompt
         self.unknown_prompts += prompt is None and isinstance(completion, int) and completion > 0
+        self.unknown_completions += record.get("completion_source") == "unknown"
 
     def price(self, prices: PriceList) -> None:
         self.priced = True
@@ -198,7 +204,8 @@ class Report:
             "files": self.files, "records": self.records, "skipped_lines": self.skipped_lines,
             "duplicates": self.duplicates, "conflicting_duplicates": self.conflicting,
             "clamped": self.clamped, "invalid_records": self.invalid_records,
-            "undated": self.undated, "unknown_prompts": self.unknown_prompts, "unpriced_models": self.unpriced(),
+            "undated": self.undated, "unknown_prompts": self.unknown_prompts,
+            "unknown_completions": self.unknown_completions, "unpriced_models": self.unpriced(),
         }
 
 

@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
                          "counted as the whole prompt cached"),
         (report.unknown_prompts, "{} record(s) generated tokens with no prompt_tokens (in upstream mode, a "
                                  "stream cut before its usage chunk): their prompts are in no total"),
+        (report.unknown_completions, "{} record(s) went out with their completion tokens unknown (a response "
+                                     "passed on unread): their output is in no total"),
     ):
         if count:
             print("cachetally report: " + said.format(count), file=sys.stderr)
