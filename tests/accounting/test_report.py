@@ -431,3 +431,22 @@ def test_a_models_key_that_is_not_a_table_is_refused_in_words(tmp_path: Path) ->
     path.write_text("models = 3\n[default]\ninput = 1\ncached_input = 0\noutput = 1\n")
     with pytest.raises(ValueError, match="models holds tables"):
         PriceList.load(path)
+
+
+def test_a_folder_beside_the_usage_files_is_said_unless_it_is_named_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another host's records gathered into a folder beside this host's files were left out of
+    the bill without a word."""
+    write(tmp_path / "usage-a.jsonl", [rec("acme", "m1", 10, 0, 1)])
+    (tmp_path / "host-b" / "2026-11").mkdir(parents=True)
+    write(tmp_path / "host-b" / "2026-11" / "usage-b.jsonl", [rec("zeta", "m1", 20, 0, 2)])
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [row["tenant"] for row in json.loads(out)["rows"]] == ["acme"]
+    assert err.splitlines() == [f"cachetally report: {tmp_path / 'host-b'} holds *.jsonl files that are not read "
+                                "(name it to bill them)"]
+    assert main(["report", str(tmp_path), str(tmp_path / "host-b" / "2026-11"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert ([row["tenant"] for row in json.loads(out)["rows"]], err) == (["acme", "zeta"], "")

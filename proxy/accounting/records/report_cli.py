@@ -1,6 +1,7 @@
 """``cachetally report FILE...``: usage-record totals per tenant x model, as a table,
 JSON (``--json``) or a bar chart (``--plot FILE.png``). A directory stands for the
-``*.jsonl`` files in it. Inputs over :data:`PROGRESS_BYTES` get a progress bar on stderr.
+``*.jsonl`` files in it (a folder below it with such files is said, not read). Inputs over
+:data:`PROGRESS_BYTES` get a progress bar on stderr.
 """
 
 from __future__ import annotations
@@ -72,17 +73,34 @@ def _expand(paths: list[Path]) -> list[Path]:
     record without ``record_id`` (schema 1) cannot be told from itself read twice."""
     out: list[Path] = []
     seen: set[tuple[int, int]] = set()
+    folders: list[Path] = []  # below a directory named: read only if named too
     for path in paths:
         # iterdir, not glob: glob reads an unreadable directory as an empty one, a zero bill.
         files = sorted(p for p in path.iterdir() if p.name.endswith(".jsonl")) if path.is_dir() else [path]
         if not files:  # a typo, or files one level down (one folder per host): not a zero bill
             print(f"cachetally report: {path} holds no *.jsonl file (subdirectories are not read)", file=sys.stderr)
+        elif path.is_dir():
+            folders += sorted(sub for sub in path.iterdir() if sub.is_dir() and not sub.name.endswith(".jsonl"))
         for file in files:
-            identity = (stat := file.stat()).st_dev, stat.st_ino
-            if identity not in seen:
+            if (identity := _identity(file)) not in seen:
                 seen.add(identity)
                 out.append(file)
+    for folder in folders:  # beside this host's files, a folder of another host's was billed as if not there
+        if any(_unread(file, seen) for file in folder.rglob("*.jsonl")):  # an unreadable folder: not known
+            print(f"cachetally report: {folder} holds *.jsonl files that are not read (name it to bill them)",
+                  file=sys.stderr)
     return out
+
+
+def _identity(file: Path) -> tuple[int, int]:
+    return (stat := file.stat()).st_dev, stat.st_ino
+
+
+def _unread(file: Path, seen: set[tuple[int, int]]) -> bool:
+    try:
+        return _identity(file) not in seen
+    except OSError:  # a dangling link: unread, and no reason to refuse the bill of the files named
+        return True
 
 
 def run(args: argparse.Namespace) -> int:
