@@ -151,6 +151,17 @@ def test_a_bare_data_line_and_a_value_split_after_its_colon_are_data() -> None:
                        "response": {"object": "response", "model": "m", "usage": {"input_tokens": 3}}}]
 
 
+def test_a_line_end_cut_after_its_cr_is_one_line_end_and_the_next_ones_count() -> None:
+    """A ``\\r\\n`` cut between its bytes is one line end; the ``\\n`` of a later part, after a
+    part with no line end, is a line end of its own: were it taken for the same ``\\r\\n``,
+    the blank line would be missed and the event not billed."""
+    event = b'data: {"type": "response.completed",\r\ndata: "response": {"usage": {"input_tokens": 3}}}\n\n'
+    parts = (event[:37], event[37:-2], b"\n", b"\n")
+    assert parts[0].endswith(b"\r") and b"".join(parts) == event
+    assert _billed(parts) == [e for e in _oracle(event) if e is not None] == [
+        {"type": "response.completed", "response": {"object": "response", "usage": {"input_tokens": 3}}}]
+
+
 def test_a_usage_written_twice_is_the_last_as_the_client_reads_it() -> None:
     """No server writes a key twice, but a wrong figure is worse than none: where one did, the
     client's ``json.loads`` keeps the last, and so does the bill."""
