@@ -247,3 +247,21 @@ def test_a_bodiless_request_with_a_preflights_headers_is_a_preflight_only_as_opt
         metrics = httpx.get(f"{url}/metrics").text
     assert (response.status, response.getheader("allow")) == (405, "POST")
     assert (GENERATED, _billing(usage, metrics)) == ([], ([], 0))
+
+
+def test_a_preflight_naming_no_header_but_its_two_is_still_forwarded(tmp_path: Path) -> None:
+    """An HTTP/1.0 preflight needs no ``Host``: ``Origin`` and ``Access-Control-Request-Method``
+    may be its only headers, and it is a preflight all the same, answered by the upstream's
+    CORS middleware (204), not a 405."""
+    import socket
+
+    with cachetally(tmp_path / "usage") as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(b"OPTIONS /v1/chat/completions HTTP/1.0\r\nOrigin: http://a\r\n"
+                               b"Access-Control-Request-Method: POST\r\n\r\n")
+            answer = b""
+            while chunk := connection.recv(65536):
+                answer += chunk
+    head = answer.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 204 ") and b"\r\naccess-control-allow-origin: *" in head, head
