@@ -41,8 +41,7 @@ async def answered_as_vllms_router(scope: Scope, send: Send, path: str, routes: 
             return False
         await send_error(send, path, 405, "Method Not Allowed", headers=_ALLOW_POST)
         return True
-    bare = path.rstrip("/")
-    if bare != path and bare in routes:
+    if path.rstrip("/") in routes:  # so with a trailing slash: a route itself was answered above
         await _redirect(scope, send)
         return True
     return False
