@@ -54,8 +54,9 @@ Bill = Callable[[dict[str, Any]], object]
 
 
 class PassingEvent:
-    """Feed one event's bytes in order, through its blank line (:meth:`feed`); at that line,
-    ``bill`` is called with the data's payload as far as its figures go, once a usage was read.
+    """Feed one event's bytes in order, through its blank line and no further, as the SSE
+    patcher does (:meth:`feed`); at that line, ``bill`` is called with the data's payload as
+    far as its figures go, once a usage was read.
     ``reads`` names, for each event ``type`` billed, the member of the data that holds its
     ``model`` and ``usage`` (``""``: the data itself; under a member, with ``kind`` beside
     them: a shape's ``body_kind``), so ``{"type": ..., holder: {**kind, "model": ...,
@@ -70,7 +71,7 @@ class PassingEvent:
     [{"index": ...}]}``."""
 
     __slots__ = ("_reads", "_usages", "_bill", "_short", "_type_parser", "_type_read", "_index_parser",
-                 "_indices", "_state", "_head", "_data_lines", "_cr", "_done")
+                 "_indices", "_state", "_head", "_data_lines", "_cr")
 
     def __init__(self, reads: Mapping[str | None, str], kind: Mapping[str, str], bill: Bill) -> None:
         self._reads = reads
@@ -91,12 +92,11 @@ class PassingEvent:
         self._head = b""  # the line's first bytes, until they tell whether it is a data line
         self._data_lines = 0
         self._cr = False  # the last part ended with "\r": a "\n" next is the same line end
-        self._done = False  # the blank line came
 
     def feed(self, part: bytes) -> None:
         at = 1 if self._cr and part[:1] == b"\n" else 0
         self._cr = False
-        while at < len(part) and not self._done:
+        while at < len(part):
             end = _TERMINATOR.search(part, at)
             self._line(part[at:] if end is None else part[at:end.start()])
             if end is None:
@@ -150,7 +150,6 @@ class PassingEvent:
             self._usages = None if holder is None else {holder: self._usages[holder]}
 
     def _dispatch(self) -> None:
-        self._done = True
         if not self._data_lines:
             return  # no data: the client dispatches nothing
         self._read(b"", last=True)
