@@ -45,8 +45,8 @@ from proxy.patching.short_strings import ShortStrings
 
 _TERMINATOR = re.compile(rb"\r\n|\r|\n")
 _DATA = b"data:"
-#: Where the current line stands: its first bytes still read, in a data value, or skipped.
-_HEAD, _VALUE, _SKIP = 0, 1, 2
+#: Where the current line stands: its first bytes still read, or in a data value.
+_HEAD, _VALUE = 0, 1
 
 #: Where the reader hands the event's payload, as far as it was read: the same call that
 #: patches an event held whole, so the figures are resolved and noted the same way.
@@ -111,11 +111,10 @@ class PassingEvent:
             head = self._head + text[:len(_DATA) - len(self._head)]
             text = text[len(head) - len(self._head):]
             self._head = head
-            if not _DATA.startswith(head):
-                self._state = _SKIP  # another field or a comment: skipped to its end
-                return
             if head != _DATA:
-                return  # "data" so far: it ends the line (a bare data line) or goes on to its colon
+                # "data" so far: it ends the line (a bare data line) or goes on to its colon; or
+                # another field or a comment, skipped: its first bytes never become "data:"
+                return
             self._data_started()
             self._state = _VALUE
         if self._state == _VALUE:
