@@ -12,12 +12,14 @@ Messages' ``message_start``, as large as the name a client sends: past ``max_eve
 
 So its bytes are read as they go out, as a JSON body's are (:mod:`proxy.patching.passing_usage`):
 the event is split into lines on ``\\r\\n``, ``\\r`` or ``\\n`` (a ``\\r`` ending one part and
-a ``\\n`` starting the next are one line end), and the value of each ``data`` field (after
-``data:``, or none for a bare ``data`` line) goes to ijson, a ``\\n`` between two such values,
-which is the data the WHATWG algorithm and the client's SSE parser build and ``json.loads``
-(the one space the client drops after ``data:`` is read: it stands where JSON may have a
-space, or in a string that the ``\\n`` before it already made no JSON). Other fields and
-comments (``:``) are skipped. What is read: the data's top-level ``type``, and the ``model``
+a ``\\n`` starting the next are one line end), and the value of each ``data:`` field goes to
+ijson, a ``\\n`` between two such values, which is the data the WHATWG algorithm and the
+client's SSE parser build and ``json.loads`` (the one space the client drops after ``data:``
+is read: it stands where JSON may have a space, or in a string that the ``\\n`` before it
+already made no JSON). Other fields and comments (``:``) are skipped, and so is a bare
+``data`` line: its empty value adds a ``\\n`` to the data, where JSON may have one or in a
+string the ``\\n`` of the next join spoils, or makes data that is no JSON alone.
+What is read: the data's top-level ``type``, and the ``model``
 and ``usage`` of the member that holds them in an event of that type: a Responses terminal
 event's ``response`` object, Messages' ``message_start``'s ``message``, and the top level of
 its ``message_delta`` and of a chat or completions chunk, with its choices' ``index`` (the
@@ -112,8 +114,8 @@ class PassingEvent:
             text = text[len(head) - len(self._head):]
             self._head = head
             if head != _DATA:
-                # "data" so far: it ends the line (a bare data line) or goes on to its colon; or
-                # another field or a comment, skipped: its first bytes never become "data:"
+                # "data" so far: it ends the line (a bare data line, skipped) or goes on to its
+                # colon; or another field or a comment, skipped: its first bytes never become "data:"
                 return
             self._data_started()
             self._state = _VALUE
@@ -123,8 +125,6 @@ class PassingEvent:
     def _line_end(self) -> None:
         if self._state == _HEAD and not self._head:
             self._dispatch()  # a blank line
-        elif self._state == _HEAD and self._head == b"data":
-            self._data_started()  # a bare "data" line: an empty value
         self._state, self._head = _HEAD, b""
 
     def _data_started(self) -> None:
