@@ -123,8 +123,8 @@ class PassingEvent:
             self._read(text)
 
     def _line_end(self) -> None:
-        if self._state == _HEAD and not self._head:
-            self._dispatch()  # a blank line
+        if not self._head:  # a blank line (a data line's head is "data:")
+            self._dispatch()
         self._state, self._head = _HEAD, b""
 
     def _data_started(self) -> None:
