@@ -28,9 +28,9 @@ deeper). The event is billed at its
 blank line, as the client dispatches it, and only if its data is one JSON value throughout,
 as the client parses it (the usage's parser reads on to the end: the usage comes last, or
 nearly, in a response object; a usage written twice is the last, as ``json.loads`` keeps
-it, a model the first); an event the stream cuts short is not dispatched, so not billed
-either, as one held whole and cut is not. A wrong figure is worse
-than none: such an event's tokens stay unknown.
+it, and so is a type, a model the first); an event the stream cuts short is not dispatched,
+so not billed either, as one held whole and cut is not. A wrong figure is worse than none:
+such an event's tokens stay unknown (a terminal type written after another type is one).
 """
 
 from __future__ import annotations
@@ -142,11 +142,11 @@ class PassingEvent:
         if self._type_parser is None:
             return
         self._type_parser = _send(self._type_parser, data, last)
-        if self._type_read:
-            self._type_parser = None
-            kind = self._type_read[0]
+        if self._type_read:  # the last read: a key written twice is the last to json.loads
+            kind = self._type_read[-1]
             holder = self._reads.get(kind) if isinstance(kind, str) else None
-            self._usages = None if holder is None else {holder: self._usages[holder]}
+            usage = None if holder is None else self._usages.get(holder)
+            self._usages = None if usage is None else {holder: usage}
 
     def _dispatch(self) -> None:
         if not self._data_lines:
@@ -159,7 +159,7 @@ class PassingEvent:
             return
         payload: dict[str, Any] = dict(read) if not holder else {holder: read}
         if self._type_read:
-            payload = {"type": self._type_read[0], **payload}
+            payload = {"type": self._type_read[-1], **payload}
         if None in self._reads:
             payload["choices"] = [{"index": index} for index in self._indices]
         self._bill(payload)

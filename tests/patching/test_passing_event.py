@@ -215,6 +215,20 @@ def test_a_long_string_the_client_cannot_parse_keeps_its_event_off_the_bill(insi
         assert _billed((event[:1000], event[1000:at], event[at:])) == expected, at
 
 
+@pytest.mark.parametrize("last", ["response.output_text.done", "response.incomplete"])
+def test_a_type_written_twice_is_the_last_as_the_client_reads_it(last: str) -> None:
+    """No server writes a key twice, but where one did the client's ``json.loads`` keeps the
+    last ``type``: an event it reads as ``response.output_text.done`` has no usage to it, and
+    was billed as the ``response.completed`` written first."""
+    data = ('{"type": "response.completed", "response": {"model": "m", "usage": {"input_tokens": 5}}, '
+            f'"type": "{last}"}}').encode()
+    event = b"data: " + data + b"\n\n"
+    expected = [e for e in _oracle(event) if e is not None]
+    assert [e["type"] for e in expected] == ([] if last.endswith(".done") else [last])
+    for at in range(len(data) - 40, len(event)):
+        assert _billed((event[:at], event[at:])) == expected, at
+
+
 def test_an_event_whose_utf8_ijson_refuses_is_not_billed_and_raises_nothing() -> None:
     """A surrogate written in UTF-8 in a short string: ijson raised ``UnicodeDecodeError`` out
     of the reader, which cut the stream; the client's SSE parser refuses the line too."""
