@@ -242,9 +242,9 @@ def vllms_key_guard(app: Any, settings: Settings) -> ApiKeyGuard | None:
     it. ``auth_exempt_paths`` opens it again, as it does beside cachetally's own keys (a
     SageMaker endpoint that sends none). ``None`` where vLLM checks no key."""
     auth_class = compat.resolve("AuthenticationMiddleware")
-    for cls, args, kwargs in getattr(app, "user_middleware", ()):
-        # vLLM 0.32 and 0.33 register ``tokens=``; its one argument, passed either way
-        if auth_class is not None and cls is auth_class and (tokens := kwargs.get("tokens", args[0] if args else None)):
+    for cls, _, kwargs in getattr(app, "user_middleware", ()):
+        # vLLM 0.32 and 0.33 register it with ``tokens=``
+        if auth_class is not None and cls is auth_class and (tokens := kwargs.get("tokens")):
             keys = KeyTable(dict.fromkeys(tokens, DEFAULT_TENANT))
             left_open = [route for route in DEFAULT_ROUTES if not route.startswith(GUARDED_PREFIXES)]
             # vLLM's own check answers the rest, with its own 401, behind this one
