@@ -229,6 +229,17 @@ def test_a_type_written_twice_is_the_last_as_the_client_reads_it(last: str) -> N
         assert _billed((event[:at], event[at:])) == expected, at
 
 
+def test_a_control_character_in_a_long_string_is_not_taken_for_its_end() -> None:
+    """The read of a long string stops at a control character as at its closing quote: were
+    it taken for that quote, what follows it would be read as JSON, here a usage the client
+    never reads (its parser refuses the string, so the event), and billed."""
+    head = b'data: {"type": "response.completed", "response": {"instructions": "' + b"x" * 5000
+    event = head + b'\x01, "usage": {"input_tokens": 99}, "x": "", "model": "m"}}\n\n'
+    assert _oracle(event) == [None]
+    for at in range(len(head) - 2, len(head) + 3):
+        assert _billed((event[:1000], event[1000:at], event[at:])) == [], at
+
+
 def test_an_event_whose_utf8_ijson_refuses_is_not_billed_and_raises_nothing() -> None:
     """A surrogate written in UTF-8 in a short string: ijson raised ``UnicodeDecodeError`` out
     of the reader, which cut the stream; the client's SSE parser refuses the line too."""
