@@ -192,6 +192,23 @@ def test_an_event_of_long_strings_passing_holds_none_of_them() -> None:
                        "response": {"object": "response", "model": "m", "usage": {"input_tokens": 5}}}]
 
 
+def test_an_escape_json_has_not_in_a_long_string_holds_nothing_after_it() -> None:
+    """A backslash that no escape of JSON follows ends the read there (the client refuses the
+    event); were it taken for an escape a part cut, to be read with the next part, the rest
+    of the event would be held, part after part, to its end."""
+    event = (b'data: {"type": "response.completed", "response": {"instructions": "\\q' + b"x" * (24 << 20)
+             + b'", "model": "m", "usage": {"input_tokens": 5}}}\n\n')
+    parts = [event[k : k + (1 << 20)] for k in range(0, len(event), 1 << 20)]
+    billed: list[dict[str, Any]] = []
+    before = rss_kib(os.getpid())
+    readers = [PassingEvent(RESPONSE_EVENTS, {"object": "response"}, billed.append) for _ in range(4)]
+    for reader in readers:
+        for part in parts:
+            reader.feed(part)
+    assert rss_kib(os.getpid()) - before < 16 << 10  # KiB
+    assert billed == []
+
+
 #: A long string's bytes that the client's parser refuses (UTF-8, then ``json.loads``): an
 #: escape JSON has not, whole or cut short, a control character, bytes that are not UTF-8 (an
 #: encoded surrogate, a character cut short by the string's end); and some that it takes.
