@@ -138,10 +138,10 @@ class PassingEvent:
         data = self._short.cut(data)
         for usage in self._usages.values():
             usage.read(data, last)
-        self._index_parser = _send(self._index_parser, data, last)
+        self._index_parser = _send(self._index_parser, data)
         if self._type_parser is None:
             return
-        self._type_parser = _send(self._type_parser, data, last)
+        self._type_parser = _send(self._type_parser, data)
         if self._type_read:  # the last read: a key written twice is the last to json.loads
             kind = self._type_read[-1]
             holder = self._reads.get(kind) if isinstance(kind, str) else None
@@ -165,16 +165,16 @@ class PassingEvent:
         self._bill(payload)
 
 
-def _send(parser: Any, data: bytes, last: bool) -> Any:
-    """``data`` fed to ``parser``, closed at the ``last``: the parser, or ``None`` where the
-    text is no JSON from here (nothing more to read)."""
+def _send(parser: Any, data: bytes) -> Any:
+    """``data`` fed to ``parser``: the parser, or ``None`` where the text is no JSON from here
+    (nothing more to read). Never closed at the end: a type or an index sits inside the data's
+    object, so it is read before the text ends, and a text that ends early is the usage's
+    reader's to refuse (it reads the data whole)."""
     if parser is None:
         return None
     try:
         if data:
             parser.send(data)
-        if last:
-            parser.close()
     except UNREADABLE:
         return None
     return parser
