@@ -44,7 +44,9 @@ class ShortStrings:
         self._open = False  # inside a string a part cut
         self._cut = b""  # the escape the last part's end cut
         self._held: bytearray | None = None  # that string's content so far; None once too long
-        self._utf8 = codecs.getincrementaldecoder("utf-8")()  # that string's bytes are UTF-8 so far
+        # That string's bytes are UTF-8 so far; its last are decoded as final, which leaves the
+        # decoder empty for the next string (one that fails is the last read).
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
         self._refused = False  # a string was not JSON: yajl was handed what it refuses, and no more
 
     def cut(self, part: bytes) -> bytes:
@@ -61,7 +63,6 @@ class ShortStrings:
                 if stop == end:
                     break
                 self._open, self._held, pos = True, bytearray(), stop + 1
-                self._utf8.reset()
                 continue
             stop = _CONTENT.match(part, pos).end()  # type: ignore[union-attr]
             if stop < end and part[stop] == _BACKSLASH and _CUT_ESCAPE.fullmatch(part, stop):
