@@ -16,7 +16,9 @@ from proxy.patching.ledger import EngineUsage
 from proxy.patching.pd_leg import DECODE, PREFILL
 from proxy.patching.responder import Responder
 
-_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+# W3C Trace Context's shape, less what it says to ignore: version ff, an all-zero trace id or
+# parent id. The OTLP span starts a trace of its own for those, so the record names none.
+_TRACEPARENT = re.compile(rb"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 def meter(r: Responder, engine: EngineUsage | None) -> None:
@@ -76,7 +78,7 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
 
 
 def _traceparent(headers: RequestHeaders) -> str | None:
-    """The client's W3C ``traceparent``, when it sent exactly one that looks like one."""
+    """The client's W3C ``traceparent``, when it sent exactly one valid one: the span's parent."""
     value = headers.only(b"traceparent")
     if value is None or not _TRACEPARENT.fullmatch(value):
         return None

@@ -14,15 +14,20 @@ import logging
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import httpx
+import openai
+import orjson
 import pytest
 
 from proxy.accounting.records.otlp import MAX_BATCH, OtlpSink
 from proxy.accounting.records.record import UsageRecord
 from proxy.accounting.records.recorder import Recorder
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
 from tests.otlp_receiver import RESET, Receiver, otlp_receiver
-from tests.servers import metric_value, running_server
+from tests.servers import metric_value, running_server, serving_in_thread
 from tests.sink_counts import counters, watched
 
 pytestmark = pytest.mark.loopback
@@ -288,3 +293,36 @@ def test_a_token_in_the_collectors_url_stays_out_of_the_log_when_urllib3_quotes_
     assert delivery.written == 1  # the collector took the span: its odd header is no failure
     assert "/v1/traces?***" in caplog.text
     assert "SECRET" not in caplog.text
+
+
+TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+#: What W3C Trace Context says to ignore though it has a traceparent's shape: version ff,
+#: an all-zero trace id, an all-zero parent id.
+IGNORED = {"version ff": f"ff-{TRACE}-{PARENT}-01", "zero trace": f"00-{'0' * 32}-{PARENT}-01",
+           "zero parent": f"00-{TRACE}-{'0' * 16}-01"}
+
+
+def test_a_record_names_a_traceparent_only_when_its_span_is_that_callers_child(tmp_path: Path) -> None:
+    """A record's ``traceparent`` says its span joined that trace. One W3C says to ignore
+    starts a trace of its own, and so names none in the record: a pipeline joining the
+    JSONL to the traces by trace id found no such span, and an all-zero trace id put the
+    records of every client that sent one in one trace."""
+    sent = {"valid": f"00-{TRACE}-{PARENT}-01", **IGNORED}
+    with otlp_receiver() as receiver:
+        settings = Settings(engine="sim", usage_dir=str(tmp_path), usage_flush_interval_s=0.05,
+                            otlp_endpoint=receiver.url).validate()
+        with serving_in_thread(CachetallyApp(settings)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            for name, traceparent in sent.items():
+                headers = {"traceparent": traceparent, "x-request-id": name.replace(" ", "-")}
+                client.completions.create(model="sim-model", prompt="trace me", max_tokens=2, extra_headers=headers)
+        spans = {s.attributes["cachetally.request_id"]: s for s in receiver.snapshot()}
+    lines = [line for f in tmp_path.glob("*.jsonl") for line in f.read_bytes().splitlines()]
+    records = {r["request_id"]: r for r in map(orjson.loads, lines)}
+    assert sorted(records) == sorted(spans) == sorted(name.replace(" ", "-") for name in sent)
+    assert records["valid"]["traceparent"] == sent["valid"]
+    assert (spans["valid"].trace_id, spans["valid"].parent_span_id) == (TRACE, PARENT)
+    for name in IGNORED:
+        rid = name.replace(" ", "-")
+        assert records[rid]["traceparent"] is None, name
+        assert spans[rid].parent_span_id == "" and spans[rid].trace_id not in (TRACE, "0" * 32), name
