@@ -26,7 +26,7 @@ import orjson
 import pytest
 import uvicorn
 
-from proxy.server.client_bounds import with_client_bounds
+from proxy.server.client_bounds import H11_MAX_HEADER_BYTES, with_client_bounds
 from proxy.server.settings import Settings
 from proxy.vllm_middleware import _bound_vllms_server
 from tests.servers import free_port, running_server, serving_in_thread
@@ -325,6 +325,22 @@ def test_vllms_bound_on_a_headers_fields_is_kept_under_httptools() -> None:
             with connect(url) as client:
                 client.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n" + fields + extra + b"Connection: close\r\n\r\n")
                 assert client.recv(1 << 16).startswith(b"HTTP/1.1 " + status)
+
+
+@pytest.mark.parametrize("configured", [None, 2 * H11_MAX_HEADER_BYTES])
+def test_a_header_still_arriving_may_hold_the_bound_exactly_and_not_a_byte_more(configured: int | None) -> None:
+    """uvicorn's h11 bound, h11's default or the config's (vLLM sets 4 MiB): a header still
+    arriving with that many bytes is the client's to finish (let go at the receive bound,
+    unanswered); with one byte more it is refused with a 431."""
+    bound = configured or H11_MAX_HEADER_BYTES
+    start = b"GET /a HTTP/1.1\r\nHost: x\r\nX-Pad: "
+    with serving_in_thread(SlowToRead(), "header-bound", http=with_client_bounds(60.0, IN_THREAD_BOUND_S),
+                           h11_max_incomplete_event_size=configured) as url:
+        with connect(url) as whole, connect(url) as over:
+            whole.sendall(start + b"p" * (bound - len(start)))
+            over.sendall(start + b"p" * (bound + 1 - len(start)))
+            assert over.recv(1 << 16).startswith(b"HTTP/1.1 431 ")
+            assert let_go(whole)
 
 
 def test_a_header_too_large_behind_a_running_response_resets_and_never_answers_in_its_place() -> None:
