@@ -162,3 +162,17 @@ def test_a_client_that_takes_a_little_in_every_bound_keeps_its_connection_throug
             got += chunk
             time.sleep(0.1)  # 40 KiB/s: some 5 s for the 192 KiB, a pause of four bounds
     assert app.handed == 192 << 10
+
+
+def test_a_client_that_takes_a_little_and_then_nothing_is_reset_a_bound_later() -> None:
+    """A bound that saw progress times the next stretch as it timed the first: the client took
+    some bytes in the first bound, with the connection's writes still paused, then none."""
+    protocol = functools.partial(SmallSendBuffer, send_timeout_s=0.6, receive_timeout_s=60.0)
+    with serving_in_thread(Streams(1024), "stops", http=protocol) as url, asks(url, 4096) as client:
+        for _ in range(8):  # 4 KiB a tenth of a second, across the first bound: far from draining
+            assert client.recv(4096)
+            time.sleep(0.1)
+        time.sleep(3 * 0.6)  # then nothing, for three bounds (no pass/fail on it)
+        with pytest.raises(ConnectionResetError):
+            while client.recv(1 << 16):
+                pass
