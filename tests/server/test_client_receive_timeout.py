@@ -358,3 +358,39 @@ def test_a_header_too_large_behind_a_running_response_resets_and_never_answers_i
             while chunk := client.recv(1 << 16):
                 received += chunk
     assert b" 431 " not in received
+
+
+class ReadsOnceLate:
+    """An app that takes its request's first body message 0.8 bounds after the header, then
+    answers 0.6 bounds later without asking for more: by then a client silent since that
+    first part is past its bound."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(0.8 * WHOLE_BOUND_S)
+        message = await receive()
+        await asyncio.sleep(0.6 * WHOLE_BOUND_S)
+        answer = str(len(message.get("body", b""))).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(answer))]})
+        await send({"type": "http.response.body", "body": answer})
+
+
+def test_a_body_is_timed_from_the_clients_last_read_not_from_the_apps_receive() -> None:
+    """The app's own delay in reading a body is not the client's: a client that stopped
+    halfway is let go a bound after its last byte, though the app took that byte later."""
+    with serving_in_thread(ReadsOnceLate(), "reads-late", http=with_client_bounds(60.0, WHOLE_BOUND_S)) as url:
+        with connect(url) as stalled:
+            stalled.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello")
+            assert let_go(stalled)
+
+
+def test_a_header_past_its_fields_while_still_arriving_is_refused_at_once() -> None:
+    """A header that never ends, its fields past vLLM's bound already: a 431, not a hold
+    until the receive bound lets it go unanswered."""
+    config = uvicorn.Config(SlowToRead(), host="127.0.0.1", port=free_port(), http=with_client_bounds(60.0, 5.0),
+                            lifespan="off", log_level="warning")
+    config.h11_max_header_count = 8
+    with serving(config) as url, connect(url) as client:
+        client.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-Field-%d: v\r\n" % i for i in range(12)))
+        assert client.recv(1 << 16).startswith(b"HTTP/1.1 431 ")
