@@ -394,3 +394,31 @@ def test_a_header_past_its_fields_while_still_arriving_is_refused_at_once() -> N
     with serving(config) as url, connect(url) as client:
         client.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-Field-%d: v\r\n" % i for i in range(12)))
         assert client.recv(1 << 16).startswith(b"HTTP/1.1 431 ")
+
+
+
+class AsksAgainLate:
+    """An app that takes a body's first part at once (its ``100 Continue``), asks for more
+    0.8 bounds later, for a tenth of a bound, and answers 1.4 bounds after the first part."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        await asyncio.sleep(0.8 * WHOLE_BOUND_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(receive(), 0.1 * WHOLE_BOUND_S)
+        await asyncio.sleep(0.5 * WHOLE_BOUND_S)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+
+def test_a_body_after_its_100_continue_is_timed_from_the_clients_reads_not_the_apps_asking() -> None:
+    """Once the server's wait (the ``100 Continue``) is over, the client's bound runs from its
+    own last byte: the app asking again later gives it no more time."""
+    with serving_in_thread(AsksAgainLate(), "asks-again", http=with_client_bounds(60.0, WHOLE_BOUND_S)) as url:
+        with connect(url) as stalled:
+            stalled.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n")
+            assert stalled.recv(1 << 16) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            stalled.sendall(b"hello")
+            assert let_go(stalled)
