@@ -330,17 +330,21 @@ def test_vllms_bound_on_a_headers_fields_is_kept_under_httptools() -> None:
 @pytest.mark.parametrize("configured", [None, 2 * H11_MAX_HEADER_BYTES])
 def test_a_header_still_arriving_may_hold_the_bound_exactly_and_not_a_byte_more(configured: int | None) -> None:
     """uvicorn's h11 bound, h11's default or the config's (vLLM sets 4 MiB): a header still
-    arriving with that many bytes is the client's to finish (let go at the receive bound,
-    unanswered); with one byte more it is refused with a 431."""
+    arriving with that many bytes, first or next on a kept-alive connection, is the client's to
+    finish (let go at the receive bound, unanswered); with one byte more it is refused with a 431."""
     bound = configured or H11_MAX_HEADER_BYTES
     start = b"GET /a HTTP/1.1\r\nHost: x\r\nX-Pad: "
     with serving_in_thread(SlowToRead(), "header-bound", http=with_client_bounds(60.0, IN_THREAD_BOUND_S),
                            h11_max_incomplete_event_size=configured) as url:
-        with connect(url) as whole, connect(url) as over:
+        with connect(url) as whole, connect(url) as over, connect(url) as kept_alive:
+            kept_alive.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
             whole.sendall(start + b"p" * (bound - len(start)))
             over.sendall(start + b"p" * (bound + 1 - len(start)))
             assert over.recv(1 << 16).startswith(b"HTTP/1.1 431 ")
             assert let_go(whole)
+            assert kept_alive.recv(1 << 16).startswith(b"HTTP/1.1 200 ")
+            kept_alive.sendall(start + b"p" * (bound - len(start)))  # the next header: the same bound
+            assert let_go(kept_alive)
 
 
 def test_a_header_too_large_behind_a_running_response_resets_and_never_answers_in_its_place() -> None:
