@@ -229,6 +229,9 @@ def test_a_pipelined_flood_is_cut_not_queued_and_a_few_pipelined_requests_are_an
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(request * few)
         assert answers_until_closed(sock, few) == [200] * few
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request * (few + 1))  # one queued past the bound: reset, never all answered
+        assert len(answers_until_closed(sock, few + 1)) < few + 1
     flood = 4000
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         with contextlib.suppress(ConnectionResetError, BrokenPipeError):
