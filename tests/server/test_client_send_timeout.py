@@ -165,10 +165,13 @@ def test_a_client_that_takes_a_little_in_every_bound_keeps_its_connection_throug
 
 
 def test_a_client_that_takes_a_little_and_then_nothing_is_reset_a_bound_later() -> None:
-    """A bound that saw progress times the next stretch as it timed the first: the client took
-    some bytes in the first bound, with the connection's writes still paused, then none."""
+    """Each stretch is timed as the first was, after writes resumed or a bound saw progress:
+    the client took 512 KiB at once, then some bytes in a bound with the writes paused, then none."""
     protocol = functools.partial(SmallSendBuffer, send_timeout_s=0.6, receive_timeout_s=60.0)
-    with serving_in_thread(Streams(1024), "stops", http=protocol) as url, asks(url, 4096) as client:
+    with serving_in_thread(Streams(2048), "stops", http=protocol) as url, asks(url, 4096) as client:
+        taken = 0
+        while taken < 512 << 10:  # first at once: the writes pause and resume, time and again
+            taken += len(client.recv(64 << 10))
         for _ in range(8):  # 4 KiB a tenth of a second, across the first bound: far from draining
             assert client.recv(4096)
             time.sleep(0.1)
