@@ -110,7 +110,7 @@ class ClientBoundsProtocol(HttpToolsProtocol):
         if fields is not None and len(self.headers) > fields:  # in one read: the parser stops here
             self._header_refused = True
             raise HeaderTooLarge  # uvicorn takes it for a malformed request: send_400_response
-        if self.cycle is not None and not self.cycle.response_complete and len(self.pipeline) >= MAX_PIPELINED:
+        if len(self.pipeline) >= MAX_PIPELINED:  # all queued behind a response still running
             self._pipeline_refused = True  # uvicorn would queue it: the parser stops here, mid-read
             raise HeaderTooLarge
         super().on_headers_complete()
