@@ -234,7 +234,6 @@ class ClientBoundsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop(self._send_timer)
         self._stop(self._receive_timer)
-        self._send_timer = self._receive_timer = None
         super().connection_lost(exc)
 
     def _time_send(self) -> None:
