@@ -113,12 +113,13 @@ class UsagePatchMiddleware:
                 and await answered_as_vllms_router(scope, send, path, self._routes)):
             return
         if route is None and self._prefixed:
-            if (under := self._under_a_prefix(path)) is not None:
+            forms = forwarded_forms(path)
+            if (under := self._under_a_prefix(forms)) is not None:
                 await self._refuse(scope, send, under)
                 return
             method = scope["method"]
             preflight = method == "OPTIONS" and bodiless_preflight(scope)
-            if not all(runs_no_engine(form, method, preflight) for form in forwarded_forms(path)):
+            if not all(runs_no_engine(form, method, preflight) for form in forms):
                 await self._refuse_unknown(send, path)
                 return
         headers = RequestHeaders(scope["headers"], self._noted, _DROPPED)
@@ -146,12 +147,11 @@ class UsagePatchMiddleware:
         self.config = replace(self.config, default_model=model)
         self.context = replace(self.context, config=self.config)
 
-    def _under_a_prefix(self, path: str) -> str | None:
-        """The metered or refused route ``path`` ends with after a prefix (Starlette routes
+    def _under_a_prefix(self, forms: tuple[str, ...]) -> str | None:
+        """The metered or refused route a path ends with after a prefix (Starlette routes
         ``{root_path}/v1/...`` as ``/v1/...``), or is, or ends with, as a hop that normalizes
-        paths before the upstream forwards it (:func:`~proxy.asgi.paths.forwarded_forms`);
-        else ``None``."""
-        forms = forwarded_forms(path)
+        paths before the upstream forwards it (``forms``: the path's
+        :func:`~proxy.asgi.paths.forwarded_forms`, the path itself first); else ``None``."""
         if found := next((form for form in forms[1:] if form in self._known), None):
             return found
         return next((tail for form in forms for tail in tails(form, self._longest) if tail in self._known), None)
