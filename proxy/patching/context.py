@@ -61,6 +61,11 @@ class PatchConfig:
     #: and a path that is no route of the table, which another engine's server may run
     #: (:func:`proxy.patching.routes.runs_no_engine`).
     refuse_prefixed: bool = False
+    #: With ``refuse_prefixed``, the upstream's own paths the operator vouches run no engine
+    #: (``forward_routes``, each checked by :func:`proxy.patching.routes.check_forwarded_route`):
+    #: forwarded by every method, where every form of the request's path is one of these or
+    #: a route that runs no engine.
+    forwarded: frozenset[str] = frozenset()
     #: Answer a metered route's other methods and trailing slash as vLLM's router does
     #: (upstream mode: :mod:`proxy.patching.route_methods`), where the inner app's router may
     #: run them unmetered. Inside vLLM its own router answers them.

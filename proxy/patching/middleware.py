@@ -90,6 +90,7 @@ class UsagePatchMiddleware:
         # Read on every request: looked up once here.
         self._refused = config.refused if config.refuse_unmetered else frozenset()
         self._prefixed = config.refuse_unmetered and config.refuse_prefixed
+        self._forwarded = config.forwarded
         self._known = frozenset(config.routes) | config.refused
         self._longest = max(map(len, self._known), default=0)
         self._routes = config.routes
@@ -119,7 +120,7 @@ class UsagePatchMiddleware:
                 return
             method = scope["method"]
             preflight = method == "OPTIONS" and bodiless_preflight(scope)
-            if not all(runs_no_engine(form, method, preflight) for form in forms):
+            if not all(form in self._forwarded or runs_no_engine(form, method, preflight) for form in forms):
                 await self._refuse_unknown(send, path)
                 return
         headers = RequestHeaders(scope["headers"], self._noted, _DROPPED)

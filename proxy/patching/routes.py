@@ -10,7 +10,8 @@
 In upstream mode the engine may be another server than vLLM, whose own routes run it
 (llama.cpp's ``/chat/completions``, ``/completion`` and ``/infill``, SGLang's ``/generate``,
 Ollama's ``/api/chat``, TGI's ``POST /``): while billing is on, only the routes of this table
-are forwarded (:func:`runs_no_engine` says which of the others may be).
+are forwarded (:func:`runs_no_engine` says which of the others may be), and the paths an operator
+lists as running none on that server (``forward_routes``: :func:`check_forwarded_route`).
 
 No route of these versions is "metered only": each metered route is also patched.
 ``tests/patching/test_routes.py`` builds the installed vLLM's app and walks ``app.routes``, and
@@ -23,6 +24,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Literal
+
+from proxy.asgi.paths import tails
 
 Kind = Literal["patched", "refused", "none"]
 
@@ -129,3 +132,28 @@ def runs_no_engine(path: str, method: str, preflight: bool = False) -> bool:
         return True
     return any((preflight or method in methods) and pattern.fullmatch(path) is not None
                for pattern, methods in _TEMPLATES)
+
+
+#: A path an operator may vouch runs no engine on the upstream (``forward_routes``): from the
+#: root, segments of lower-case letters, digits and ``-._~`` (RFC 3986's unreserved characters)
+#: between single slashes, none a dot segment, no trailing slash. Each of its
+#: :func:`~proxy.asgi.paths.forwarded_forms` is itself: no hop or lenient router reads it as
+#: another path.
+_PLAIN_PATH = re.compile(r"(?:/(?!\.\.?(?:/|$))[a-z0-9._~-]+)+")
+
+
+def check_forwarded_route(path: str) -> None:
+    """``ValueError`` unless ``path`` may be listed as a route of the upstream's that runs no
+    engine: a plain path (:data:`_PLAIN_PATH`) that is no metered or refused route, nor one
+    after leading segments (as an upstream behind a root path serves ``/api/v1/embeddings``)."""
+    if _PLAIN_PATH.fullmatch(path) is None:
+        raise ValueError(f"{path!r} is no plain path: list it from the root, in lower case, of letters, digits and "
+                         "-._~ between single slashes, with no dot segment, trailing slash, query, fragment or "
+                         "percent-escape (/props), so that no hop or router reads it as another path")
+    route = next((tail for tail in (path, *tails(path, len(path))) if tail in PATCHED or tail in REFUSED), None)
+    if route is None:
+        return
+    named = path if route == path else f"{path} ends with {route}, which"
+    if route in PATCHED:
+        raise ValueError(f"{named} is a metered route: it is metered already; list only routes that run no engine")
+    raise ValueError(f"{named} runs the engine unmetered: it is refused while billing is on, never forwarded")

@@ -95,6 +95,7 @@ class Accounting:
             refuse_unmetered=(self.tenancy.keys is not None or self.tenancy.header is not None
                               or self.recorder is not None),
             refuse_prefixed=upstream,
+            forwarded=frozenset(s.forward_routes),
             answer_as_vllms_router=upstream,
         )
         guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)

@@ -66,6 +66,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="PEM file of CAs to verify an https:// upstream with (default: the system's CAs; "
         "certificates are always verified)",
     )
+    p.add_argument(
+        "--forward-route",
+        action="append",
+        metavar="PATH",
+        help="while billing is on, every path outside vLLM's route table is refused (403): forward this path of "
+        "the upstream's own anyway, by every method, as you vouch it runs no engine (llama.cpp's /props, Ollama's "
+        "/api/tags). Exact match; a metered route is refused at start (repeatable; default: none)",
+    )
     p.add_argument("--model", help="local Hugging Face folder or hub name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: 8000)")
@@ -203,6 +211,7 @@ _FLAGS = {
     "usage_max_file_bytes": "usage_max_file_bytes", "usage_queue_size": "usage_queue_size",
     "otlp_endpoint": "otlp_endpoint", "otlp_timeout_s": "otlp_timeout", "pd_legs": "pd_legs",
     "client_send_timeout_s": "client_send_timeout", "client_receive_timeout_s": "client_receive_timeout",
+    "forward_routes": "forward_route",
 }
 
 

@@ -21,6 +21,7 @@ from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
 from proxy.accounting.tenants import check_tenant_header
+from proxy.patching.routes import check_forwarded_route
 from proxy.server.config_file import config_table
 from proxy.server.logs import redacted
 from proxy.server.setting_values import coerce
@@ -86,6 +87,9 @@ class Settings:
     read_timeout_s: float = 600.0
     write_timeout_s: float = 60.0
     upstream_ca: str | None = None  # a PEM file of CAs trusted for an https:// upstream
+    # the upstream's own paths that run no engine, forwarded while billing refuses what is no
+    # route of vLLM's table (proxy.patching.routes.check_forwarded_route)
+    forward_routes: list[str] = field(default_factory=list)
     # the upstream's own key, sent as "Authorization: Bearer KEY" in place of any credential a
     # client sent (None: the client's Authorization goes on as sent)
     upstream_api_key: str | None = field(default=None, repr=False)  # never printed
@@ -124,6 +128,13 @@ class Settings:
                 raise SettingsError("upstream_api_key applies to an upstream (--upstream URL)")
             if not all("!" <= c <= "~" for c in self.upstream_api_key):  # it goes into a header line
                 raise SettingsError("upstream_api_key must be printable ASCII without spaces, as a Bearer token is")
+        if self.forward_routes and self.engine != "upstream":
+            raise SettingsError("forward_routes applies to an upstream (--upstream URL): vLLM's own routes are known")
+        for path in self.forward_routes:
+            try:
+                check_forwarded_route(path)
+            except ValueError as exc:
+                raise SettingsError(f"forward_routes: {exc}") from None
         if self.upstream_ca and not Path(self.upstream_ca).is_file():
             raise SettingsError(f"upstream_ca: no such file: {self.upstream_ca}")
         if self.upstream_ca:
