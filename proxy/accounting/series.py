@@ -13,7 +13,7 @@ implementations, chosen once per process:
   same names, labels, buckets and ``_created`` samples (held against those very types
   by tests/accounting/test_metrics.py).
 - **Several processes** (``PROMETHEUS_MULTIPROC_DIR``): a collector is invisible to the
-  process that answers the scrape, so :func:`native` writes prometheus_client's own
+  process that answers the scrape, so :class:`Native` writes prometheus_client's own
   series, whose values live in the per-pid mmap files ``MultiProcessCollector`` sums.
 """
 
