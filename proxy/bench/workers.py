@@ -1,12 +1,13 @@
 """``python -m proxy.bench.workers``: requests/s of ``serve --workers 1`` against ``--workers 2``.
 
-One sim on 127.0.0.1 and two cachetally proxies in front of it (upstream mode), one with
-one worker and one with two, all running at once; the load generator (:mod:`proxy.bench.
-loadgen`) alternates rounds between them (A B B A ...) at c=64, non-streaming chat and
-streamed chat. Nothing is pinned: a second worker is only worth measuring on cores it can
-use. Each figure is the median over rounds; the ratio (2 / 1) is taken within a round,
-then its median. The proxy's CPU per request is summed over its process tree (uvicorn's
-supervisor and workers). Every server is started here and stopped when done.
+One sim on 127.0.0.1 and two cachetally proxies in front of it (upstream mode), one with one
+worker and one with two, all running at once; the load generator
+(:mod:`proxy.bench.loadgen`) alternates rounds between them (A B B A ...) at c=64,
+non-streaming chat and streamed chat. Nothing is pinned: a second worker is only worth
+measuring on cores it can use. Each figure is the median over rounds; the ratio (2 / 1) is
+taken within a round, then its median. The proxy's CPU per request is summed over its
+process tree (uvicorn's supervisor and workers). Every server is started here and stopped
+when done.
 """
 
 from __future__ import annotations
