@@ -1,9 +1,11 @@
 """``UpstreamEngine``: cachetally as a drop-in proxy in front of a running server.
 
-Every route is forwarded to ``settings.upstream`` + path + query; the middleware patches
-chat and completions on the way back, everything else (``/v1/models``, ``/tokenize``,
-errors) passes through byte for byte. The engine publishes no events: usage comes from
-the upstream's own report (``proxy.patching.vendor_usage``, ``source=upstream``).
+Every route is forwarded to ``settings.upstream`` + path + query, but those the middleware
+refuses while billing is on (:mod:`proxy.patching.routes`); the middleware patches the
+metered routes (chat, completions, Responses, Messages, SageMaker's invocations) on the way
+back, everything else (``/v1/models``, ``/tokenize``, errors) passes through byte for byte.
+The engine publishes no events: usage comes from the upstream's own report
+(``proxy.patching.vendor_usage``, ``source=upstream``).
 
 The upstream URL is parsed once, into an :class:`~proxy.upstream.client.Origin`, when
 the engine is built; each request's target is the origin's path + the request's raw path
@@ -16,7 +18,7 @@ The pool is sized for about a thousand concurrent streams; a request that finds 
 ``connect_timeout_s``, then gets 503. The per-request work is in
 :mod:`proxy.upstream.forward`. Which headers the upstream sees for the patched routes
 (``Accept-Encoding: identity``, the rewritten body's ``Content-Length``) is the
-middleware's business (:mod:`proxy.patching.responder`), not this engine's.
+middleware's business (:mod:`proxy.patching.request_side`), not this engine's.
 """
 
 from __future__ import annotations
