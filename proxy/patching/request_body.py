@@ -1,4 +1,4 @@
-"""Read, check and (rarely) rewrite the JSON body of a chat or completions request.
+"""Read, check and (rarely) rewrite the JSON body of a request to a metered route.
 
 The middleware needs a few request options (``stream``, ``stream_options``, ``model``,
 ``return_cached_tokens_details``) and answers malformed or oversized bodies itself, so

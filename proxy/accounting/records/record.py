@@ -1,4 +1,4 @@
-"""The usage record: what one chat or completions HTTP request consumed, and for whom.
+"""The usage record: what one HTTP request to a metered route consumed, and for whom.
 
 Built by the responder in the middleware's ``finally`` from figures it already holds
 (no parsing, no I/O), then handed to each sink's queue. Never holds prompt or completion
