@@ -3,7 +3,7 @@
 (The vLLM engine runs inside vLLM's own server instead: :mod:`proxy.vllm_middleware`.)
 
 ```
-API key check (only with --api-key; exempt paths configurable)
+API key check (only with --api-key or --api-keys; exempt paths configurable)
 /health /metrics /stats          served here
 everything else  ─▶ UsagePatchMiddleware ─▶ error guard ─▶ engine app (sim, upstream)
 ```
