@@ -15,7 +15,7 @@ answers it. It is keyed by the proxy's
 is served alone. Like engines that drop the number, responses carry no
 ``prompt_tokens_details`` unless ``report_cached_tokens`` is set (vLLM's
 ``--enable-prompt-tokens-details``). It also serves the Responses and Messages APIs
-(:mod:`engine_adapter.sim.apis`).
+(:mod:`engine_adapter.sim.apis`), and vLLM's ``/tokenize`` (:mod:`engine_adapter.sim.tokenize_route`).
 
 Standalone: ``python -m engine_adapter.sim --host 127.0.0.1 --port 8000`` (:mod:`engine_adapter.sim.__main__`).
 """
@@ -38,6 +38,7 @@ from starlette.routing import Route
 from engine_adapter.events import EventSink, Scheduled, current_request_key
 from engine_adapter.sim import apis
 from engine_adapter.sim.prefix_cache import PrefixCache
+from engine_adapter.sim.tokenize_route import tokenize_route
 from engine_adapter.sim.protocol import (
     SYSTEM_FINGERPRINT,
     Kind,
@@ -90,6 +91,7 @@ class SimEngine:
                 Route("/v1/responses", self._responses, methods=["POST"]),
                 Route("/v1/messages", self._messages, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/tokenize", tokenize_route(config.model), methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
             ]
         )
