@@ -5,10 +5,10 @@ middleware that builds it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Scope
 
 from proxy.accounting.metrics import Metrics
 from proxy.accounting.records.recorder import Recorder
@@ -22,6 +22,7 @@ from proxy.patching.served_models import ServedModels
 from proxy.patching.usage import Missing
 
 DEFAULT_ROUTES: Mapping[str, str] = PATCHED
+CountPrompt = Callable[[str, bytes, Scope], Awaitable["int | None"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +91,6 @@ class PatchContext:
     bodies: BodyBudget
     #: This process's responses held to be patched, bounded.
     responses: ResponseBudget
+    #: Upstream mode: a cut stream's prompt tokens as the upstream counts them, from the route,
+    #: the body it was sent and its forwarded scope (:meth:`proxy.upstream.engine.UpstreamEngine.count_prompt`).
+    count_prompt: CountPrompt | None = None

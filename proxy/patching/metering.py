@@ -48,6 +48,8 @@ def meter(r: Responder, engine: EngineUsage | None) -> None:
     elif in_response.source == "upstream":
         prompt, cached, source = in_response.prompt_tokens, in_response.cached_tokens, "upstream"
         writes = in_response.cache_creation_tokens
+    elif r.counted_prompt is not None:  # a stream cut before its usage chunk: the upstream's /tokenize
+        prompt, cached, source = r.counted_prompt, None, "tokenize"
     elif r.handed is not None:  # a decode leg that never ran: its prefill's figures
         prompt, cached, source = r.handed
     else:

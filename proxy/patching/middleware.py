@@ -43,7 +43,7 @@ from proxy.asgi.errors import send_error
 from proxy.asgi.headers import RequestHeaders, without
 from proxy.asgi.paths import forwarded_forms, route_path, tails
 from proxy.patching.body_budget import BodyBudget
-from proxy.patching.context import PatchConfig, PatchContext
+from proxy.patching.context import CountPrompt, PatchConfig, PatchContext
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.metering import meter
 from proxy.patching.request_side import READ_HEADERS, REPLACED_HEADERS, run_patched
@@ -70,9 +70,11 @@ class UsagePatchMiddleware:
         request_ids: RequestIds = RequestIds(),
         recorder: Recorder | None = None,
         process_tag: str = "",
+        count_prompt: CountPrompt | None = None,
     ) -> None:
         """``process_tag``: the last component of this process's keys for clients' ids, when
-        several processes serve the port (:func:`proxy.accounting.request_id.process_tag`)."""
+        several processes serve the port (:func:`proxy.accounting.request_id.process_tag`).
+        ``count_prompt``: upstream mode's count of a cut stream's prompt (:class:`PatchContext`)."""
         self.app = app
         self.ledger = ledger
         self.metrics = metrics
@@ -84,7 +86,7 @@ class UsagePatchMiddleware:
         guard = app if isinstance(app, ErrorGuard) else None
         self.context = PatchContext(app, guard, config, ledger, metrics, recorder, self.echo_header,
                                     BodyBudget(config.max_request_bytes_held),
-                                    ResponseBudget(config.max_response_bytes_held))
+                                    ResponseBudget(config.max_response_bytes_held), count_prompt)
         #: Every request header a decision reads, and those the inner app gets replaced.
         self._noted = READ_HEADERS | _DROPPED | config.tenancy.reads | {self.echo_header}
         # Read on every request: looked up once here.

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope
 
-from proxy.asgi.errors import send_error, server_stop
+from proxy.asgi.errors import send_error, server_stop, stop_answered
 from proxy.asgi.paths import route_path
 from proxy.patching.body_budget import BodyBudgetFull, Hold
 from proxy.patching.oversized_leg import member_of
@@ -39,6 +39,8 @@ from proxy.patching.stopped import end_stopped
 
 INTERVAL = "stream_interval"
 TRANSFER = "kv_transfer_params"
+#: The routes whose cut streams have their prompt counted by the upstream (upstream mode).
+COUNTED = frozenset(("chat", "completions"))
 
 #: A body that does not fit in what the process may still hold (proxy.patching.body_budget).
 BODIES_FULL = "The server is receiving as many request bodies as it may hold; retry"
@@ -101,13 +103,17 @@ async def run_patched(r: Responder, scope: Scope, receive: Receive) -> None:
             (b"accept-encoding", b"identity"),
         ]
         scope, receive = {**scope, "headers": forwarded}, replay(body, _watch(r, receive), hold.release)
-        # The inner app gets the body from replay and keeps its own: not held here for its whole run.
+        # The inner app gets the body from replay and keeps its own: not held here for its whole
+        # run, but where a stream cut before its usage chunk would have its prompt counted from it.
+        kept = body if r.ctx.count_prompt is not None and r.options.stream and r.route in COUNTED else None
         del body, payload
         guard = r.ctx.guard
         if guard is None:
             await r.ctx.app(scope, receive, r.send)
         else:  # r.send rewrites a framework's 404 or 405 itself: one layer less on every message
             await guard.serve(scope, receive, r.send, r.started)
+        if kept is not None and r.leg is None and _cut_before_usage(r):
+            await _count_prompt(r, kept, scope)
     except asyncio.CancelledError as cancelled:
         if not server_stop(cancelled):
             raise
@@ -154,6 +160,23 @@ def _refusal(r: Responder, payload: dict[str, Any], beam_search: bool) -> str | 
         # One search per prompt, their steps interleaved: no event says which is a prompt.
         return "use_beam_search with several prompts is not metered on this server; send one prompt per request"
     return None
+
+
+def _cut_before_usage(r: Responder) -> bool:
+    """A stream the upstream started, whose client left before its usage chunk."""
+    return r.status == 200 and r.notes.disconnected and not r.notes.errored and r.in_response.prompt_tokens is None
+
+
+async def _count_prompt(r: Responder, body: bytes, scope: Scope) -> None:
+    """The prompt of ``r``'s body as the upstream counts it (:mod:`proxy.upstream.prompt_count`).
+    The server's stop ends the ask: the client is gone, nothing to answer, the prompt unknown."""
+    assert r.ctx.count_prompt is not None
+    try:
+        r.counted_prompt = await r.ctx.count_prompt(r.route, body, scope)
+    except asyncio.CancelledError as cancelled:
+        if not server_stop(cancelled):
+            raise
+        stop_answered()
 
 
 def _watch(r: Responder, receive: Receive) -> Receive:

@@ -56,6 +56,7 @@ class Responder:
         self.leg: Leg | None = None  # a disaggregated prefill/decode leg (proxy.patching.pd_leg)
         self.handed: tuple[int, int, str] | None = None  # a decode leg's: its prefill's (prompt, cached, source)
         self.in_response = ResponseUsage()
+        self.counted_prompt: int | None = None  # a cut stream's prompt, as the upstream's /tokenize counts it
         self.mode = Mode.PASS
         self.stream = False
         self.ghost_asked = False  # asked for a usage chunk the client did not (proxy.patching.ghost)

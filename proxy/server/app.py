@@ -86,7 +86,10 @@ class CachetallyApp:
             publishing: asyncio.Task[None] | None = None
             try:
                 inner = await self.engine.start()
-                self._patched = self.accounting.patch(inner, upstream=self.settings.engine == "upstream")
+                # The upstream engine's (proxy.upstream.prompt_count): no other engine has one.
+                counter = getattr(self.engine, "count_prompt", None)
+                self._patched = self.accounting.patch(inner, upstream=self.settings.engine == "upstream",
+                                                      count_prompt=counter)
                 if multiprocess_dir() is not None:
                     if self._engine_series is None:  # kept across a restart: it holds what it already wrote
                         self._engine_series = SharedEngineSeries(self.engine.metrics_text)

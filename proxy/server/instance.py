@@ -29,7 +29,7 @@ from proxy.accounting.records.recorder import Recorder, recorder_from_settings
 from proxy.accounting.request_id import process_tag
 from proxy.accounting.tenants import tenancy_from_settings
 from proxy.asgi.error_guard import ErrorGuard
-from proxy.patching.context import DEFAULT_ROUTES, PatchConfig
+from proxy.patching.context import DEFAULT_ROUTES, CountPrompt, PatchConfig
 from proxy.patching.ledger import UsageLedger
 from proxy.patching.middleware import UsagePatchMiddleware
 from proxy.patching.served_models import ServedModels, UpstreamModels
@@ -68,12 +68,14 @@ class Accounting:
         #: Several processes share the port: this one's keys for clients' ids end with its tag.
         self.process_tag = process_tag() if multiprocess_dir() else ""
 
-    def patch(self, inner: ASGIApp, *, upstream: bool = False) -> UsagePatchMiddleware:
+    def patch(self, inner: ASGIApp, *, upstream: bool = False,
+              count_prompt: CountPrompt | None = None) -> UsagePatchMiddleware:
         """``inner`` behind the error guard and the usage-patching middleware.
 
         ``upstream``: a drop-in proxy asks for usage chunks the client did not (ghost
         usage), passes ``return_cached_tokens_details`` on, and rewrites framework errors
-        on the patched routes only.
+        on the patched routes only. ``count_prompt``: how it counts the prompt of a stream
+        cut before its usage chunk (:meth:`proxy.upstream.engine.UpstreamEngine.count_prompt`).
         """
         s = self.settings
         config = PatchConfig(
@@ -100,7 +102,7 @@ class Accounting:
         )
         guarded = ErrorGuard(inner, config.routes.keys() if upstream else None)
         return UsagePatchMiddleware(guarded, ledger=self.ledger, metrics=self.metrics, config=config,
-                                    recorder=self.recorder, process_tag=self.process_tag)
+                                    recorder=self.recorder, process_tag=self.process_tag, count_prompt=count_prompt)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

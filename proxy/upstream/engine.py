@@ -35,7 +35,9 @@ from proxy.asgi.paths import route_path
 from proxy.server.settings import Settings
 from proxy.upstream.client import Origin, UpstreamClient
 from proxy.upstream.forward import Forward
+from proxy.upstream.hop_headers import request_headers
 from proxy.upstream.pool import Http1Pool
+from proxy.upstream.prompt_count import PromptCounter
 
 logger = logging.getLogger("cachetally.upstream")
 
@@ -80,6 +82,7 @@ class UpstreamEngine:
         key = settings.upstream_api_key
         self._authorization = None if key is None else b"Bearer " + key.encode("ascii")
         self._gateway = settings.tenant_header is not None
+        self.prompts = PromptCounter()
 
     async def start(self) -> ASGIApp:
         if self._client is None:
@@ -118,6 +121,13 @@ class UpstreamEngine:
         authorization = self._authorization if self._gateway or scope.get(AUTHENTICATED) else None
         await Forward(client, target, scope, receive, send, authorization).run()
 
+    async def count_prompt(self, route: str, body: bytes, scope: Scope) -> int | None:
+        """The prompt tokens of ``body``, a stream cut before its usage chunk, as the upstream's
+        ``/tokenize`` counts them, asked with the credentials the request was forwarded with
+        (:mod:`proxy.upstream.prompt_count`); ``None`` when unknown."""
+        authorization = self._authorization if self._gateway or scope.get(AUTHENTICATED) else None
+        return await self.prompts.count(self._client, route, body, request_headers(scope["headers"], authorization))
+
     @staticmethod
     def target_for(scope: Scope) -> bytes | None:
         """The request's raw path + query (the origin's path is the pool's to add), encoding
@@ -136,10 +146,12 @@ class UpstreamEngine:
         return path + b"?" + query if query else path
 
     def metrics_text(self) -> bytes:
-        """Pool gauges, read from the connection pool when it has the expected shape (else empty)."""
+        """Pool gauges, read from the connection pool when it has the expected shape, and the
+        counts of cut streams' prompts asked of the upstream."""
+        prompts = self.prompts.metrics_text().encode()
         state = self._client.pool_state() if self._client is not None else None
         if state is None:
-            return b""
+            return prompts
         open_, idle, checked_out, queued = state
         gauges = (
             ("cachetally_upstream_connections_open", open_, "Connections to the upstream."),
@@ -153,4 +165,4 @@ class UpstreamEngine:
         )
         return "".join(
             f"# HELP {name} {help_}\n# TYPE {name} gauge\n{name} {value}\n" for name, value, help_ in gauges
-        ).encode()
+        ).encode() + prompts

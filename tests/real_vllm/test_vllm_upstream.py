@@ -369,6 +369,63 @@ def test_continuous_usage_chunks_with_missing_omit_stay_as_vllm_sent_them(stack:
     assert data(proxied[-2])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+#: Bodies whose prompt vLLM's ``/tokenize`` is asked to count, each as the client sends it:
+#: a system message, an assistant's message continued, template kwargs, a truncation that cuts
+#: the prompt, a completions prompt with and without the special tokens.
+CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat-system": ("chat", {"messages": [{"role": "system", "content": "Answer in French."}, {"role": "user"}]}),
+    "chat-continued": ("chat", {"messages": [{"role": "user"}, {"role": "assistant", "content": "Sure, the"}],
+                                "add_generation_prompt": False, "continue_final_message": True}),
+    "chat-template-kwargs": ("chat", {"messages": [{"role": "user"}], "chat_template_kwargs": {"enable_thinking": False}}),
+    "chat-truncated": ("chat", {"messages": [{"role": "user"}], "truncate_prompt_tokens": 100}),
+    "completions": ("completions", {}),
+    "completions-bare": ("completions", {"add_special_tokens": False}),
+}
+
+
+def _cut_body(case: str) -> tuple[str, dict[str, Any]]:
+    route, extra = CUT_BODIES[case]
+    out = {"model": DEFAULT_MODEL_NAME, "max_tokens": 48, "temperature": 0, "ignore_eos": True, **extra}
+    if route == "chat":
+        out["messages"] = [{**m, "content": m.get("content", fresh_prompt())} for m in extra["messages"]]
+    else:
+        out["prompt"] = fresh_prompt()
+    return route, out
+
+
+@ON
+def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(stack: Stack, tmp_path: Path) -> None:
+    """A client that reads a few tokens and hangs up before the usage chunk is billed the
+    prompt vLLM's ``/tokenize`` counts for the body, which is the ``prompt_tokens`` vLLM's usage
+    reports for the same body read whole; its cache unknown. A proxy with usage records, in
+    front of this module's vLLM."""
+    serve = ["-m", "proxy.server.cli", "serve", "--upstream", stack.vllm, "--log-level", "warning",
+             "--usage-dir", str(tmp_path), "--usage-flush-interval", "0.05"]
+    with running_server(serve, timeout_s=120) as (proxy, _), openai.OpenAI(
+            base_url=f"{proxy}/v1", api_key="unused", max_retries=0, timeout=stack.pace.timeout(4)) as client:
+        expected = {}
+        for case in CUT_BODIES:
+            route, payload = _cut_body(case)
+            whole = stack.send(stack.vllm, route, {**payload, "stream": True, "stream_options": {"include_usage": True}})
+            expected[case] = usage_of(whole, True)["prompt_tokens"]
+            standard = {k: payload[k] for k in ("model", "max_tokens", "temperature", "messages", "prompt") if k in payload}
+            extra = {k: v for k, v in payload.items() if k not in standard}
+            create = client.chat.completions.create if route == "chat" else client.completions.create
+            stream: Any = create(**standard, stream=True, extra_body=extra, extra_headers={"x-request-id": case})
+            read = [chunk for chunk, _ in zip(stream, range(3))]
+            stream.close()
+            assert len(read) == 3
+        found: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 30
+        while len(found) < len(CUT_BODIES) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            found = [orjson.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    assert expected["chat-truncated"] == 100
+    got = {r["request_id"]: (r["outcome"], r["prompt_tokens"], r["cached_tokens"], r["source"]) for r in found}
+    assert len(found) == len(CUT_BODIES)
+    assert got == {case: ("disconnected", n, None, "tokenize") for case, n in expected.items()}
+
+
 # -- flag off: the `missing` policy, counted as unknown ----------------------------------------
 
 

@@ -1,0 +1,267 @@
+"""Upstream mode: a stream whose client hangs up before the usage chunk is billed its prompt,
+as the upstream's own ``/tokenize`` counts it (:mod:`proxy.upstream.prompt_count`).
+
+A client that reads the tokens it wants and leaves just before the final usage chunk had
+its completion tokens billed and its prompt, the expensive prefill, not. cachetally runs in
+a real uvicorn in front of the sim (a subprocess) or of a Starlette upstream whose
+``/tokenize`` fails each way; the client is the official ``openai`` SDK, which closes the
+stream after the chunks it read; what is checked is the usage record and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine_adapter.sim.tokenizer import render_chat, tokenize
+from proxy.server.app import CachetallyApp
+from proxy.server.settings import Settings
+from tests.servers import metric_value, running_server, serving_in_thread
+
+pytestmark = pytest.mark.loopback
+
+SIM = ["-m", "engine_adapter.sim", "--log-level", "warning", "--model", "m", "--token-delay-s", "0.02"]
+COUNTS = "cachetally_upstream_prompt_counts_total"
+LONG = " ".join(f"word{i}" for i in range(400))
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": LONG}]
+
+
+def records(directory: Path, expected: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The records written, once ``expected`` are (or the time is up), and a moment more for
+    any written twice."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [orjson.loads(line) for path in sorted(directory.glob("*.jsonl"))
+                 for line in path.read_bytes().splitlines()]
+        if len(found) >= expected or time.monotonic() > deadline:
+            time.sleep(0.3)
+            return [orjson.loads(line) for path in sorted(directory.glob("*.jsonl"))
+                    for line in path.read_bytes().splitlines()]
+
+
+@contextlib.contextmanager
+def cachetally(upstream: str, usage_dir: Path, **overrides: Any) -> Iterator[tuple[str, CachetallyApp]]:
+    settings = Settings(engine="upstream", upstream=upstream, model="m", usage_dir=str(usage_dir),
+                        usage_flush_interval_s=0.05, **overrides).validate()
+    app = CachetallyApp(settings)
+    with serving_in_thread(app, "cachetally") as url:
+        yield url, app
+
+
+def counted(url: str, result: str) -> float:
+    return metric_value(httpx.get(f"{url}/metrics", timeout=5).text, COUNTS, result=result)
+
+
+def hang_up(client: openai.OpenAI, route: str, prompt: Any, chunks: int = 3, **extra: Any) -> str:
+    """Stream ``max_tokens`` 500, read ``chunks`` chunks, close: what the client read."""
+    if route == "chat":
+        stream: Any = client.chat.completions.create(model="m", messages=prompt, max_tokens=500, stream=True, **extra)
+    else:
+        stream = client.completions.create(model="m", prompt=prompt, max_tokens=500, stream=True, **extra)
+    read = []
+    for chunk in stream:
+        read.append(chunk)
+        if len(read) == chunks:
+            break
+    stream.close()
+    return "".join((c.choices[0].delta.content or "") if route == "chat" else c.choices[0].text
+                   for c in read if c.choices)
+
+
+@pytest.mark.parametrize(("route", "prompt", "expected"), [
+    ("chat", MESSAGES, len(tokenize(render_chat(MESSAGES)))),
+    ("completions", LONG, len(tokenize(LONG))),
+    ("completions", [LONG], len(tokenize(LONG))),  # one prompt in a list
+    ("completions", list(range(1, 301)), 300),  # token ids: counted without asking
+], ids=["chat", "completions", "one-in-a-list", "token-ids"])
+def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_the_upstream_counts(
+        tmp_path: Path, route: str, prompt: Any, expected: int) -> None:
+    """In front of the sim: the record bills the prompt the sim's usage would have reported
+    (the sim's ``/tokenize`` counts as its routes do), its cache unknown, never 0; the
+    counters count the request as one whose cache is unknown."""
+    with running_server(SIM, timeout_s=20) as (sim, _), cachetally(sim, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        assert hang_up(client, route, prompt)  # it read tokens, then left
+        (record,) = records(tmp_path, 1)
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    assert (record["outcome"], record["status"], record["route"]) == ("disconnected", 200, route)
+    assert (record["prompt_tokens"], record["cached_tokens"], record["source"]) == (expected, None, "tokenize")
+    assert 0 < record["completion_tokens"] < 500
+    assert metric_value(metrics, COUNTS, result="counted") == 1
+    # Counted as the record says: a request whose cache is unknown, out of the token counters.
+    assert metric_value(metrics, "cachetally_requests_total", cache="unknown") == 1
+
+
+TOOL = {"type": "function", "function": {"name": "f", "description": LONG, "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("route", "prompt", "extra"), [
+    ("completions", [LONG, LONG], {}),  # vLLM's usage sums them; /tokenize takes one string
+    ("completions", LONG, {"suffix": "end"}),  # rendered for fill-in-the-middle
+    ("chat", MESSAGES, {"tools": [TOOL], "tool_choice": "none"}),  # dropped by some servers' flag
+], ids=["two-prompts", "suffix", "tools-with-choice-none"])
+def test_a_prompt_no_ask_counts_exactly_is_left_unknown_and_counted(
+        tmp_path: Path, route: str, prompt: Any, extra: dict[str, Any]) -> None:
+    """Never a guess: a cut stream whose prompt ``/tokenize`` cannot count as the route does
+    keeps its prompt unknown, as before, and is counted ``uncountable``."""
+    with running_server(SIM, timeout_s=20) as (sim, _), cachetally(sim, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        assert hang_up(client, route, prompt, **extra)
+        (record,) = records(tmp_path, 1)
+        uncountable = counted(url, "uncountable")
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == ("disconnected", None, None)
+    assert uncountable == 1
+
+
+def test_a_stream_read_whole_is_billed_its_usage_not_a_count(tmp_path: Path) -> None:
+    """The ask is made for cut streams only: a stream read to its end is billed the usage
+    chunk (the sim reports no cache: ``source`` unknown), and ``/tokenize`` is not asked."""
+    with running_server(SIM, timeout_s=20) as (sim, _), cachetally(sim, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, stream=True))  # type: ignore[arg-type]
+        (record,) = records(tmp_path, 1)
+        assert sum(counted(url, result) for result in ("counted", "busy", "failed", "uncountable")) == 0
+    assert (record["outcome"], record["prompt_tokens"], record["source"]) == (
+        "completed", len(tokenize(render_chat(MESSAGES))), None)
+
+
+# -- an upstream whose /tokenize fails -------------------------------------------------------
+
+
+class Upstream:
+    """A chat stream of 200 slow tokens and its usage chunk, and a ``/tokenize`` that answers
+    as ``mode`` says: ``count`` 42 (to the upstream's key alone if ``key``), none (404),
+    a 500, a count that is no integer, or never."""
+
+    def __init__(self, mode: str, key: str | None = None) -> None:
+        self.mode, self.key = mode, key
+        self.asked = threading.Event()
+        self.asked_bodies: list[dict[str, Any]] = []
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"])]
+        if mode != "missing":
+            routes.append(Route("/tokenize", self.tokenize, methods=["POST"]))
+        self.app = Starlette(routes=routes)
+
+    async def chat(self, request: Request) -> Response:
+        await request.body()
+        head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+        async def events() -> AsyncIterator[bytes]:
+            for _ in range(200):
+                chunk = {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                await asyncio.sleep(0.02)
+            usage = {"prompt_tokens": 42, "completion_tokens": 200, "total_tokens": 242}
+            yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def tokenize(self, request: Request) -> Response:
+        self.asked_bodies.append(orjson.loads(await request.body()))
+        self.asked.set()
+        if self.key is not None and request.headers.get("authorization") != f"Bearer {self.key}":
+            return JSONResponse({"error": {"message": "Unauthorized"}}, 401)
+        if self.mode == "hang":
+            await asyncio.Event().wait()
+        if self.mode == "error":
+            return JSONResponse({"error": {"message": "boom", "code": 500}}, 500)
+        count: Any = {"not-a-count": "42", "a-float": 42.0}.get(self.mode, 42)
+        return JSONResponse({"count": count, "max_model_len": 4096, "tokens": [1] * 42})
+
+
+@pytest.mark.parametrize("mode", ["missing", "hang", "error", "not-a-count", "a-float"])
+def test_an_upstream_whose_tokenize_fails_leaves_the_prompt_unknown_and_one_record(tmp_path: Path, mode: str) -> None:
+    upstream = Upstream(mode)
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        app.engine.prompts.timeout_s = 0.5  # type: ignore[attr-defined]
+        assert hang_up(client, "chat", MESSAGES)
+        (record,) = records(tmp_path, 1)
+        failed = counted(url, "failed")
+        # No crash: the next request is served and billed.
+        assert len(list(client.chat.completions.create(model="m", messages=MESSAGES, stream=True))) == 200  # type: ignore[arg-type]
+        assert [r["prompt_tokens"] for r in records(tmp_path, 2)] == [None, 42]
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"], record["source"]) == (
+        "disconnected", None, None, None)
+    assert record["completion_tokens"] > 0
+    assert failed == 1  # where an operator sees it
+
+
+def test_past_the_cap_a_cut_stream_is_left_unknown_and_counted_busy(tmp_path: Path) -> None:
+    """A flood of hang-ups asks the upstream no more than the cap at once: one ask in flight
+    (a ``/tokenize`` that never answers), the next cut stream is not asked about."""
+    upstream = Upstream("hang")
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        app.engine.prompts.max_asking, app.engine.prompts.timeout_s = 1, 3.0  # type: ignore[attr-defined]
+        hang_up(client, "chat", MESSAGES)
+        assert upstream.asked.wait(5)
+        hang_up(client, "chat", MESSAGES)
+        found = records(tmp_path, 2)
+        assert (counted(url, "busy"), counted(url, "failed")) == (1, 1)
+    assert len(upstream.asked_bodies) == 1
+    assert [(r["outcome"], r["prompt_tokens"], r["cached_tokens"]) for r in found] == [
+        ("disconnected", None, None)] * 2
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["clients-key", "upstreams-key"])
+def test_the_ask_carries_the_credentials_the_request_was_forwarded_with(tmp_path: Path, keyed: bool) -> None:
+    """The client's own key, or, behind cachetally's keys, the upstream's (``--upstream-api-key``):
+    as the request itself went. The ask is the chat's prompt fields, as vLLM's
+    ``TokenizeChatRequest`` takes them."""
+    overrides: dict[str, Any] = {}
+    if keyed:
+        keys = tmp_path / "keys.toml"
+        keys.write_text('"sk-tenant-acme-0123456789" = "acme"\n')
+        keys.chmod(0o600)
+        overrides = {"api_keys_file": str(keys), "upstream_api_key": "sk-upstream-0123456789"}
+    upstream = Upstream("count", key="sk-upstream-0123456789" if keyed else "sk-tenant-acme-0123456789")
+    usage = tmp_path / "usage"
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, usage, **overrides) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-tenant-acme-0123456789", max_retries=0,
+                          timeout=10) as client:
+        hang_up(client, "chat", MESSAGES)
+        (record,) = records(usage, 1)
+    assert (record["prompt_tokens"], record["source"]) == (42, "tokenize")
+    assert upstream.asked_bodies == [{"model": "m", "messages": MESSAGES}]
+
+
+def test_a_graceful_stop_during_the_ask_writes_the_record_once_with_the_prompt_unknown(tmp_path: Path) -> None:
+    """SIGTERM while the upstream's ``/tokenize`` is asked about a cut stream (it never
+    answers): the stop ends the ask, and the record is written once, before the recorder's
+    final drain, as the client left it (``disconnected``, not the stop's ``error``: no one was
+    there to tell), its prompt unknown; no traceback, no prompt text in the log."""
+    upstream = Upstream("hang")
+    usage, log = tmp_path / "usage", tmp_path / "serve.log"
+    secret = f"a secret prompt {LONG}"
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, running_server(
+            ["-m", "proxy.server.cli", "serve", "--upstream", upstream_url, "--usage-dir", str(usage),
+             "--usage-flush-interval", "0.05"], env={"CACHETALLY_SHUTDOWN_TIMEOUT_S": "0.3"},
+            log_path=log) as (url, proc):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+            assert hang_up(client, "chat", [{"role": "user", "content": secret}])
+        assert upstream.asked.wait(5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    found = records(usage, 1, timeout_s=0)
+    assert [(r["outcome"], r["prompt_tokens"], r["cached_tokens"]) for r in found] == [("disconnected", None, None)]
+    text = log.read_text()
+    assert "Traceback" not in text and "dropped" not in text and "secret" not in text, text[-3000:]
