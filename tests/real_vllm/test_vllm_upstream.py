@@ -371,13 +371,14 @@ def test_continuous_usage_chunks_with_missing_omit_stay_as_vllm_sent_them(stack:
 
 #: Bodies whose prompt vLLM's ``/tokenize`` is asked to count, each as the client sends it:
 #: a system message, an assistant's message continued, template kwargs, a truncation that cuts
-#: the prompt, a completions prompt with and without the special tokens.
+#: the prompt, two choices, a completions prompt with and without the special tokens.
 CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat-system": ("chat", {"messages": [{"role": "system", "content": "Answer in French."}, {"role": "user"}]}),
     "chat-continued": ("chat", {"messages": [{"role": "user"}, {"role": "assistant", "content": "Sure, the"}],
                                 "add_generation_prompt": False, "continue_final_message": True}),
     "chat-template-kwargs": ("chat", {"messages": [{"role": "user"}], "chat_template_kwargs": {"enable_thinking": False}}),
     "chat-truncated": ("chat", {"messages": [{"role": "user"}], "truncate_prompt_tokens": 100}),
+    "chat-two-choices": ("chat", {"messages": [{"role": "user"}], "n": 2, "temperature": 1.0}),  # one prompt, reported once
     "completions": ("completions", {}),
     "completions-bare": ("completions", {"add_special_tokens": False}),
 }
