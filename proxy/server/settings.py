@@ -90,6 +90,9 @@ class Settings:
     # the upstream's own paths that run no engine, forwarded while billing refuses what is no
     # route of vLLM's table (proxy.patching.routes.check_forwarded_route)
     forward_routes: list[str] = field(default_factory=list)
+    # as the upstream vLLM's --exclude-tools-when-tool-choice-none: the prompt of a stream cut before
+    # its usage chunk is counted without the tools tool_choice "none" leaves (proxy.upstream.prompt_count)
+    exclude_tools_when_tool_choice_none: bool = False
     # the upstream's own key, sent as "Authorization: Bearer KEY" in place of any credential a
     # client sent (None: the client's Authorization goes on as sent)
     upstream_api_key: str | None = field(default=None, repr=False)  # never printed
@@ -128,6 +131,9 @@ class Settings:
                 raise SettingsError("upstream_api_key applies to an upstream (--upstream URL)")
             if not all("!" <= c <= "~" for c in self.upstream_api_key):  # it goes into a header line
                 raise SettingsError("upstream_api_key must be printable ASCII without spaces, as a Bearer token is")
+        if self.exclude_tools_when_tool_choice_none and self.engine != "upstream":
+            raise SettingsError("exclude_tools_when_tool_choice_none applies to an upstream (--upstream URL): "
+                                "vLLM's own server counts its prompts itself")
         if self.forward_routes and self.engine != "upstream":
             raise SettingsError("forward_routes applies to an upstream (--upstream URL): vLLM's own routes are known")
         for path in self.forward_routes:

@@ -82,7 +82,7 @@ class UpstreamEngine:
         key = settings.upstream_api_key
         self._authorization = None if key is None else b"Bearer " + key.encode("ascii")
         self._gateway = settings.tenant_header is not None
-        self.prompts = PromptCounter()
+        self.prompts = PromptCounter(exclude_tools=settings.exclude_tools_when_tool_choice_none)
 
     async def start(self) -> ASGIApp:
         if self._client is None:

@@ -9,13 +9,16 @@ same messages or prompt and the fields that shape it, as vLLM 0.32's ``TokenizeC
 and ``TokenizeCompletionRequest`` take them (:func:`tokenize_body`). Its ``count`` is the
 ``prompt_tokens`` vLLM's usage reports for that body, where vLLM renders the chat itself
 (its chat template; not gpt-oss's Harmony, whose chat rendering ``/tokenize`` does not run).
-What cannot be counted so stays unknown, never a guess: several prompts, ``prompt_embeds``,
-a completions ``suffix`` (rendered for fill-in-the-middle), ``tools`` with ``tool_choice``
-``"none"`` (vLLM drops them under ``--exclude-tools-when-tool-choice-none``), and a
+Several prompts are asked one by one and summed, as vLLM's usage sums them; ``tools`` beside
+``tool_choice`` ``"none"`` are asked with the messages, or without them where the upstream runs
+``--exclude-tools-when-tool-choice-none`` (``exclude_tools_when_tool_choice_none``: set it as
+the upstream has it). What cannot be counted so stays unknown, never a guess:
+``prompt_embeds``, a completions ``suffix`` (rendered for fill-in-the-middle), and a
 truncation that may have cut the prompt (:func:`truncated`).
 
-Bounded: one ask at a time per :data:`MAX_ASKING` (past it, unknown, counted ``busy``),
-each within :data:`TIMEOUT_S` and an answer of :data:`MAX_ANSWER_BYTES`. The credentials
+Bounded: :data:`MAX_ASKING` requests' asks at once (past it, unknown, counted ``busy``), the
+asks of one request (one per prompt) within :data:`TIMEOUT_S`, each answer within
+:data:`MAX_ANSWER_BYTES`. The credentials
 go as the request's own were forwarded; nothing here logs. What each ask came to is
 counted in ``cachetally_upstream_prompt_counts_total{result}``.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -32,9 +36,9 @@ from proxy.asgi.headers import Headers
 from proxy.upstream.client import UpstreamClient, UpstreamFailure
 
 TOKENIZE = b"/tokenize"
-#: How long one ask may take, the answer read whole: the request's record waits for it.
+#: How long one request's asks may take, the answers read whole: its record waits for them.
 TIMEOUT_S = 5.0
-#: Asks in flight at once in one process: a flood of hang-ups asks no more of the upstream.
+#: Requests asking at once in one process: a flood of hang-ups asks no more of the upstream.
 MAX_ASKING = 16
 #: vLLM's answer lists every token id too (``tokens``): about 8 bytes a token.
 MAX_ANSWER_BYTES = 16 << 20
@@ -49,30 +53,43 @@ _CREDENTIALS = frozenset((b"authorization", b"x-api-key"))
 _MAX_COUNT = (1 << 63) - 1
 
 
-def tokenize_body(route: str, payload: dict[str, Any]) -> dict[str, Any] | int | None:
-    """What ``/tokenize`` is asked for ``payload`` (the body the upstream got), the count
-    itself for a prompt of token ids, or ``None`` when no ask counts it exactly."""
+def tokenize_body(route: str, payload: dict[str, Any],
+                  exclude_tools: bool = False) -> list[dict[str, Any] | int] | None:
+    """What ``/tokenize`` is asked for each prompt of ``payload`` (the body the upstream got),
+    or the count itself for a prompt of token ids; ``None`` when no ask counts it exactly.
+    ``exclude_tools``: the upstream drops ``tools`` under ``tool_choice`` ``"none"``."""
     if route == "chat":
-        return _chat(payload)
+        asked = _chat(payload, exclude_tools)
+        return None if asked is None else [asked]
     if payload.get("prompt_embeds") is not None or payload.get("suffix") is not None:
         return None
     prompt = payload.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a list
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt)  # token ids (``true`` is one to vLLM too)
-    if not isinstance(prompt, str):
+    if isinstance(prompt, str) or _token_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
         return None
-    return {key: payload[key] for key in ("model", "add_special_tokens") if key in payload} | {"prompt": prompt}
+    shared = {key: payload[key] for key in ("model", "add_special_tokens") if key in payload}
+    parts: list[dict[str, Any] | int] = []
+    for one in prompt:  # vLLM's usage sums its prompts
+        if isinstance(one, str):
+            parts.append(shared | {"prompt": one})
+        elif _token_ids(one):
+            parts.append(len(one))  # token ids (``true`` is one to vLLM too)
+        else:
+            return None
+    return parts
 
 
-def _chat(payload: dict[str, Any]) -> dict[str, Any] | None:
-    tools = payload.get("tools")
-    # vLLM's default: "auto" beside tools, else "none"; under "none" its flag drops even [].
-    choice = payload["tool_choice"] if "tool_choice" in payload else "auto" if tools else "none"
-    if tools is not None and choice == "none":
-        return None
+def _token_ids(prompt: object) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+
+
+def _chat(payload: dict[str, Any], exclude_tools: bool) -> dict[str, Any] | None:
     asked = {key: payload[key] for key in _CHAT if key in payload}
+    # vLLM's default: "auto" beside tools, else "none"; under "none" its flag drops them.
+    choice = payload["tool_choice"] if "tool_choice" in payload else "auto" if asked.get("tools") else "none"
+    if exclude_tools and choice == "none":
+        asked.pop("tools", None)
     kwargs = payload.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         return None
@@ -117,56 +134,90 @@ def _read(body: bytes) -> dict[str, Any] | None:
     return payload if isinstance(payload, dict) else None
 
 
+async def _ask(client: UpstreamClient, asked: dict[str, Any], sent: list[tuple[bytes, bytes]]) -> Any:
+    """The upstream's answer to one ``/tokenize`` ask, read whole, or ``None``."""
+    try:
+        response = await client.send("POST", TOKENIZE, sent, json.dumps(asked).encode())
+    except UpstreamFailure:
+        return None
+    try:
+        if response.status != 200:
+            return None
+        chunks, size = [], 0
+        while chunk := await response.read():
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                return None
+            chunks.append(chunk)
+        return orjson.loads(b"".join(chunks))
+    except (UpstreamFailure, orjson.JSONDecodeError):
+        return None
+    finally:
+        response.close()
+
+
+def _sum(counts: Iterable[int | None]) -> int | None:
+    """The prompts' total, as vLLM's usage sums them; ``None`` if one is unknown or it is past int64."""
+    total = 0
+    for count in counts:
+        if count is None:
+            return None
+        total += count
+    return total if total <= _MAX_COUNT else None
+
+
 class PromptCounter:
     """Asks the upstream's ``/tokenize`` for cut streams' prompts, bounded (module docstring)."""
 
-    def __init__(self, max_asking: int = MAX_ASKING, timeout_s: float = TIMEOUT_S) -> None:
-        self.max_asking, self.timeout_s = max_asking, timeout_s
+    def __init__(self, max_asking: int = MAX_ASKING, timeout_s: float = TIMEOUT_S,
+                 exclude_tools: bool = False) -> None:
+        """``exclude_tools``: the upstream runs ``--exclude-tools-when-tool-choice-none``."""
+        self.max_asking, self.timeout_s, self.exclude_tools = max_asking, timeout_s, exclude_tools
         self.asking = 0
         self.results = dict.fromkeys(RESULTS, 0)
 
     async def count(self, client: UpstreamClient | None, route: str, body: bytes, headers: Headers) -> int | None:
         """The prompt tokens of ``body`` (sent to ``route``, with ``headers`` as forwarded), or ``None``."""
         payload = _read(body)
-        asked = None if payload is None else tokenize_body(route, payload)
-        if asked is None or payload is None:
+        parts = None if payload is None else tokenize_body(route, payload, self.exclude_tools)
+        if parts is None or payload is None:
             return self._done(None)
-        if isinstance(asked, int):
-            return self._done(truncated(asked, payload, None))
+        if all(isinstance(part, int) for part in parts):
+            return self._done(_sum(truncated(part, payload, None) for part in parts))
         if client is None or self.asking >= self.max_asking:
             self.results["busy" if client is not None else "failed"] += 1
             return None
         self.asking += 1
         try:
-            answer = await self._ask(client, asked, headers)
+            counts = await self._ask_each(client, parts, payload, headers)
         finally:
             self.asking -= 1
-        count = answer.get("count") if isinstance(answer, dict) else None
-        if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= _MAX_COUNT:
+        if counts is None:
             self.results["failed"] += 1
             return None
-        return self._done(truncated(count, payload, answer.get("max_model_len")))
+        return self._done(_sum(counts))
 
-    async def _ask(self, client: UpstreamClient, asked: dict[str, Any], headers: Headers) -> Any:
+    async def _ask_each(self, client: UpstreamClient, parts: list[dict[str, Any] | int], payload: dict[str, Any],
+                        headers: Headers) -> list[int | None] | None:
+        """Each prompt's count (``None``: truncation may have cut it), or ``None`` where an ask
+        failed; every ask within one :attr:`timeout_s`."""
         credentials = [(name, value) for name, value in headers if name.lower() in _CREDENTIALS]
         sent = [(b"content-type", b"application/json"), *credentials]
+        counts: list[int | None] = []
         try:
             async with asyncio.timeout(self.timeout_s):
-                response = await client.send("POST", TOKENIZE, sent, json.dumps(asked).encode())
-                try:
-                    if response.status != 200:
+                for part in parts:
+                    if isinstance(part, int):
+                        counts.append(truncated(part, payload, None))
+                        continue
+                    answer = await _ask(client, part, sent)
+                    count = answer.get("count") if isinstance(answer, dict) else None
+                    if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= _MAX_COUNT:
                         return None
-                    chunks, size = [], 0
-                    while chunk := await response.read():
-                        size += len(chunk)
-                        if size > MAX_ANSWER_BYTES:
-                            return None
-                        chunks.append(chunk)
-                finally:
-                    response.close()
-            return orjson.loads(b"".join(chunks))
-        except (UpstreamFailure, TimeoutError, orjson.JSONDecodeError):
+                    counts.append(truncated(count, payload, answer.get("max_model_len")))
+        except TimeoutError:
             return None
+        return counts
 
     def _done(self, count: int | None) -> int | None:
         self.results["counted" if count is not None else "uncountable"] += 1

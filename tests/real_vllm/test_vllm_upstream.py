@@ -371,7 +371,7 @@ def test_continuous_usage_chunks_with_missing_omit_stay_as_vllm_sent_them(stack:
 
 #: Bodies whose prompt vLLM's ``/tokenize`` is asked to count, each as the client sends it:
 #: a system message, an assistant's message continued, template kwargs, a truncation that cuts
-#: the prompt, two choices, a completions prompt with and without the special tokens.
+#: the prompt, two choices, a completions prompt with and without the special tokens, two prompts.
 CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat-system": ("chat", {"messages": [{"role": "system", "content": "Answer in French."}, {"role": "user"}]}),
     "chat-continued": ("chat", {"messages": [{"role": "user"}, {"role": "assistant", "content": "Sure, the"}],
@@ -381,6 +381,7 @@ CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat-two-choices": ("chat", {"messages": [{"role": "user"}], "n": 2, "temperature": 1.0}),  # one prompt, reported once
     "completions": ("completions", {}),
     "completions-bare": ("completions", {"add_special_tokens": False}),
+    "completions-two-prompts": ("completions", {"prompt": ["", ""]}),  # vLLM's usage sums them
 }
 
 
@@ -390,7 +391,7 @@ def _cut_body(case: str) -> tuple[str, dict[str, Any]]:
     if route == "chat":
         out["messages"] = [{**m, "content": m.get("content", fresh_prompt())} for m in extra["messages"]]
     else:
-        out["prompt"] = fresh_prompt()
+        out["prompt"] = [fresh_prompt() for _ in extra["prompt"]] if "prompt" in extra else fresh_prompt()
     return route, out
 
 

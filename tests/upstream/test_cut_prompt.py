@@ -39,6 +39,7 @@ SIM = ["-m", "engine_adapter.sim", "--log-level", "warning", "--model", "m", "--
 COUNTS = "cachetally_upstream_prompt_counts_total"
 LONG = " ".join(f"word{i}" for i in range(400))
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": LONG}]
+OTHER = " ".join(f"other{i}" for i in range(150))
 
 
 def records(directory: Path, expected: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
@@ -88,7 +89,10 @@ def hang_up(client: openai.OpenAI, route: str, prompt: Any, chunks: int = 3, **e
     ("completions", LONG, len(tokenize(LONG))),
     ("completions", [LONG], len(tokenize(LONG))),  # one prompt in a list
     ("completions", list(range(1, 301)), 300),  # token ids: counted without asking
-], ids=["chat", "completions", "one-in-a-list", "token-ids"])
+    # several prompts: asked one by one and summed, as vLLM's usage sums them
+    ("completions", [LONG, OTHER], len(tokenize(LONG)) + len(tokenize(OTHER))),
+    ("completions", [list(range(1, 51)), list(range(1, 31))], 80),
+], ids=["chat", "completions", "one-in-a-list", "token-ids", "two-prompts", "two-of-token-ids"])
 def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_the_upstream_counts(
         tmp_path: Path, route: str, prompt: Any, expected: int) -> None:
     """In front of the sim: the record bills the prompt the sim's usage would have reported
@@ -111,10 +115,9 @@ TOOL = {"type": "function", "function": {"name": "f", "description": LONG, "para
 
 
 @pytest.mark.parametrize(("route", "prompt", "extra"), [
-    ("completions", [LONG, LONG], {}),  # vLLM's usage sums them; /tokenize takes one string
     ("completions", LONG, {"suffix": "end"}),  # rendered for fill-in-the-middle
-    ("chat", MESSAGES, {"tools": [TOOL], "tool_choice": "none"}),  # dropped by some servers' flag
-], ids=["two-prompts", "suffix", "tools-with-choice-none"])
+    ("completions", LONG, {"extra_body": {"prompt_embeds": "AAAA"}}),  # one more prompt, of embeddings
+], ids=["suffix", "prompt-embeds"])
 def test_a_prompt_no_ask_counts_exactly_is_left_unknown_and_counted(
         tmp_path: Path, route: str, prompt: Any, extra: dict[str, Any]) -> None:
     """Never a guess: a cut stream whose prompt ``/tokenize`` cannot count as the route does
@@ -180,7 +183,9 @@ class Upstream:
             await asyncio.Event().wait()
         if self.mode == "error":
             return JSONResponse({"error": {"message": "boom", "code": 500}}, 500)
-        count: Any = {"not-a-count": "42", "a-float": 42.0}.get(self.mode, 42)
+        # A template that renders tools makes them part of the prompt: 100 tokens more.
+        rendered = 42 + 100 * ("tools" in self.asked_bodies[-1])
+        count: Any = {"not-a-count": "42", "a-float": 42.0}.get(self.mode, rendered)
         return JSONResponse({"count": count, "max_model_len": 4096, "tokens": [1] * 42})
 
 
@@ -242,6 +247,23 @@ def test_the_ask_carries_the_credentials_the_request_was_forwarded_with(tmp_path
         (record,) = records(usage, 1)
     assert (record["prompt_tokens"], record["source"]) == (42, "tokenize")
     assert upstream.asked_bodies == [{"model": "m", "messages": MESSAGES}]
+
+
+@pytest.mark.parametrize("excluded", [False, True], ids=["vllms-default", "exclude-tools-when-tool-choice-none"])
+def test_tools_beside_tool_choice_none_are_counted_as_the_upstream_renders_them(tmp_path: Path, excluded: bool) -> None:
+    """A client that adds a tool it never lets be called (``tool_choice`` ``"none"``, the one
+    choice a vLLM without a tool parser takes beside tools) is billed the prompt as its upstream
+    renders it: with the tools by vLLM's default, without them where the upstream runs
+    ``--exclude-tools-when-tool-choice-none`` and cachetally is told so. It was left unknown."""
+    upstream = Upstream("count")
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path, exclude_tools_when_tool_choice_none=excluded) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        hang_up(client, "chat", MESSAGES, tools=[TOOL], tool_choice="none")
+        (record,) = records(tmp_path, 1)
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"], record["source"]) == (
+        "disconnected", 42 if excluded else 142, None, "tokenize")
+    assert [("tools" in asked, asked.get("tool_choice")) for asked in upstream.asked_bodies] == [(not excluded, None)]
 
 
 def test_a_graceful_stop_during_the_ask_writes_the_record_once_with_the_prompt_unknown(tmp_path: Path) -> None:
