@@ -3,7 +3,9 @@
 Shapes follow vLLM 0.32 (``entrypoints/openai/responses/``, ``entrypoints/anthropic/``),
 reduced to what accounting and the official SDKs need:
 
-- Responses: ``usage.input_tokens`` is the whole prompt and, as vLLM always writes it,
+- Responses: the prompt is the chat vLLM renders: ``instructions`` (when not empty) as a
+  system message, then a string ``input`` as a user message or its message items as they are
+  (``input_text`` parts read as text). ``usage.input_tokens`` is the whole prompt and, as vLLM always writes it,
   ``input_tokens_details.cached_tokens`` and ``cache_write_tokens`` (unless the engine is
   told to drop the number, ``reported=None``). A stream is ``event:``/``data:`` pairs,
   ``"usage": null`` until the terminal event: ``response.completed`` when the sim stopped
@@ -57,8 +59,10 @@ def parse(raw: bytes, api: str, model: str, default_max_tokens: int) -> ApiReque
     body = request_object(raw, model)
     try:
         if api == "responses":
-            given = body.get("input")
-            messages = [{"role": "user", "content": given}] if isinstance(given, str) else given
+            # As vLLM renders it: instructions (when not empty) first, as a system message.
+            given, instructions = body.get("input"), body.get("instructions")
+            system = [{"role": "system", "content": instructions}] if instructions else []
+            messages = system + ([{"role": "user", "content": given}] if isinstance(given, str) else given)
             max_tokens, limit = _max(body, "max_output_tokens", default_max_tokens)
         else:
             system = body.get("system")

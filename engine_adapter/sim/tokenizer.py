@@ -36,7 +36,7 @@ def _content_text(content: Any) -> str:
         for part in content:
             if not (
                 isinstance(part, dict)
-                and part.get("type") == "text"
+                and part.get("type") in ("text", "input_text")  # the same text to vLLM's chat parser
                 and isinstance(part.get("text"), str)
             ):
                 raise ValueError("only text content parts are supported")

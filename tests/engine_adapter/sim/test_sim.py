@@ -420,6 +420,23 @@ async def test_messages_stream_starts_with_the_whole_prompt_as_vllm_does(sink: L
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize(("body", "messages"), [
+    ({"instructions": "Be brief.", "input": "hi there"},
+     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]),
+    ({"instructions": "", "input": [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "hi"}, {"type": "input_text", "text": "you"}]}]},
+     [{"role": "user", "content": "hi\nyou"}]),
+], ids=["instructions", "input-text-parts"])
+async def test_responses_prompt_is_the_chat_vllm_renders(
+        client: httpx.AsyncClient, body: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+    """As vLLM's Responses route renders it (and its ``/tokenize`` counts that chat): non-empty
+    ``instructions`` first, as a system message; ``input_text`` parts as text parts."""
+    resp = await client.post("/v1/responses", json={"model": "sim-model", **body})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["input_tokens"] == len(tokenize(render_chat(messages)))
+
+
+@pytest.mark.asyncio
 async def test_models_health_metrics_and_lifecycle(sink: ListSink) -> None:
     engine: Engine = SimEngine(sink)
     assert engine.name == "sim"
