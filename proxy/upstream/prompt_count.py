@@ -6,8 +6,10 @@ only, so a client that hangs up just before it would have its completion tokens 
 unknown"). For such a stream, and only then, the upstream's own tokenizer endpoint (vLLM's
 ``POST /tokenize``) is asked how many tokens the prompt of the body it was sent makes: the
 same messages or prompt and the fields that shape it, as vLLM 0.32's ``TokenizeChatRequest``
-and ``TokenizeCompletionRequest`` take them (:func:`tokenize_body`). Its ``count`` is the
-``prompt_tokens`` vLLM's usage reports for that body, where vLLM renders the chat itself
+and ``TokenizeCompletionRequest`` take them (:func:`tokenize_body`); a Responses body as the
+chat its route renders (:mod:`proxy.upstream.responses_prompt`, its ``truncation`` read as
+:func:`truncated` reads a chat's). Its ``count`` is the prompt vLLM's usage reports for that
+body (the Responses usage's ``input_tokens``), where vLLM renders the chat itself
 (its chat template; not gpt-oss's Harmony, whose chat rendering ``/tokenize`` does not run).
 Several prompts are asked one by one and summed, as vLLM's usage sums them; ``tools`` beside
 ``tool_choice`` ``"none"`` are asked with the messages, or without them where the upstream runs
@@ -34,6 +36,7 @@ import orjson
 
 from proxy.asgi.headers import Headers
 from proxy.upstream.client import UpstreamClient, UpstreamFailure
+from proxy.upstream.responses_prompt import chat_ask, limits
 
 TOKENIZE = b"/tokenize"
 #: How long one request's asks may take, the answers read whole: its record waits for them.
@@ -58,8 +61,8 @@ def tokenize_body(route: str, payload: dict[str, Any],
     """What ``/tokenize`` is asked for each prompt of ``payload`` (the body the upstream got),
     or the count itself for a prompt of token ids; ``None`` when no ask counts it exactly.
     ``exclude_tools``: the upstream drops ``tools`` under ``tool_choice`` ``"none"``."""
-    if route == "chat":
-        asked = _chat(payload, exclude_tools)
+    if route in ("chat", "responses"):
+        asked = _chat(payload, exclude_tools) if route == "chat" else chat_ask(payload)
         return None if asked is None else [asked]
     if payload.get("prompt_embeds") is not None or payload.get("suffix") is not None:
         return None
@@ -182,14 +185,16 @@ class PromptCounter:
         parts = None if payload is None else tokenize_body(route, payload, self.exclude_tools)
         if parts is None or payload is None:
             return self._done(None)
+        # A Responses body's truncation, as truncated() reads a chat's truncate_prompt_tokens.
+        kept = limits(payload) if route == "responses" else payload
         if all(isinstance(part, int) for part in parts):
-            return self._done(_sum(truncated(part, payload, None) for part in parts))
+            return self._done(_sum(truncated(part, kept, None) for part in parts))
         if client is None or self.asking >= self.max_asking:
             self.results["busy" if client is not None else "failed"] += 1
             return None
         self.asking += 1
         try:
-            counts = await self._ask_each(client, parts, payload, headers)
+            counts = await self._ask_each(client, parts, kept, headers)
         finally:
             self.asking -= 1
         if counts is None:

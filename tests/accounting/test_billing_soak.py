@@ -150,7 +150,7 @@ def accounting_server(mode: str, usage: Path, logs: Path, otlp: str) -> Iterator
 
 #: Upstream mode: the routes whose streams cut before their usage have their prompt counted by
 #: the upstream's /tokenize (docs/ACCOUNTING.md, "Usage records").
-COUNTED_ROUTES = ("chat", "completions")
+COUNTED_ROUTES = ("chat", "completions", "responses")
 
 
 def sim_prompt_tokens(route: str, raw: bytes) -> int:
@@ -243,8 +243,8 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
         assert record["request_id"] == request_id(i) or record["request_id"].startswith(f"{request_id(i)}.")
         if result.dropped_at.get(i) == "before-headers":
             # Gone during the prefill: announced, never scheduled, so the cache is unknown and
-            # the prompt the sim's (upstream mode: nothing answered, so unknown, but for a chat or
-            # completions stream the upstream started, whose prompt its /tokenize counts). A
+            # the prompt the sim's (upstream mode: nothing answered, so unknown, but for a chat,
+            # completions or Responses stream the upstream started, whose prompt its /tokenize counts). A
             # server stalled past the prefill time sees it leave later: then its figures stand.
             unscheduled = record["cached_tokens"] is None
             prompt = None if unscheduled and mode == "upstream" else sim_prompt_tokens(routes[i], sent[i])

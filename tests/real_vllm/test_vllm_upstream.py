@@ -428,6 +428,90 @@ def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(s
     assert got == {case: ("disconnected", n, None, "tokenize") for case, n in expected.items()}
 
 
+#: Responses and Messages bodies cut the same way, each as the client sends it (``input`` and
+#: ``messages`` filled with a fresh prompt): a string input, instructions beside it, message
+#: items of string and ``input_text`` content (a system, a developer and an assistant turn),
+#: truncation ``auto``, a reasoning effort; a Messages body with a system prompt.
+API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "responses-string": ("responses", {}),
+    "responses-instructions": ("responses", {"instructions": "Answer in French."}),
+    "responses-items": ("responses", {"input": [
+        {"role": "system", "content": "Be brief."},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "No lists."}]},
+        {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": [{"type": "input_text"}, {"type": "input_text", "text": "Thanks."}]}]}),
+    "responses-truncation-auto": ("responses", {"truncation": "auto"}),
+    "responses-reasoning": ("responses", {"reasoning": {"effort": "low"}}),
+    "messages-system": ("messages", {"system": "Answer in French."}),
+}
+
+
+def _api_cut_body(case: str) -> tuple[str, dict[str, Any]]:
+    route, extra = API_CUT_BODIES[case]
+    prompt = fresh_prompt()
+    if route == "messages":
+        return route, {"model": DEFAULT_MODEL_NAME, "max_tokens": 64, "temperature": 0,
+                       "messages": [{"role": "user", "content": prompt}], **extra}
+    given: Any = prompt
+    if "input" in extra:  # the last item's first part is the fresh prompt
+        given = [*extra["input"][:-1], {**extra["input"][-1], "content": [
+            {"type": "input_text", "text": prompt}, *extra["input"][-1]["content"][1:]]}]
+    return route, {"model": DEFAULT_MODEL_NAME, "max_output_tokens": 64, "temperature": 0, "ignore_eos": True,
+                   **extra, "input": given}
+
+
+def _whole_prompt(stack: Stack, route: str, payload: dict[str, Any]) -> int:
+    """The prompt vLLM's usage reports for ``payload`` read whole (Messages: all three parts)."""
+    path = "/v1/responses" if route == "responses" else "/v1/messages"
+    answer = httpx.post(stack.vllm + path, json=payload, timeout=stack.pace.timeout(4))
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    if route == "responses":
+        return usage["input_tokens"]
+    return usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0) + (
+        usage.get("cache_creation_input_tokens") or 0)
+
+
+@ON
+def test_a_responses_or_messages_stream_cut_before_its_usage_is_billed_the_prompt_vllm_reports(
+        stack: Stack, tmp_path: Path) -> None:
+    """The official ``openai`` (``responses.create(stream=True)``) and ``anthropic``
+    (``messages.create(stream=True)``) clients read two text deltas and hang up before the
+    final usage: the record bills the prompt vLLM's usage reports for the same body read whole."""
+    serve = ["-m", "proxy.server.cli", "serve", "--upstream", stack.vllm, "--log-level", "warning",
+             "--usage-dir", str(tmp_path), "--usage-flush-interval", "0.05"]
+    timeout = stack.pace.timeout(4)
+    with running_server(serve, timeout_s=120) as (proxy, _), \
+            openai.OpenAI(base_url=f"{proxy}/v1", api_key="unused", max_retries=0, timeout=timeout) as oai, \
+            anthropic.Anthropic(base_url=proxy, api_key="unused", max_retries=0, timeout=timeout) as claude:
+        expected = {}
+        for case in API_CUT_BODIES:
+            route, payload = _api_cut_body(case)
+            expected[case] = _whole_prompt(stack, route, payload)
+            headers = {"x-request-id": case}
+            extra = {k: payload[k] for k in ("ignore_eos", "temperature") if k in payload}  # past the SDKs' types
+            standard = {k: v for k, v in payload.items() if k not in extra}
+            create = oai.responses.create if route == "responses" else claude.messages.create
+            stream: Any = create(**standard, stream=True, extra_body=extra, extra_headers=headers)
+            deltas = 0
+            for event in stream:
+                deltas += event.type in ("response.output_text.delta", "content_block_delta")
+                if deltas == 2:
+                    break
+            stream.close()
+            assert deltas == 2
+        found: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 30
+        while len(found) < len(API_CUT_BODIES) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            found = [orjson.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    got = {r["request_id"]: (r["route"], r["outcome"], r["prompt_tokens"], r["cached_tokens"], r["source"])
+           for r in found}
+    assert len(found) == len(API_CUT_BODIES)
+    assert got == {case: (route, "disconnected", expected[case], None, "tokenize" if route == "responses" else None)
+                   for case, (route, _) in API_CUT_BODIES.items()}
+
+
 # -- flag off: the `missing` policy, counted as unknown ----------------------------------------
 
 

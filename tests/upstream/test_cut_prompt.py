@@ -69,38 +69,54 @@ def counted(url: str, result: str) -> float:
 
 
 def hang_up(client: openai.OpenAI, route: str, prompt: Any, chunks: int = 3, **extra: Any) -> str:
-    """Stream ``max_tokens`` 500, read ``chunks`` chunks, close: what the client read."""
+    """Stream 500 tokens at most, read ``chunks`` chunks (Responses: text deltas), close: what
+    the client read."""
     if route == "chat":
         stream: Any = client.chat.completions.create(model="m", messages=prompt, max_tokens=500, stream=True, **extra)
+    elif route == "responses":
+        stream = client.responses.create(model="m", input=prompt, max_output_tokens=500, stream=True, **extra)
     else:
         stream = client.completions.create(model="m", prompt=prompt, max_tokens=500, stream=True, **extra)
     read = []
     for chunk in stream:
-        read.append(chunk)
+        if route != "responses" or chunk.type == "response.output_text.delta":
+            read.append(chunk)
         if len(read) == chunks:
             break
     stream.close()
+    if route == "responses":
+        return "".join(event.delta for event in read)
     return "".join((c.choices[0].delta.content or "") if route == "chat" else c.choices[0].text
                    for c in read if c.choices)
 
 
-@pytest.mark.parametrize(("route", "prompt", "expected"), [
-    ("chat", MESSAGES, len(tokenize(render_chat(MESSAGES)))),
-    ("completions", LONG, len(tokenize(LONG))),
-    ("completions", [LONG], len(tokenize(LONG))),  # one prompt in a list
-    ("completions", list(range(1, 301)), 300),  # token ids: counted without asking
+#: Responses input items as vLLM renders them: messages of string and input_text content.
+ITEMS = [{"role": "developer", "content": "You are terse."}, {"type": "message", "role": "user", "content": [
+    {"type": "input_text", "text": LONG}, {"type": "input_text", "text": OTHER}]}]
+
+
+@pytest.mark.parametrize(("route", "prompt", "extra", "expected"), [
+    ("chat", MESSAGES, {}, len(tokenize(render_chat(MESSAGES)))),
+    ("completions", LONG, {}, len(tokenize(LONG))),
+    ("completions", [LONG], {}, len(tokenize(LONG))),  # one prompt in a list
+    ("completions", list(range(1, 301)), {}, 300),  # token ids: counted without asking
     # several prompts: asked one by one and summed, as vLLM's usage sums them
-    ("completions", [LONG, OTHER], len(tokenize(LONG)) + len(tokenize(OTHER))),
-    ("completions", [list(range(1, 51)), list(range(1, 31))], 80),
-], ids=["chat", "completions", "one-in-a-list", "token-ids", "two-prompts", "two-of-token-ids"])
+    ("completions", [LONG, OTHER], {}, len(tokenize(LONG)) + len(tokenize(OTHER))),
+    ("completions", [list(range(1, 51)), list(range(1, 31))], {}, 80),
+    # Responses: the chat its route renders, instructions first as a system message
+    ("responses", LONG, {}, len(tokenize(render_chat([{"role": "user", "content": LONG}])))),
+    ("responses", LONG, {"instructions": "You are terse."}, len(tokenize(render_chat(MESSAGES)))),
+    ("responses", ITEMS, {}, len(tokenize(render_chat([ITEMS[0], {"role": "user", "content": f"{LONG}\n{OTHER}"}])))),
+], ids=["chat", "completions", "one-in-a-list", "token-ids", "two-prompts", "two-of-token-ids",
+        "responses", "responses-instructions", "responses-items"])
 def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_the_upstream_counts(
-        tmp_path: Path, route: str, prompt: Any, expected: int) -> None:
+        tmp_path: Path, route: str, prompt: Any, extra: dict[str, Any], expected: int) -> None:
     """In front of the sim: the record bills the prompt the sim's usage would have reported
     (the sim's ``/tokenize`` counts as its routes do), its cache unknown, never 0; the
     counters count the request as one whose cache is unknown."""
     with running_server(SIM, timeout_s=20) as (sim, _), cachetally(sim, tmp_path) as (url, _app), \
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
-        assert hang_up(client, route, prompt)  # it read tokens, then left
+        assert hang_up(client, route, prompt, **extra)  # it read tokens, then left
         (record,) = records(tmp_path, 1)
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
     assert (record["outcome"], record["status"], record["route"]) == ("disconnected", 200, route)
@@ -117,7 +133,13 @@ TOOL = {"type": "function", "function": {"name": "f", "description": LONG, "para
 @pytest.mark.parametrize(("route", "prompt", "extra"), [
     ("completions", LONG, {"suffix": "end"}),  # rendered for fill-in-the-middle
     ("completions", LONG, {"extra_body": {"prompt_embeds": "AAAA"}}),  # one more prompt, of embeddings
-], ids=["suffix", "prompt-embeds"])
+    # Responses: a tool (rendered as the tool's schema), an earlier response (history read
+    # from vLLM's store), an item other than a plain message (status in_progress: continued)
+    ("responses", LONG, {"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}),
+    ("responses", LONG, {"previous_response_id": "resp_1"}),
+    ("responses", [{"role": "user", "content": LONG}, {"role": "assistant", "content": "Sure",
+                                                          "status": "in_progress"}], {}),
+], ids=["suffix", "prompt-embeds", "responses-tools", "responses-previous", "responses-continued"])
 def test_a_prompt_no_ask_counts_exactly_is_left_unknown_and_counted(
         tmp_path: Path, route: str, prompt: Any, extra: dict[str, Any]) -> None:
     """Never a guess: a cut stream whose prompt ``/tokenize`` cannot count as the route does
