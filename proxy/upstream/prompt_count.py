@@ -15,7 +15,9 @@ Several prompts are asked one by one and summed, as vLLM's usage sums them; ``to
 ``tool_choice`` ``"none"`` are asked with the messages, or without them where the upstream runs
 ``--exclude-tools-when-tool-choice-none`` (``exclude_tools_when_tool_choice_none``: set it as
 the upstream has it). What cannot be counted so stays unknown, never a guess:
-``prompt_embeds``, a completions ``suffix`` (rendered for fill-in-the-middle), and a
+``prompt_embeds``, a completions ``suffix`` (rendered for fill-in-the-middle), a chat or
+Responses body's ``kv_transfer_params.prompt_token_ids`` (with ``pd_legs`` on they reach vLLM,
+which runs them as the prompt, not the messages), and a
 truncation that may have cut the prompt (:func:`truncated`).
 
 Bounded: :data:`MAX_ASKING` requests' asks at once (past it, unknown, counted ``busy``), the
@@ -62,6 +64,9 @@ def tokenize_body(route: str, payload: dict[str, Any],
     or the count itself for a prompt of token ids; ``None`` when no ask counts it exactly.
     ``exclude_tools``: the upstream drops ``tools`` under ``tool_choice`` ``"none"``."""
     if route in ("chat", "responses"):
+        transfer = payload.get("kv_transfer_params")
+        if isinstance(transfer, dict) and transfer.get("prompt_token_ids") is not None:
+            return None  # vLLM runs these ids as the prompt, the messages unrendered
         asked = _chat(payload, exclude_tools) if route == "chat" else chat_ask(payload)
         return None if asked is None else [asked]
     if payload.get("prompt_embeds") is not None or payload.get("suffix") is not None:

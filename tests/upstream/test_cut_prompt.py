@@ -309,3 +309,43 @@ def test_a_graceful_stop_during_the_ask_writes_the_record_once_with_the_prompt_u
     assert [(r["outcome"], r["prompt_tokens"], r["cached_tokens"]) for r in found] == [("disconnected", None, None)]
     text = log.read_text()
     assert "Traceback" not in text and "dropped" not in text and "secret" not in text, text[-3000:]
+
+
+class ReusingUpstream(Upstream):
+    """vLLM 0.32's chat route with ``kv_transfer_params.prompt_token_ids`` (a P/D decode side's
+    reuse, renderers/online_renderer.py ``_reused_prompt_token_ids``): those ids are the prompt,
+    the messages not rendered; its usage reports their count. Its ``/tokenize`` counts the
+    messages (42)."""
+
+    async def chat(self, request: Request) -> Response:
+        ids = orjson.loads(await request.body()).get("kv_transfer_params", {}).get("prompt_token_ids")
+        prompt = len(ids) if ids else 42
+        head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+        async def events() -> AsyncIterator[bytes]:
+            for _ in range(200):
+                chunk = {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                await asyncio.sleep(0.02)
+            usage = {"prompt_tokens": prompt, "completion_tokens": 200, "total_tokens": prompt + 200}
+            yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def test_a_cut_stream_whose_prompt_is_reused_token_ids_is_not_billed_its_messages(tmp_path: Path) -> None:
+    """With ``pd_legs`` on, a client's ``kv_transfer_params`` reach the upstream; one that is no
+    leg but carries ``prompt_token_ids`` has vLLM run those ids and not render the messages. A
+    client sent 3000 ids beside a short message and hung up: ``/tokenize`` of the messages
+    counted 42, and the record billed 42 for a 3000-token prompt. Such a prompt is left unknown,
+    counted uncountable, never billed as its messages."""
+    upstream = ReusingUpstream("count")
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path, pd_legs=True) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        hang_up(client, "chat", [{"role": "user", "content": "hi"}],
+                extra_body={"kv_transfer_params": {"prompt_token_ids": list(range(1, 3001))}})
+        (record,) = records(tmp_path, 1)
+        uncountable = counted(url, "uncountable")
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == ("disconnected", None, None)
+    assert uncountable == 1
