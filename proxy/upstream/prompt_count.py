@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,6 +57,8 @@ _CHAT = ("model", "messages", "add_generation_prompt", "continue_final_message",
 _TEMPLATE = ("documents", "reasoning_effort")
 _CREDENTIALS = frozenset((b"authorization", b"x-api-key"))
 _MAX_COUNT = (1 << 63) - 1
+#: A string vLLM's pydantic reads as an integer (among others it reads so: those stay unknown).
+_DIGITS = re.compile(r"[+-]?[0-9]+")
 
 
 def tokenize_body(route: str, payload: dict[str, Any],
@@ -116,16 +119,26 @@ def _chat(payload: dict[str, Any], exclude_tools: bool) -> dict[str, Any] | None
 def truncated(count: int, payload: dict[str, Any], max_model_len: object) -> int | None:
     """The prompt's length after vLLM's ``truncate_prompt_tokens`` (``k`` >= 0 keeps ``k``
     tokens; -1 keeps what the model's length allows), or ``None`` when not known."""
-    keep = payload.get("truncate_prompt_tokens")
+    keep = _lax_int(payload.get("truncate_prompt_tokens"))
     if keep is None:
-        return count
-    if isinstance(keep, bool) or not isinstance(keep, int):
-        return None
+        return count if payload.get("truncate_prompt_tokens") is None else None
     if keep >= 0:
         return min(count, keep)
     # -1: up to max_model_len, less one when output is asked: cut or not, it is below that.
     if keep == -1 and isinstance(max_model_len, int) and count < max_model_len - 1:
         return count
+    return None
+
+
+def _lax_int(value: object) -> int | None:
+    """``value`` as vLLM's pydantic reads an integer field (lax: ``true`` is 1, ``4000.0`` and
+    ``"4000"`` are 4000), where it is one of these forms; ``None`` otherwise."""
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str) and _DIGITS.fullmatch(value):
+        return int(value)
     return None
 
 

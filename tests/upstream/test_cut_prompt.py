@@ -17,12 +17,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import openai
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import Field, TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +34,7 @@ from starlette.routing import Route
 from engine_adapter.sim.tokenizer import render_chat, tokenize
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
+from proxy.upstream.prompt_count import truncated
 from tests.servers import metric_value, running_server, serving_in_thread
 
 pytestmark = pytest.mark.loopback
@@ -349,3 +353,33 @@ def test_a_cut_stream_whose_prompt_is_reused_token_ids_is_not_billed_its_message
         uncountable = counted(url, "uncountable")
     assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == ("disconnected", None, None)
     assert uncountable == 1
+
+
+@pytest.mark.parametrize(("keep", "expected"), [("4000", 42), (4000.0, 42), ("30", 30), (True, 1), ("+00030", 30)],
+                         ids=["string", "integral-float", "string-that-cuts", "true", "signed-string"])
+def test_a_truncation_vllm_reads_as_an_integer_is_applied_not_left_unknown(
+        tmp_path: Path, keep: Any, expected: int) -> None:
+    """vLLM's pydantic reads ``truncate_prompt_tokens`` laxly ("4000", 4000.0 and ``true`` are
+    4000, 4000 and 1 to it) and streams the request; a client that sent its truncation so kept
+    its cut stream's prompt off the bill (``null``). It is read as vLLM reads it."""
+    upstream = Upstream("count")
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        hang_up(client, "chat", MESSAGES, extra_body={"truncate_prompt_tokens": keep})
+        (record,) = records(tmp_path, 1)
+    assert (record["outcome"], record["prompt_tokens"], record["source"]) == ("disconnected", expected, "tokenize")
+
+
+_VLLM_TRUNCATION = TypeAdapter(Annotated[int, Field(ge=-1, le=(1 << 63) - 1)] | None)  # vLLM 0.32's field
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.booleans(), st.integers(), st.floats(), st.from_regex(r"\A[ +\-0-9._e]{0,8}\Z"), st.text(max_size=6)))
+def test_a_truncation_is_read_as_vllms_pydantic_reads_it_or_left_unknown(value: Any) -> None:
+    """Every value read as a truncation is the one vLLM's model reads, where it takes it at all."""
+    try:
+        vllms = _VLLM_TRUNCATION.validate_python(value)
+    except ValidationError:
+        return  # answered 400: no stream to cut
+    assert truncated(1 << 20, {"truncate_prompt_tokens": value}, None) in (None, min(1 << 20, vllms))
