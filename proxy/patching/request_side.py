@@ -40,7 +40,7 @@ from proxy.patching.stopped import end_stopped
 INTERVAL = "stream_interval"
 TRANSFER = "kv_transfer_params"
 #: The routes whose cut streams have their prompt counted by the upstream (upstream mode).
-COUNTED = frozenset(("chat", "completions", "responses"))
+COUNTED = frozenset(("chat", "completions", "responses", "invocations"))
 
 #: A body that does not fit in what the process may still hold (proxy.patching.body_budget).
 BODIES_FULL = "The server is receiving as many request bodies as it may hold; retry"

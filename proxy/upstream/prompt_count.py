@@ -14,7 +14,8 @@ body (the Responses usage's ``input_tokens``), where vLLM renders the chat itsel
 Several prompts are asked one by one and summed, as vLLM's usage sums them; ``tools`` beside
 ``tool_choice`` ``"none"`` are asked with the messages, or without them where the upstream runs
 ``--exclude-tools-when-tool-choice-none`` (``exclude_tools_when_tool_choice_none``: set it as
-the upstream has it). What cannot be counted so stays unknown, never a guess:
+the upstream has it). SageMaker's ``/invocations`` is counted as the chat or completions body
+it runs (:func:`_invoked`). What cannot be counted so stays unknown, never a guess:
 ``prompt_embeds``, a completions ``suffix`` (rendered for fill-in-the-middle), a chat or
 Responses body's ``kv_transfer_params.prompt_token_ids`` (with ``pd_legs`` on they reach vLLM,
 which runs them as the prompt, not the messages), and a
@@ -66,6 +67,8 @@ def tokenize_body(route: str, payload: dict[str, Any],
     """What ``/tokenize`` is asked for each prompt of ``payload`` (the body the upstream got),
     or the count itself for a prompt of token ids; ``None`` when no ask counts it exactly.
     ``exclude_tools``: the upstream drops ``tools`` under ``tool_choice`` ``"none"``."""
+    if route == "invocations" and (route := _invoked(payload)) is None:
+        return None
     if route in ("chat", "responses"):
         transfer = payload.get("kv_transfer_params")
         if isinstance(transfer, dict) and transfer.get("prompt_token_ids") is not None:
@@ -89,6 +92,16 @@ def tokenize_body(route: str, payload: dict[str, Any],
         else:
             return None
     return parts
+
+
+def _invoked(payload: dict[str, Any]) -> str | None:
+    """The route SageMaker's ``/invocations`` runs ``payload`` as: vLLM tries a chat body
+    first (it needs ``messages``), then a completions body (it needs a prompt). A body with
+    both may be either (a field the chat model refuses and the completions model takes)."""
+    prompted = payload.get("prompt") is not None or payload.get("prompt_embeds") is not None
+    if "messages" in payload:
+        return None if prompted else "chat"
+    return "completions"
 
 
 def _token_ids(prompt: object) -> bool:

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 import httpx
 import openai
+from openai.types.chat import ChatCompletionChunk
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -181,7 +182,8 @@ class Upstream:
         self.mode, self.key = mode, key
         self.asked = threading.Event()
         self.asked_bodies: list[dict[str, Any]] = []
-        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"])]
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/invocations", self.chat, methods=["POST"])]  # SageMaker's: a chat body here
         if mode != "missing":
             routes.append(Route("/tokenize", self.tokenize, methods=["POST"]))
         self.app = Starlette(routes=routes)
@@ -383,3 +385,28 @@ def test_a_truncation_is_read_as_vllms_pydantic_reads_it_or_left_unknown(value: 
     except ValidationError:
         return  # answered 400: no stream to cut
     assert truncated(1 << 20, {"truncate_prompt_tokens": value}, None) in (None, min(1 << 20, vllms))
+
+
+@pytest.mark.parametrize(("extra", "expected"), [({}, 42), ({"prompt": LONG, "logprobs": 3}, None)],
+                         ids=["chat", "chat-or-completions"])
+def test_a_cut_invocations_stream_is_billed_the_prompt_the_upstream_counts(
+        tmp_path: Path, extra: dict[str, Any], expected: int | None) -> None:
+    """SageMaker's ``/invocations`` runs a chat body as the chat route does, streamed too; a
+    client that sent its chat there and hung up before the usage chunk was billed no prompt
+    (``null``), the hole the chat route no longer has. It is counted as the chat's. A body
+    with a prompt beside its messages may run as either (vLLM runs it as completions where
+    the chat model refuses a field, ``logprobs`` 3): left unknown, never asked."""
+    upstream = Upstream("count")
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=10) as client:
+        stream = client.post("/invocations", body={"model": "m", "messages": MESSAGES, "stream": True, **extra},
+                             cast_to=ChatCompletionChunk, stream=True, stream_cls=openai.Stream[ChatCompletionChunk])
+        for read, _chunk in enumerate(stream, 1):
+            if read == 3:
+                break
+        stream.close()
+        (record,) = records(tmp_path, 1)
+    assert (record["outcome"], record["route"], record["prompt_tokens"], record["source"]) == (
+        "disconnected", "invocations", expected, "tokenize" if expected else None)
+    assert upstream.asked_bodies == ([{"model": "m", "messages": MESSAGES}] if expected else [])
