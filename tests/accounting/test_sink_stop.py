@@ -8,11 +8,15 @@ stop's timeout.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 
+import pytest
+
 from proxy.accounting.records.queue import Delivery, DropCounts, SinkWorker
 from proxy.accounting.records.record import UsageRecord
+from proxy.accounting.records.recorder import Recorder
 from tests.sink_counts import usage
 
 
@@ -115,3 +119,23 @@ def test_records_kept_for_a_retry_when_the_stop_gives_up_are_counted_stopped() -
     gate.set()
     worker._thread.join(10)
     assert len(sink.records) == 1 and drops.snapshot() == {("kept", "stopped"): 2}
+
+
+def test_drops_not_yet_logged_are_logged_at_the_stop_and_the_lines_add_up_to_every_drop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Drops are logged at most once a minute: those since the last line are logged when the
+    recorder stops, one line for every sink and reason, so the log's lines add up to every
+    record dropped (what tests/server/test_stop.py reads from a real server's log)."""
+    first, second = _Kept(), _Kept()
+    second.name = "other"
+    recorder = Recorder([first, second], max_queued=1, interval_s=3600)
+    caplog.set_level(logging.WARNING, "cachetally.records")
+    for n in range(3):  # before the threads start: each sink queues one and drops two
+        recorder.submit(usage(n))
+    recorder.stop(timeout_s=10)
+    assert [r.getMessage() for r in caplog.records] == [
+        "usage records dropped: 1 (kept: queue_full)",  # the first drop, at once
+        "usage records dropped: 1 (kept: queue_full), 2 (other: queue_full)",  # the rest, at the stop
+    ]
+    assert [r.request_id for r in first.records + second.records] == [usage(0).request_id] * 2
