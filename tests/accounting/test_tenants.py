@@ -225,6 +225,8 @@ def test_every_key_and_only_those_resolve(keys: dict[str, str], guess: bytes, cu
     [
         ('"sk-secret-1" = 3\n', "every entry must be"),
         ('"sk-secret-1" = "no spaces allowed"\n', "tenant name"),
+        # the entry's position, counted from 1, finds it among many keys without quoting it
+        ('"sk-secret-1" = "a"\n"sk-secret-2" = "no spaces allowed"\n', "^API key #2: a tenant name"),
         ('"sk-secret-1 = "a"\n', "not valid TOML at line 1"),
         ('"sk-secret-1" = "a"\n"sk-secret-2" = "b"\n"sk-secret-1" = "c"\n', "not valid TOML at line 3: .* each key once"),
         ('"sk-secret-1" = "a"\nsk-secret-2 b\n', "not valid TOML at line 2"),
