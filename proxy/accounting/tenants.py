@@ -45,13 +45,13 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
 
 
-def check_tenant_name(name: object, where: str) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+def check_tenant_name(name: str, where: str) -> str:
+    if not _NAME.fullmatch(name):
         raise ValueError(f"{where}: a tenant name is 1-64 characters of [A-Za-z0-9._-], not {name!r}")
     return name
 
 
-def check_tenant_header(header: str | None, tenants: Iterable[object]) -> None:
+def check_tenant_header(header: str | None, tenants: Iterable[str]) -> None:
     """The trusted header's settings, as a start refuses them (``ValueError``). The header and
     the tenants it names go together: alone, the header bills every request to ``other``,
     and the names label nothing, each in silence."""
