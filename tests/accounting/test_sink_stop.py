@@ -9,6 +9,8 @@ stop's timeout.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 from collections import Counter
 
@@ -17,6 +19,7 @@ import pytest
 from proxy.accounting.records.queue import Delivery, DropCounts, SinkWorker
 from proxy.accounting.records.record import UsageRecord
 from proxy.accounting.records.recorder import Recorder
+from tests.servers import ROOT
 from tests.sink_counts import usage
 
 
@@ -139,3 +142,34 @@ def test_drops_not_yet_logged_are_logged_at_the_stop_and_the_lines_add_up_to_eve
         "usage records dropped: 1 (kept: queue_full), 2 (other: queue_full)",  # the rest, at the stop
     ]
     assert [r.request_id for r in first.records + second.records] == [usage(0).request_id] * 2
+
+
+STUCK_FOR_GOOD = """
+import threading
+from proxy.accounting.records.queue import DropCounts, SinkWorker
+from tests.sink_counts import usage
+
+class Stuck:  # a write that never returns: a disk that hangs (a dead NFS server)
+    name, failure = "stuck", "write_failed"
+
+    def write(self, batch):
+        threading.Event().wait()
+
+    def close(self):
+        pass
+
+drops = DropCounts()
+worker = SinkWorker(Stuck(), drops, max_queued=10, interval_s=3600)
+worker.start()
+worker.submit(usage(0))
+print(worker.stop(timeout_s=0.2), drops.snapshot())
+"""
+
+
+def test_a_sink_stuck_for_good_does_not_keep_the_process_from_exiting_once_the_stop_gives_up() -> None:
+    """The stop counts what a stuck sink holds and returns; the process then exits (a server's
+    SIGTERM ends it) though the sink's thread is still inside its write."""
+    run = subprocess.run([sys.executable, "-c", STUCK_FOR_GOOD], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "False {('stuck', 'unconfirmed'): 1}\n"
