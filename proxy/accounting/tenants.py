@@ -90,8 +90,6 @@ class KeyTable:
     def load(cls, path: Path | None, shared: str | None = None) -> KeyTable:
         """The keys of ``path`` (``"key" = "tenant"`` pairs) and the ``shared`` key
         (``--api-key``, tenant ``default``). Errors name the file and position, never a key."""
-        if shared is not None and not shared:
-            raise ValueError("the API key must not be empty")
         keys = _read_keys(path) if path is not None else {}
         if shared is not None:
             if shared in keys:
