@@ -124,6 +124,34 @@ def test_records_kept_for_a_retry_when_the_stop_gives_up_are_counted_stopped() -
     assert len(sink.records) == 1 and drops.snapshot() == {("kept", "stopped"): 2}
 
 
+def test_records_queued_behind_a_stuck_write_when_the_stop_gives_up_are_counted_stopped() -> None:
+    """The thread took a batch and is stuck writing it; requests ending meanwhile queue behind
+    it. When the stop gives up, the batch is unconfirmed and what is queued is stopped: each
+    record counted once, none waiting for a drain that will never come."""
+    class Entered(_Kept):
+        def __init__(self, gate: threading.Event) -> None:
+            super().__init__(gate)
+            self.entered = threading.Event()
+
+        def write(self, batch: list[UsageRecord]) -> Delivery:
+            self.entered.set()
+            return super().write(batch)
+
+    gate = threading.Event()
+    sink, drops = Entered(gate), DropCounts()
+    worker = SinkWorker(sink, drops, max_queued=100, interval_s=0.01)
+    worker.submit(usage(0))
+    worker.start()
+    assert sink.entered.wait(10)  # its first step took usage(0) and is stuck in write
+    worker.submit(usage(1))
+    worker.submit(usage(2))
+    assert worker.stop(timeout_s=0.2) is False
+    assert drops.snapshot() == {("kept", "unconfirmed"): 1, ("kept", "stopped"): 2}
+    gate.set()
+    worker._thread.join(10)
+    assert len(sink.records) == 1 and drops.snapshot() == {("kept", "unconfirmed"): 1, ("kept", "stopped"): 2}
+
+
 def test_drops_not_yet_logged_are_logged_at_the_stop_and_the_lines_add_up_to_every_drop(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -173,3 +201,5 @@ def test_a_sink_stuck_for_good_does_not_keep_the_process_from_exiting_once_the_s
                          timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout == "False {('stuck', 'unconfirmed'): 1}\n"
+    # what an operator reads (no logging configured: the last-resort handler's stderr)
+    assert "usage records dropped: 1 (stuck: unconfirmed); last error: the sink did not finish in time" in run.stderr
