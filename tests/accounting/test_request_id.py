@@ -110,3 +110,32 @@ def test_a_filesystem_fault_fails_no_request_with_an_id(
     records = [orjson.loads(line) for path in usage.glob("*.jsonl") for line in path.read_bytes().splitlines()]
     keys = [record["request_id"] for record in records]
     assert len(set(keys)) == 4 and all(key.startswith("shared-id") and key.endswith(process_tag()) for key in keys)
+
+
+def test_the_upstream_gets_the_key_as_its_one_x_request_id_not_the_clients_header_beside_it() -> None:
+    """The key, not the raw header, reaches engines and upstreams; an engine names its request
+    by the first ``X-Request-Id`` it reads (vLLM's ``cmpl-{X-Request-Id}-{i}``, by which the
+    tap tells a completions batch's prompts apart), so the client's header, whose id it may
+    reuse while another request holds it, must not reach them beside the key."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    seen: list[list[str]] = []
+
+    async def chat(request: Request) -> JSONResponse:
+        seen.append(request.headers.getlist("x-request-id"))
+        return JSONResponse({"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                          "finish_reason": "stop"}],
+                             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    upstream = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    with serving_in_thread(upstream, "upstream") as upstream_url:
+        app = CachetallyApp(Settings(engine="upstream", upstream=upstream_url, model="m").validate())
+        with serving_in_thread(app, "cachetally") as url:
+            response = httpx.post(f"{url}/v1/chat/completions", headers={"x-request-id": "mine"}, timeout=10,
+                                  json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "mine"
+    assert seen == [["mine"]]  # the key: the client's id, no other request holding it
