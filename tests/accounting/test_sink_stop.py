@@ -12,6 +12,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -84,6 +85,8 @@ def test_a_sink_stuck_past_the_stop_timeout_has_its_records_counted_not_lost() -
     gate = threading.Event()
     sink, drops = _Kept(gate), DropCounts()
     worker = SinkWorker(sink, drops, max_queued=100, interval_s=3600)
+    written: list[int] = []
+    worker.on_written = written.append
     worker.start()
     for n in range(3):
         worker.submit(usage(n))
@@ -93,6 +96,7 @@ def test_a_sink_stuck_past_the_stop_timeout_has_its_records_counted_not_lost() -
     gate.set()  # the write goes through after all: it was counted unconfirmed, not again
     worker._thread.join(10)
     assert len(sink.records) == 3 and drops.snapshot() == {("kept", "unconfirmed"): 3, ("kept", "stopped"): 1}
+    assert written == []  # nor written: cachetally_usage_records_written_total stays 0
 
 
 def test_records_kept_for_a_retry_when_the_stop_gives_up_are_counted_stopped() -> None:
@@ -203,3 +207,31 @@ def test_a_sink_stuck_for_good_does_not_keep_the_process_from_exiting_once_the_s
     assert run.stdout == "False {('stuck', 'unconfirmed'): 1}\n"
     # what an operator reads (no logging configured: the last-resort handler's stderr)
     assert "usage records dropped: 1 (stuck: unconfirmed); last error: the sink did not finish in time" in run.stderr
+
+
+def test_a_sink_that_raises_has_that_batch_counted_and_the_next_one_written() -> None:
+    """A sink's bug (an exception out of ``write``) costs the batch it was given, counted with
+    the sink's reason; the thread goes on, and the records after it are written, not left
+    queued and counted nowhere."""
+    class FailsOnce(_Kept):
+        failed = False
+
+        def write(self, batch: list[UsageRecord]) -> Delivery:
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("a sink bug")
+            return super().write(batch)
+
+    sink, drops = FailsOnce(), DropCounts()
+    worker = SinkWorker(sink, drops, max_queued=100, interval_s=0.01)
+    worker.submit(usage(0))
+    worker.start()
+    for _ in range(1000):  # until the first step has failed and counted its batch (10 s at most)
+        if drops.snapshot():
+            break
+        time.sleep(0.01)
+    assert drops.snapshot() == {("kept", "write_failed"): 1}
+    worker.submit(usage(1))
+    assert worker.stop(timeout_s=10)
+    assert drops.snapshot() == {("kept", "write_failed"): 1}
+    assert [r.request_id for r in sink.records] == [usage(1).request_id]
