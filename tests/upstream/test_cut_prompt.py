@@ -173,8 +173,12 @@ def test_a_stream_read_whole_is_billed_its_usage_not_a_count(tmp_path: Path) -> 
 # -- an upstream whose /tokenize fails -------------------------------------------------------
 
 
+#: The stub upstreams' stream: 50 tokens 20 ms apart, time for a client to read 3 and leave.
+TOKENS = 50
+
+
 class Upstream:
-    """A chat stream of 200 slow tokens and its usage chunk, and a ``/tokenize`` that answers
+    """A chat stream of :data:`TOKENS` slow tokens and its usage chunk, and a ``/tokenize`` that answers
     as ``mode`` says: ``count`` 42 (to the upstream's key alone if ``key``), none (404),
     a 500, a count that is no integer, or never."""
 
@@ -193,11 +197,11 @@ class Upstream:
         head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 
         async def events() -> AsyncIterator[bytes]:
-            for _ in range(200):
+            for _ in range(TOKENS):
                 chunk = {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 await asyncio.sleep(0.02)
-            usage = {"prompt_tokens": 42, "completion_tokens": 200, "total_tokens": 242}
+            usage = {"prompt_tokens": 42, "completion_tokens": TOKENS, "total_tokens": 42 + TOKENS}
             yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -228,7 +232,7 @@ def test_an_upstream_whose_tokenize_fails_leaves_the_prompt_unknown_and_one_reco
         (record,) = records(tmp_path, 1)
         failed = counted(url, "failed")
         # No crash: the next request is served and billed.
-        assert len(list(client.chat.completions.create(model="m", messages=MESSAGES, stream=True))) == 200  # type: ignore[arg-type]
+        assert len(list(client.chat.completions.create(model="m", messages=MESSAGES, stream=True))) == TOKENS  # type: ignore[arg-type]
         assert [r["prompt_tokens"] for r in records(tmp_path, 2)] == [None, 42]
     assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"], record["source"]) == (
         "disconnected", None, None, None)
@@ -329,11 +333,11 @@ class ReusingUpstream(Upstream):
         head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 
         async def events() -> AsyncIterator[bytes]:
-            for _ in range(200):
+            for _ in range(TOKENS):
                 chunk = {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 await asyncio.sleep(0.02)
-            usage = {"prompt_tokens": prompt, "completion_tokens": 200, "total_tokens": prompt + 200}
+            usage = {"prompt_tokens": prompt, "completion_tokens": TOKENS, "total_tokens": prompt + TOKENS}
             yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
