@@ -192,8 +192,13 @@ class Upstream:
             routes.append(Route("/tokenize", self.tokenize, methods=["POST"]))
         self.app = Starlette(routes=routes)
 
+    @staticmethod
+    def reported_prompt(body: bytes) -> int:
+        """The prompt its usage chunk reports for ``body``."""
+        return 42
+
     async def chat(self, request: Request) -> Response:
-        await request.body()
+        prompt = self.reported_prompt(await request.body())
         head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 
         async def events() -> AsyncIterator[bytes]:
@@ -201,7 +206,7 @@ class Upstream:
                 chunk = {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 await asyncio.sleep(0.02)
-            usage = {"prompt_tokens": 42, "completion_tokens": TOKENS, "total_tokens": 42 + TOKENS}
+            usage = {"prompt_tokens": prompt, "completion_tokens": TOKENS, "total_tokens": prompt + TOKENS}
             yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -327,20 +332,10 @@ class ReusingUpstream(Upstream):
     the messages not rendered; its usage reports their count. Its ``/tokenize`` counts the
     messages (42)."""
 
-    async def chat(self, request: Request) -> Response:
-        ids = orjson.loads(await request.body()).get("kv_transfer_params", {}).get("prompt_token_ids")
-        prompt = len(ids) if ids else 42
-        head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
-
-        async def events() -> AsyncIterator[bytes]:
-            for _ in range(TOKENS):
-                chunk = {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-                await asyncio.sleep(0.02)
-            usage = {"prompt_tokens": prompt, "completion_tokens": TOKENS, "total_tokens": prompt + TOKENS}
-            yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+    @staticmethod
+    def reported_prompt(body: bytes) -> int:
+        ids = orjson.loads(body).get("kv_transfer_params", {}).get("prompt_token_ids")
+        return len(ids) if ids else 42
 
 
 def test_a_cut_stream_whose_prompt_is_reused_token_ids_is_not_billed_its_messages(tmp_path: Path) -> None:
