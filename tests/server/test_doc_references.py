@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.servers import ROOT
 
@@ -191,15 +192,51 @@ def pytest_commands(text: str) -> list[list[str]]:
     return commands
 
 
+def selects(path: str, node: str) -> bool:
+    """Whether a pytest path argument (a folder, a file, a test, a test with its parameters)
+    selects the collected node id ``node``."""
+    return node == path or node.startswith((f"{path}::", f"{path}[", path.rstrip("/") + "/"))
+
+
+def selecting_nothing(commands: list[list[str]]) -> list[tuple[str, list[str], Any]]:
+    """The commands (options, paths, why) that collect no test. Commands with the same options
+    are collected in one run (one pytest start, not one per command): what a command selects
+    is what that run collected from its own paths."""
+    # A command without a path collects the whole suite (``tests``): never in a run with paths.
+    groups: dict[tuple[tuple[str, ...], bool], list[list[str]]] = {}
+    for args in commands:
+        paths = [arg for arg in args if arg.startswith("tests/")]
+        options = tuple(arg for arg in args if not arg.startswith("tests/"))
+        groups.setdefault((options, bool(paths)), []).append(paths or ["tests"])
+    empty: list[tuple[str, list[str], Any]] = []
+    for (options, _), paths_each in groups.items():
+        paths = list(dict.fromkeys(path for own in paths_each for path in own))
+        collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *options, *paths],
+                                   cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if collected.returncode != 0:
+            empty.append((" ".join(options), paths, collected.stdout.strip().splitlines()[-1:]))
+            continue
+        ids = [line for line in collected.stdout.splitlines() if "::" in line]
+        empty += [(" ".join(options), own, "selects nothing") for own in paths_each
+                  if not any(selects(path, node) for node in ids for path in own)]
+    return empty
+
+
 def test_every_pytest_command_the_docs_give_runs_some_test() -> None:
     """A reader reruns a figure's command: one that selects nothing (a test moved to another
     file, a marker its file no longer holds) reproduces nothing and still exits quietly."""
     commands = [args for doc in DOCS for args in pytest_commands(doc.read_text())]
     assert len(commands) >= 8
-    empty = []
-    for args in commands:
-        collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
-                                   cwd=ROOT, capture_output=True, text=True, timeout=300)
-        if collected.returncode != 0:
-            empty.append((" ".join(args), collected.stdout.strip().splitlines()[-1:]))
-    assert empty == []
+    assert selecting_nothing(commands) == []
+
+
+def test_a_command_collected_beside_others_is_still_judged_by_its_own_paths() -> None:
+    """The check above on commands broken on purpose: a marker a file does not hold, collected
+    in the same run as a file that holds it, is still found; so is a test that is no longer
+    there, a path at a time."""
+    soak = "tests/real_vllm/test_vllm_soak.py"
+    assert selecting_nothing([["-m", "vllm", "tests/accounting/test_report.py"], ["-m", "vllm", soak]]) == [
+        ("-m vllm", ["tests/accounting/test_report.py"], "selects nothing")]
+    assert [selects(path, node) for path, node in [
+        (soak, f"{soak}::test_x[0.1]"), (f"{soak}::test_x", f"{soak}::test_x[0.1]"), ("tests/real_vllm", f"{soak}::t"),
+        (f"{soak}::test_x", f"{soak}::test_xy"), ("tests/real", f"{soak}::t")]] == [True, True, True, False, False]

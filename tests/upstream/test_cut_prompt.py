@@ -60,6 +60,14 @@ def records(directory: Path, expected: int, timeout_s: float = 10.0) -> list[dic
                     for line in path.read_bytes().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def sim() -> Iterator[str]:
+    """One sim for the module: each test has its own cachetally, records and counters in front
+    of it, and the sim's counts depend on the prompt alone."""
+    with running_server(SIM, timeout_s=20) as (url, _):
+        yield url
+
+
 @contextlib.contextmanager
 def cachetally(upstream: str, usage_dir: Path, **overrides: Any) -> Iterator[tuple[str, CachetallyApp]]:
     settings = Settings(engine="upstream", upstream=upstream, model="m", usage_dir=str(usage_dir),
@@ -115,11 +123,11 @@ ITEMS = [{"role": "developer", "content": "You are terse."}, {"type": "message",
 ], ids=["chat", "completions", "one-in-a-list", "token-ids", "two-prompts", "two-of-token-ids",
         "responses", "responses-instructions", "responses-items"])
 def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_the_upstream_counts(
-        tmp_path: Path, route: str, prompt: Any, extra: dict[str, Any], expected: int) -> None:
+        sim: str, tmp_path: Path, route: str, prompt: Any, extra: dict[str, Any], expected: int) -> None:
     """In front of the sim: the record bills the prompt the sim's usage would have reported
     (the sim's ``/tokenize`` counts as its routes do), its cache unknown, never 0; the
     counters count the request as one whose cache is unknown."""
-    with running_server(SIM, timeout_s=20) as (sim, _), cachetally(sim, tmp_path) as (url, _app), \
+    with cachetally(sim, tmp_path) as (url, _app), \
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
         assert hang_up(client, route, prompt, **extra)  # it read tokens, then left
         (record,) = records(tmp_path, 1)
@@ -146,10 +154,10 @@ TOOL = {"type": "function", "function": {"name": "f", "description": LONG, "para
                                                           "status": "in_progress"}], {}),
 ], ids=["suffix", "prompt-embeds", "responses-tools", "responses-previous", "responses-continued"])
 def test_a_prompt_no_ask_counts_exactly_is_left_unknown_and_counted(
-        tmp_path: Path, route: str, prompt: Any, extra: dict[str, Any]) -> None:
+        sim: str, tmp_path: Path, route: str, prompt: Any, extra: dict[str, Any]) -> None:
     """Never a guess: a cut stream whose prompt ``/tokenize`` cannot count as the route does
     keeps its prompt unknown, as before, and is counted ``uncountable``."""
-    with running_server(SIM, timeout_s=20) as (sim, _), cachetally(sim, tmp_path) as (url, _app), \
+    with cachetally(sim, tmp_path) as (url, _app), \
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
         assert hang_up(client, route, prompt, **extra)
         (record,) = records(tmp_path, 1)
@@ -158,10 +166,10 @@ def test_a_prompt_no_ask_counts_exactly_is_left_unknown_and_counted(
     assert uncountable == 1
 
 
-def test_a_stream_read_whole_is_billed_its_usage_not_a_count(tmp_path: Path) -> None:
+def test_a_stream_read_whole_is_billed_its_usage_not_a_count(sim: str, tmp_path: Path) -> None:
     """The ask is made for cut streams only: a stream read to its end is billed the usage
     chunk (the sim reports no cache: ``source`` unknown), and ``/tokenize`` is not asked."""
-    with running_server(SIM, timeout_s=20) as (sim, _), cachetally(sim, tmp_path) as (url, _app), \
+    with cachetally(sim, tmp_path) as (url, _app), \
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
         list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, stream=True))  # type: ignore[arg-type]
         (record,) = records(tmp_path, 1)
