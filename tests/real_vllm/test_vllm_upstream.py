@@ -122,10 +122,23 @@ def _tail(path: Path, lines: int = 40) -> str:
 class Stack:
     details: bool
     vllm: str
-    proxy: str  # cachetally serve --upstream, `missing` = zero (the default)
+    proxy: str  # cachetally serve --upstream, `missing` = zero (the default), with usage records
     omit: str  # the same with --missing omit
+    usage: Path  # where `proxy` writes its usage records
     pace: Pace  # one request on this vLLM, timed
     block: int  # this vLLM's prefix-cache block size, as it reports it
+
+    def records(self, request_ids: set[str]) -> list[dict[str, Any]]:
+        """The usage records ``proxy`` wrote for ``request_ids``, once there is one for each
+        (or 30 s are up)."""
+        deadline = time.monotonic() + 30
+        while True:
+            found = [record for path in sorted(self.usage.glob("*.jsonl"))
+                     for record in map(orjson.loads, path.read_bytes().splitlines())
+                     if record["request_id"] in request_ids]
+            if len(found) >= len(request_ids) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)
 
     def send(self, base: str, route: str, payload: dict[str, Any]) -> bytes:
         """The raw response body (the SSE stream as it came, for a streaming request)."""
@@ -143,13 +156,15 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     details = {"details-on": True, "details-off": False}[request.param]
-    log = tmp_path_factory.mktemp(request.param) / "vllm.log"
-    with vllm_server(details, log) as upstream, contextlib.ExitStack() as proxies:
+    folder = tmp_path_factory.mktemp(request.param)
+    usage = folder / "usage"
+    with vllm_server(details, folder / "vllm.log") as upstream, contextlib.ExitStack() as proxies:
         # Entered after vLLM, so they stop before it.
         serve = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--log-level", "warning"]
-        zero, _ = proxies.enter_context(running_server(serve, timeout_s=120))
+        zero, _ = proxies.enter_context(running_server(
+            [*serve, "--usage-dir", str(usage), "--usage-flush-interval", "0.05"], timeout_s=120))
         omit, _ = proxies.enter_context(running_server([*serve, "--missing", "omit"], timeout_s=120))
-        yield Stack(details, upstream, zero, omit, measure_pace(upstream, DEFAULT_MODEL_NAME),
+        yield Stack(details, upstream, zero, omit, usage, measure_pace(upstream, DEFAULT_MODEL_NAME),
                     engine_block_size(upstream))
 
 
@@ -396,19 +411,18 @@ def _cut_body(case: str) -> tuple[str, dict[str, Any]]:
 
 
 @ON
-def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(stack: Stack, tmp_path: Path) -> None:
+def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(stack: Stack) -> None:
     """A client that reads a few tokens and hangs up before the usage chunk is billed the
     prompt vLLM's ``/tokenize`` counts for the body, which is the ``prompt_tokens`` vLLM's usage
-    reports for the same body read whole; its cache unknown. A proxy with usage records, in
-    front of this module's vLLM."""
-    serve = ["-m", "proxy.server.cli", "serve", "--upstream", stack.vllm, "--log-level", "warning",
-             "--usage-dir", str(tmp_path), "--usage-flush-interval", "0.05"]
-    with running_server(serve, timeout_s=120) as (proxy, _), openai.OpenAI(
-            base_url=f"{proxy}/v1", api_key="unused", max_retries=0, timeout=stack.pace.timeout(4)) as client:
-        expected = {}
+    reports for the same prompt read whole (asked with ``max_tokens`` 1: the prompt is rendered
+    and counted before the tokens are); its cache unknown. The module's proxy, with usage records."""
+    expected = {}
+    with openai.OpenAI(base_url=f"{stack.proxy}/v1", api_key="unused", max_retries=0,
+                       timeout=stack.pace.timeout(4)) as client:
         for case in CUT_BODIES:
             route, payload = _cut_body(case)
-            whole = stack.send(stack.vllm, route, {**payload, "stream": True, "stream_options": {"include_usage": True}})
+            whole = stack.send(stack.vllm, route, {**payload, "max_tokens": 1, "stream": True,
+                                                   "stream_options": {"include_usage": True}})
             expected[case] = usage_of(whole, True)["prompt_tokens"]
             standard = {k: payload[k] for k in ("model", "max_tokens", "temperature", "messages", "prompt") if k in payload}
             extra = {k: v for k, v in payload.items() if k not in standard}
@@ -417,11 +431,7 @@ def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(s
             read = [chunk for chunk, _ in zip(stream, range(3))]
             stream.close()
             assert len(read) == 3
-        found: list[dict[str, Any]] = []
-        deadline = time.monotonic() + 30
-        while len(found) < len(CUT_BODIES) and time.monotonic() < deadline:
-            time.sleep(0.1)
-            found = [orjson.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    found = stack.records(set(CUT_BODIES))
     assert expected["chat-truncated"] == 100
     got = {r["request_id"]: (r["outcome"], r["prompt_tokens"], r["cached_tokens"], r["source"]) for r in found}
     assert len(found) == len(CUT_BODIES)
@@ -461,9 +471,11 @@ def _api_cut_body(case: str) -> tuple[str, dict[str, Any]]:
 
 
 def _whole_prompt(stack: Stack, route: str, payload: dict[str, Any]) -> int:
-    """The prompt vLLM's usage reports for ``payload`` read whole (Messages: all three parts)."""
+    """The prompt vLLM's usage reports for ``payload``'s prompt read whole, asked with one
+    output token (Messages: all three parts)."""
     path = "/v1/responses" if route == "responses" else "/v1/messages"
-    answer = httpx.post(stack.vllm + path, json=payload, timeout=stack.pace.timeout(4))
+    limit = "max_output_tokens" if route == "responses" else "max_tokens"
+    answer = httpx.post(stack.vllm + path, json={**payload, limit: 1}, timeout=stack.pace.timeout(4))
     assert answer.status_code == 200, answer.text
     usage = answer.json()["usage"]
     if route == "responses":
@@ -473,18 +485,14 @@ def _whole_prompt(stack: Stack, route: str, payload: dict[str, Any]) -> int:
 
 
 @ON
-def test_a_responses_or_messages_stream_cut_before_its_usage_is_billed_the_prompt_vllm_reports(
-        stack: Stack, tmp_path: Path) -> None:
+def test_a_responses_or_messages_stream_cut_before_its_usage_is_billed_the_prompt_vllm_reports(stack: Stack) -> None:
     """The official ``openai`` (``responses.create(stream=True)``) and ``anthropic``
     (``messages.create(stream=True)``) clients read two text deltas and hang up before the
-    final usage: the record bills the prompt vLLM's usage reports for the same body read whole."""
-    serve = ["-m", "proxy.server.cli", "serve", "--upstream", stack.vllm, "--log-level", "warning",
-             "--usage-dir", str(tmp_path), "--usage-flush-interval", "0.05"]
+    final usage: the record bills the prompt vLLM's usage reports for the same prompt read whole."""
     timeout = stack.pace.timeout(4)
-    with running_server(serve, timeout_s=120) as (proxy, _), \
-            openai.OpenAI(base_url=f"{proxy}/v1", api_key="unused", max_retries=0, timeout=timeout) as oai, \
-            anthropic.Anthropic(base_url=proxy, api_key="unused", max_retries=0, timeout=timeout) as claude:
-        expected = {}
+    expected = {}
+    with openai.OpenAI(base_url=f"{stack.proxy}/v1", api_key="unused", max_retries=0, timeout=timeout) as oai, \
+            anthropic.Anthropic(base_url=stack.proxy, api_key="unused", max_retries=0, timeout=timeout) as claude:
         for case in API_CUT_BODIES:
             route, payload = _api_cut_body(case)
             expected[case] = _whole_prompt(stack, route, payload)
@@ -500,11 +508,7 @@ def test_a_responses_or_messages_stream_cut_before_its_usage_is_billed_the_promp
                     break
             stream.close()
             assert deltas == 2
-        found: list[dict[str, Any]] = []
-        deadline = time.monotonic() + 30
-        while len(found) < len(API_CUT_BODIES) and time.monotonic() < deadline:
-            time.sleep(0.1)
-            found = [orjson.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_bytes().splitlines()]
+    found = stack.records(set(API_CUT_BODIES))
     got = {r["request_id"]: (r["route"], r["outcome"], r["prompt_tokens"], r["cached_tokens"], r["source"])
            for r in found}
     assert len(found) == len(API_CUT_BODIES)
