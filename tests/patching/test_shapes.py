@@ -474,13 +474,16 @@ def test_a_responses_stream_that_ends_failed_is_an_error(usage_dir: Path) -> Non
 def unnamed_responses_upstream(last: str | None) -> Any:
     """A Responses stream without ``event:`` lines, as LiteLLM's proxy sends it: the ``openai``
     SDK reads each event by its data's ``type``. It ends with ``last``, or, without one, waits
-    for its client to leave."""
+    for its client to leave. It has no other route (no ``/tokenize``: LiteLLM's has none)."""
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             return await lifespan(receive, send)
         while (await receive()).get("more_body"):
             pass
+        if scope["path"] != "/v1/responses":
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            return await send({"type": "http.response.body", "body": b""})
         head = RESPONSE_HEAD
         events = [{"type": "response.created", "response": head}] + [
             {"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0, "content_index": 0,
@@ -518,8 +521,8 @@ def test_a_responses_stream_without_event_names_is_recorded_as_the_openai_sdk_re
     assert seen[1:4] == ["response.output_text.delta"] * 3
     [record] = records_for(usage_dir, {rid})[rid]
     if last is None:
-        assert (record["outcome"], record["completion_tokens"], record["completion_source"]) == (
-            "disconnected", 3, "stream")
+        assert (record["outcome"], record["completion_tokens"], record["completion_source"], record["prompt_tokens"]) == (
+            "disconnected", 3, "stream", None)  # its prompt: no usage came, and nothing counts it
     else:
         assert seen[-1] == last
         assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == ("error", 500, 448)
