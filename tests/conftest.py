@@ -29,6 +29,7 @@ from tests.in_flight import RequestsInFlight
 from tests.load import report
 from tests.otlp_receiver import Receiver, otlp_receiver
 from tests.servers import ENGINE_KV_FLAGS, Pace, assert_no_traceback_in_vllm_log, measure_pace, running_server
+from tests.vllm_preloaded import Script, vllm_scripts
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -171,3 +172,10 @@ def sim_server() -> Iterator[str]:
 def sim_client(sim_server: str) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{sim_server}/v1", api_key="unused", max_retries=0) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def vllm_script() -> Iterator[Script]:
+    """Run a script with vLLM's app in a process of its own, vLLM already imported
+    (:mod:`tests.vllm_preloaded`); the fork server is stopped at the end of the session."""
+    yield from vllm_scripts()

@@ -26,6 +26,7 @@ from proxy.server.cli import build_parser
 from proxy.server.serve_flags import serve_settings
 from proxy.server.settings import Settings, SettingsError, load_settings
 from tests.servers import metric_value
+from tests.vllm_preloaded import Script
 
 BODY = {"prompt": "the same words every time", "max_tokens": 3}
 
@@ -404,7 +405,7 @@ print(json.dumps(answers))
 
 
 @pytest.mark.parametrize("exempt", [False, True], ids=["guarded", "auth_exempt_paths"])
-def test_inside_vllm_its_own_key_guards_invocations_too(tmp_path: Path, exempt: bool) -> None:
+def test_inside_vllm_its_own_key_guards_invocations_too(vllm_script: Script, tmp_path: Path, exempt: bool) -> None:
     """vLLM checks its ``--api-key`` under ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` only;
     SageMaker's ``/invocations`` runs the engine and is billed, so a keyless request there ran and
     was billed to ``default``, the tenant of vLLM's key: a tenant no credential gave it. It needs
@@ -412,17 +413,13 @@ def test_inside_vllm_its_own_key_guards_invocations_too(tmp_path: Path, exempt: 
     opens it (a SageMaker endpoint that sends none); ``/v1`` keeps vLLM's own 401."""
     import json
     import os
-    import subprocess
-    import sys
 
     from proxy.accounting.records.report import read
-    from tests.servers import ROOT
 
     usage = tmp_path / "usage"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHETALLY_", "VLLM_API_KEY"))}
     env |= {"CACHETALLY_USAGE_DIR": str(usage)} | ({"CACHETALLY_AUTH_EXEMPT_PATHS": "/invocations"} if exempt else {})
-    run = subprocess.run([sys.executable, "-c", _VLLM_WITH_ITS_KEY], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)  # imports vLLM: slow on a busy machine
+    run = vllm_script(_VLLM_WITH_ITS_KEY, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     answers = json.loads(run.stdout.splitlines()[-1])
     assert [answers[name][0] for name in answers] == [200 if exempt else 401, 200 if exempt else 401, 200, 401], answers

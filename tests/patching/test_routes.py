@@ -18,6 +18,7 @@ import pytest
 from proxy.patching.routes import PATCHED, kind
 from tests.engine_adapter.vllm.test_vllm_wheel_033 import installed_site_packages, vllm_033_wheel
 from tests.vllm_routes import declared_paths
+from tests.vllm_preloaded import Script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +82,8 @@ with serving_in_thread(app, start_timeout_s=240) as url:  # the lifespan taps vL
 
 
 @pytest.mark.parametrize(("model", "status"), [("pooling", 403), ("generate", 200)])
-def test_invocations_on_a_pooling_model_is_refused_while_billing(tmp_path: Path, model: str, status: int) -> None:
+def test_invocations_on_a_pooling_model_is_refused_while_billing(
+        vllm_script: Script, tmp_path: Path, model: str, status: int) -> None:
     """On a model without the generate task, vLLM's ``/invocations`` dispatches any body to the
     pooling handlers (embeddings, classify, score, pooling), whose own routes are refused: it ran
     them as a metered route whose cache figures the tap never sees (no ``generate()``), billed
@@ -91,7 +93,6 @@ def test_invocations_on_a_pooling_model_is_refused_while_billing(tmp_path: Path,
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHETALLY_", "VLLM_API_KEY"))}
     env["CACHETALLY_USAGE_DIR"] = str(tmp_path / "usage")
-    run = subprocess.run([sys.executable, "-c", _POOLING_VLLM, model], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)  # imports vLLM: slow on a busy machine
+    run = vllm_script(_POOLING_VLLM, model, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[-1] == str(status)

@@ -16,15 +16,14 @@ middleware taps, and a chat route that refuses as vLLM's does.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import orjson
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.vllm_preloaded import Script
+
 
 _REFUSING_VLLM = """
 import argparse, sys
@@ -61,15 +60,15 @@ with serving_in_thread(app, start_timeout_s=240) as url:  # the lifespan taps vL
 
 
 @pytest.mark.parametrize("configured", [None, "/models/folder"], ids=["default-model", "model-folder"])
-def test_a_refused_request_is_recorded_under_the_model_vllm_serves(tmp_path: Path, configured: str | None) -> None:
+def test_a_refused_request_is_recorded_under_the_model_vllm_serves(
+        vllm_script: Script, tmp_path: Path, configured: str | None) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHETALLY_", "VLLM_API_KEY"))}
     env["CACHETALLY_USAGE_DIR"] = str(tmp_path / "usage")
     env["CACHETALLY_USAGE_FLUSH_INTERVAL_S"] = "0.1"
     if configured is not None:  # `cachetally serve --model /models/folder -- --served-model-name served-name`
         env["CACHETALLY_MODEL"] = configured
     rid = uuid.uuid4().hex
-    run = subprocess.run([sys.executable, "-c", _REFUSING_VLLM, rid], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)  # imports vLLM: slow on a busy machine
+    run = vllm_script(_REFUSING_VLLM, rid, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "400"
     records = [orjson.loads(line) for path in (tmp_path / "usage").glob("*.jsonl")

@@ -13,8 +13,6 @@ and a chat route that fails as vLLM's does once its client is closed.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -22,8 +20,8 @@ import orjson
 import pytest
 
 from proxy.asgi.errors import STOPPED
+from tests.vllm_preloaded import Script
 
-ROOT = Path(__file__).resolve().parents[3]
 
 _STOPPING_VLLM = """
 import argparse, sys
@@ -60,12 +58,11 @@ with serving_in_thread(app, start_timeout_s=240) as url:  # the lifespan taps vL
 """
 
 
-def test_a_request_sent_while_vllm_stops_gets_the_stops_503_and_no_record(tmp_path: Path) -> None:
+def test_a_request_sent_while_vllm_stops_gets_the_stops_503_and_no_record(vllm_script: Script, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHETALLY_", "VLLM_API_KEY"))}
     env["CACHETALLY_USAGE_DIR"] = str(tmp_path / "usage")
     rid = uuid.uuid4().hex
-    run = subprocess.run([sys.executable, "-c", _STOPPING_VLLM, rid], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)  # imports vLLM: slow on a busy machine
+    run = vllm_script(_STOPPING_VLLM, rid, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     status, body = run.stdout.strip().splitlines()[-1].split(" ", 1)
     assert (status, orjson.loads(body)["error"]["message"]) == ("503", STOPPED)
