@@ -11,8 +11,9 @@ chat its route renders (:mod:`proxy.upstream.responses_prompt`, its ``truncation
 :func:`truncated` reads a chat's). Its ``count`` is the prompt vLLM's usage reports for that
 body (the Responses usage's ``input_tokens``), where vLLM renders the chat itself
 (its chat template; not gpt-oss's Harmony, whose chat rendering ``/tokenize`` does not run).
-Several prompts are asked one by one and summed, as vLLM's usage sums them; ``tools`` beside
-``tool_choice`` ``"none"`` are asked with the messages, or without them where the upstream runs
+Several prompts are asked one by one and summed, as vLLM's usage sums them; ``tools`` are
+asked with the messages (a Responses body's function tools as the chat's), or without them
+under ``tool_choice`` ``"none"`` where the upstream runs
 ``--exclude-tools-when-tool-choice-none`` (``exclude_tools_when_tool_choice_none``: set it as
 the upstream has it). SageMaker's ``/invocations`` is counted as the chat or completions body
 it runs (:func:`_invoked`). What cannot be counted so stays unknown, never a guess:
@@ -73,7 +74,7 @@ def tokenize_body(route: str, payload: dict[str, Any],
         transfer = payload.get("kv_transfer_params")
         if isinstance(transfer, dict) and transfer.get("prompt_token_ids") is not None:
             return None  # vLLM runs these ids as the prompt, the messages unrendered
-        asked = _chat(payload, exclude_tools) if route == "chat" else chat_ask(payload)
+        asked = _chat(payload, exclude_tools) if route == "chat" else chat_ask(payload, exclude_tools)
         return None if asked is None else [asked]
     if payload.get("prompt_embeds") is not None or payload.get("suffix") is not None:
         return None

@@ -5,14 +5,18 @@ vLLM 0.32's Responses route (``entrypoints/openai/responses/utils.py``
 renders a request as a chat through the model's chat template: ``instructions``, when not
 empty, as a first system message; a string ``input`` as one user message; message items as the
 chat messages they are; with the generation prompt, the request's ``chat_template_kwargs``, the
-reasoning effort it puts beside them (and the ``enable_thinking`` it derives), and the
-tokenizer's special tokens added. :func:`chat_ask` is that chat as vLLM's
-``TokenizeChatRequest`` takes it, for the shapes whose rendering is only that: a message item
-of ``type`` ``"message"`` (or none) whose content is a string or ``input_text`` parts (an
-assistant's, a string). Anything else stays unknown, never a guess: tools, a previous response,
-items of other kinds (output messages, tool calls and their outputs, reasoning, images, files),
-an item with more fields (a ``status`` may ask for it to be continued). Like the chat route's,
-the count is vLLM's own where vLLM renders the chat itself, not gpt-oss's Harmony.
+reasoning effort it puts beside them (and the ``enable_thinking`` it derives), the function
+tools as the chat's (``renderers/online_renderer.py`` ``render_responses``,
+``construct_tool_dicts``: none under ``tool_choice`` ``"none"`` where the upstream runs
+``--exclude-tools-when-tool-choice-none``), and the tokenizer's special tokens added.
+:func:`chat_ask` is that chat as vLLM's ``TokenizeChatRequest`` takes it, for the shapes whose
+rendering is only that: a message item of ``type`` ``"message"`` (or none) whose content is a
+string or ``input_text`` parts (an assistant's, a string); a function tool of a name, a
+description, parameters and ``strict``. Anything else stays unknown, never a guess: other
+tools (namespaces, custom and built-in tools) or tool fields, a previous response, items of
+other kinds (output messages, tool calls and their outputs, reasoning, images, files), an item
+with more fields (a ``status`` may ask for it to be continued). Like the chat route's, the
+count is vLLM's own where vLLM renders the chat itself, not gpt-oss's Harmony.
 """
 
 from __future__ import annotations
@@ -22,12 +26,17 @@ from typing import Any
 _ROLES = frozenset(("user", "system", "developer", "assistant"))
 _ITEM = frozenset(("type", "role", "content"))
 _PART = frozenset(("type", "text"))
+#: A function tool's fields that vLLM renders (FunctionDefinition's, ``defer_loading`` aside).
+_FUNCTION = frozenset(("type", "name", "description", "parameters", "strict"))
 
 
-def chat_ask(payload: dict[str, Any]) -> dict[str, Any] | None:
-    """What ``/tokenize`` is asked for the prompt of Responses body ``payload``, or ``None``."""
-    if payload.get("tools") or any(payload.get(key) is not None
-                                   for key in ("previous_response_id", "previous_input_messages")):
+def chat_ask(payload: dict[str, Any], exclude_tools: bool = False) -> dict[str, Any] | None:
+    """What ``/tokenize`` is asked for the prompt of Responses body ``payload``, or ``None``.
+    ``exclude_tools``: the upstream drops ``tools`` under ``tool_choice`` ``"none"``."""
+    if any(payload.get(key) is not None for key in ("previous_response_id", "previous_input_messages")):
+        return None
+    tools = _tools(payload, exclude_tools)
+    if tools is None:
         return None
     instructions = payload.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -53,7 +62,28 @@ def chat_ask(payload: dict[str, Any]) -> dict[str, Any] | None:
         asked["model"] = payload["model"]
     if kwargs:
         asked["chat_template_kwargs"] = kwargs
+    if tools:
+        asked["tools"] = tools
     return asked
+
+
+def _tools(payload: dict[str, Any], exclude_tools: bool) -> list[dict[str, Any]] | None:
+    """The chat tools vLLM renders for the body's ``tools``: each function tool as a chat
+    function (``convert_tool_responses_to_completions_format``), none where it has none or drops
+    them, ``None`` for any other tool or field."""
+    tools = payload.get("tools")
+    if not tools or (exclude_tools and payload.get("tool_choice", "auto") == "none"):
+        return []
+    if not isinstance(tools, list):
+        return None
+    chat = []
+    for tool in tools:
+        if not (isinstance(tool, dict) and tool.keys() <= _FUNCTION and tool.get("type") == "function"
+                and isinstance(tool.get("name"), str) and isinstance(tool.get("description"), str | None)
+                and isinstance(tool.get("parameters"), dict | None) and isinstance(tool.get("strict"), bool | None)):
+            return None
+        chat.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type" and v is not None}})
+    return chat
 
 
 def limits(payload: dict[str, Any]) -> dict[str, Any]:

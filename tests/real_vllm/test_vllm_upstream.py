@@ -14,6 +14,9 @@ processes.
 The warm value is deterministic: vLLM caches whole blocks and always recomputes the last
 prompt token, so a repeated prompt reports ``((prompt_tokens - 1) // block) * block``, with
 the block size the engine reports on its ``/metrics``.
+
+Its chat template is the model's with the request's tools rendered first (:data:`TOOLS_FIRST`):
+SmolLM2's own renders none, and a tool's tokens are part of the prompt a client is billed.
 """
 
 from __future__ import annotations
@@ -62,14 +65,22 @@ def _family(pid: int) -> list[psutil.Process]:
     return []
 
 
+#: Put before the model's chat template: the tools as JSON in a system turn of their own, as
+#: templates that take tools write them (SmolLM2's ignores them).
+TOOLS_FIRST = "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+
+
 @contextlib.contextmanager
 def vllm_server(details: bool, log_path: Path) -> Iterator[str]:
     """vLLM's OpenAI server on 127.0.0.1 until healthy; always stopped with its children."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    model = ensure_default_model(progress=False)
+    template = log_path.with_name("chat_template.jinja")
+    template.write_text(TOOLS_FIRST + (model / "chat_template.jinja").read_text())
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(ensure_default_model(progress=False)),
+        "--model", str(model), "--chat-template", str(template),
         "--served-model-name", DEFAULT_MODEL_NAME,
         "--enable-prefix-caching", *ENGINE_KV_FLAGS,
         "--host", "127.0.0.1", "--port", str(port),
@@ -393,6 +404,11 @@ CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
                                 "add_generation_prompt": False, "continue_final_message": True}),
     "chat-template-kwargs": ("chat", {"messages": [{"role": "user"}], "chat_template_kwargs": {"enable_thinking": False}}),
     "chat-truncated": ("chat", {"messages": [{"role": "user"}], "truncate_prompt_tokens": 100}),
+    # a tool the client never lets be called: rendered all the same (vLLM's default)
+    "chat-tool-never-called": ("chat", {"messages": [{"role": "user"}], "tools": [
+        {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+        "tool_choice": "none"}),
     "chat-two-choices": ("chat", {"messages": [{"role": "user"}], "n": 2, "temperature": 1.0}),  # one prompt, reported once
     "completions": ("completions", {}),
     "completions-bare": ("completions", {"add_special_tokens": False}),
@@ -424,6 +440,10 @@ def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(s
             whole = stack.send(stack.vllm, route, {**payload, "max_tokens": 1, "stream": True,
                                                    "stream_options": {"include_usage": True}})
             expected[case] = usage_of(whole, True)["prompt_tokens"]
+            if "tools" in payload:  # the template renders them: they are billed
+                bare = {k: v for k, v in payload.items() if k not in ("tools", "tool_choice")}
+                assert expected[case] > usage_of(stack.send(stack.vllm, route, {**bare, "max_tokens": 1}), False)[
+                    "prompt_tokens"]
             standard = {k: payload[k] for k in ("model", "max_tokens", "temperature", "messages", "prompt") if k in payload}
             extra = {k: v for k, v in payload.items() if k not in standard}
             create = client.chat.completions.create if route == "chat" else client.completions.create
@@ -441,7 +461,7 @@ def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(s
 #: Responses and Messages bodies cut the same way, each as the client sends it (``input`` and
 #: ``messages`` filled with a fresh prompt): a string input, instructions beside it, message
 #: items of string and ``input_text`` content (a system, a developer and an assistant turn),
-#: truncation ``auto``, a reasoning effort; a Messages body with a system prompt.
+#: truncation ``auto``, a function tool, a reasoning effort; a Messages body with a system prompt.
 API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "responses-string": ("responses", {}),
     "responses-instructions": ("responses", {"instructions": "Answer in French."}),
@@ -451,6 +471,9 @@ API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello, how can I help?"},
         {"role": "user", "content": [{"type": "input_text"}, {"type": "input_text", "text": "Thanks."}]}]}),
     "responses-truncation-auto": ("responses", {"truncation": "auto"}),
+    "responses-tool": ("responses", {"tools": [
+        {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": False,
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]}),
     "responses-reasoning": ("responses", {"reasoning": {"effort": "low"}}),
     "messages-system": ("messages", {"system": "Answer in French."}),
 }
@@ -496,6 +519,8 @@ def test_a_responses_or_messages_stream_cut_before_its_usage_is_billed_the_promp
         for case in API_CUT_BODIES:
             route, payload = _api_cut_body(case)
             expected[case] = _whole_prompt(stack, route, payload)
+            if "tools" in payload:  # the template renders them: they are billed
+                assert expected[case] > _whole_prompt(stack, route, {k: v for k, v in payload.items() if k != "tools"})
             headers = {"x-request-id": case}
             extra = {k: payload[k] for k in ("ignore_eos", "temperature") if k in payload}  # past the SDKs' types
             standard = {k: v for k, v in payload.items() if k not in extra}

@@ -15,6 +15,7 @@ import contextlib
 import signal
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,6 +37,7 @@ from engine_adapter.sim.tokenizer import render_chat, tokenize
 from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
 from proxy.upstream.prompt_count import truncated
+from proxy.upstream.responses_prompt import chat_ask
 from tests.servers import metric_value, running_server, serving_in_thread
 
 pytestmark = pytest.mark.loopback
@@ -146,9 +148,10 @@ TOOL = {"type": "function", "function": {"name": "f", "description": LONG, "para
 @pytest.mark.parametrize(("route", "prompt", "extra"), [
     ("completions", LONG, {"suffix": "end"}),  # rendered for fill-in-the-middle
     ("completions", LONG, {"extra_body": {"prompt_embeds": "AAAA"}}),  # one more prompt, of embeddings
-    # Responses: a tool (rendered as the tool's schema), an earlier response (history read
-    # from vLLM's store), an item other than a plain message (status in_progress: continued)
-    ("responses", LONG, {"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}),
+    # Responses: a tool vLLM renders in a way of its own (a custom tool's shim), an earlier
+    # response (history read from vLLM's store), an item other than a plain message (status
+    # in_progress: continued)
+    ("responses", LONG, {"tools": [{"type": "custom", "name": "f"}]}),
     ("responses", LONG, {"previous_response_id": "resp_1"}),
     ("responses", [{"role": "user", "content": LONG}, {"role": "assistant", "content": "Sure",
                                                           "status": "in_progress"}], {}),
@@ -417,3 +420,42 @@ def test_a_cut_invocations_stream_is_billed_the_prompt_the_upstream_counts(
     assert (record["outcome"], record["route"], record["prompt_tokens"], record["source"]) == (
         "disconnected", "invocations", expected, "tokenize" if expected else None)
     assert upstream.asked_bodies == ([{"model": "m", "messages": MESSAGES}] if expected else [])
+
+
+_TOOL = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "function", "function", "custom", "web_search"]), "name": st.text(max_size=3)},
+    optional={"description": st.none() | st.text(max_size=3), "strict": st.none() | st.booleans(),
+              "parameters": st.none() | st.just({"type": "object", "properties": {"a": {"type": "string"}}}),
+              "defer_loading": st.booleans()})
+
+
+@pytest.mark.vllm
+@settings(max_examples=300, deadline=None)
+@given(tools=st.none() | st.lists(_TOOL, max_size=3), choice=st.sampled_from([None, "auto", "none", "required"]),
+       excluded=st.booleans())
+def test_a_responses_bodys_tools_are_asked_as_the_installed_vllm_renders_them(
+        tools: list[dict[str, Any]] | None, choice: str | None, excluded: bool) -> None:
+    """What ``/tokenize`` is asked for a Responses body's tools, read by the installed vLLM's
+    ``TokenizeChatRequest``, is the tools its Responses route renders (``construct_tool_dicts``,
+    under ``--exclude-tools-when-tool-choice-none`` or not); a tool it renders otherwise leaves
+    the prompt unknown."""
+    with warnings.catch_warnings():  # torch, imported by vLLM, deprecates its own torch.jit
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+        from vllm.entrypoints.openai.responses.utils import construct_tool_dicts
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+        from vllm.exceptions import VLLMClientError
+
+    payload: dict[str, Any] = {"model": "m", "input": "hi"}
+    payload |= {key: value for key, value in (("tools", tools), ("tool_choice", choice)) if value is not None}
+    try:
+        request = ResponsesRequest.model_validate(payload)
+    except (ValidationError, VLLMClientError):
+        return  # answered 400: no stream to cut
+    rendered = construct_tool_dicts(request.tools, request.tool_choice, exclude_tools_when_tool_choice_none=excluded)
+    asked = chat_ask(payload, excluded)
+    plain = all(tool["type"] == "function" and "defer_loading" not in tool for tool in tools or [])
+    assert (asked is not None) == (plain or rendered is None)  # no tool rendered: nothing to render otherwise
+    if asked is not None:
+        read = TokenizeChatRequest.model_validate(asked)
+        assert (None if read.tools is None else [tool.model_dump() for tool in read.tools]) == rendered
