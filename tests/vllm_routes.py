@@ -3,7 +3,8 @@
 - ``python -m tests.vllm_routes [FAKE_PATH...]`` builds the installed vLLM's real FastAPI
   app with every task it knows (dev mode and fault tolerance on, so every optional router
   is mounted), adds each ``FAKE_PATH`` as a POST route, and prints the paths of
-  ``app.routes`` as JSON. Run in a subprocess: importing vLLM is slow and warns.
+  ``app.routes`` as JSON. Run in a process of its own (:mod:`tests.vllm_preloaded`):
+  importing vLLM is slow and warns, and the dev mode is set in the environment.
 - :func:`declared_paths` reads the route paths a vLLM's sources declare
   (``@router.post("/...")``, ``add_api_route("/...", ...)``, ...) with ``ast``, from a
   directory or a wheel that cannot be installed here (0.33.0).

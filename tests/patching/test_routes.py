@@ -9,8 +9,7 @@ fake route shows that it does."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,11 @@ from tests.engine_adapter.vllm.test_vllm_wheel_033 import installed_site_package
 from tests.vllm_routes import declared_paths
 from tests.vllm_preloaded import Script
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def app_routes(*fakes: str) -> list[str]:
-    """The installed vLLM's ``app.routes`` paths, with ``fakes`` added as POST routes."""
-    done = subprocess.run([sys.executable, "-m", "tests.vllm_routes", *fakes], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+def app_routes(vllm_script: Script, *fakes: str) -> list[str]:
+    """The installed vLLM's ``app.routes`` paths, with ``fakes`` added as POST routes
+    (``python -m tests.vllm_routes``, in a process of its own)."""
+    done = vllm_script("import sys; from tests.vllm_routes import main; main(sys.argv[1:])", *fakes,
+                       env=dict(os.environ))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -36,9 +33,9 @@ def unclassified(paths: list[str] | set[str]) -> list[str]:
 
 
 @pytest.mark.vllm
-def test_every_route_of_the_installed_vllm_app_is_classified_and_a_fake_one_is_caught() -> None:
-    """One app build (about 25 s): the fake route must be the only unclassified one."""
-    paths = app_routes("/v1/fake/generate")
+def test_every_route_of_the_installed_vllm_app_is_classified_and_a_fake_one_is_caught(vllm_script: Script) -> None:
+    """One app build: the fake route must be the only unclassified one."""
+    paths = app_routes(vllm_script, "/v1/fake/generate")
     assert set(PATCHED) <= set(paths)
     assert unclassified(paths) == ["/v1/fake/generate"]
 

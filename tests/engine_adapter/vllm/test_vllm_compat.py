@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine_adapter.vllm import compat
+from tests.vllm_preloaded import Script
 
 NEW_STARTUP = "vllm.entrypoints.common.startup"
 OLD_STARTUP = "vllm.entrypoints.serve.utils.api_utils"
@@ -192,18 +193,17 @@ def test_importing_compat_does_not_import_vllm() -> None:
 
 
 @pytest.mark.vllm
-def test_the_installed_vllm_has_every_touch_point() -> None:
+def test_the_installed_vllm_has_every_touch_point(vllm_script: Script) -> None:
     """The real resolution, on the installed vLLM, in a child process (importing vLLM there
     keeps its import-time warnings and environment out of this one; no engine starts)."""
     import json
-    import subprocess
+    import os
 
     code = ("import json, logging, sys; from engine_adapter.vllm import compat; "
             "ok = compat.check_version_once(logging.getLogger('t')); "
             "print(json.dumps([compat.version(), ok, compat.log_missing_once(logging.getLogger('t')), "
             "{n: compat.lookup(n)[1] for n in compat.TOUCH_POINTS}]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).resolve().parents[3])
+    out = vllm_script(code, env=dict(os.environ), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     version, ok, lacking, where = json.loads(out.stdout.strip().splitlines()[-1])
     assert (ok, lacking) == (True, []), f"vLLM {version}"
