@@ -111,9 +111,8 @@ def _token_ids(prompt: object) -> bool:
 
 def _chat(payload: dict[str, Any], exclude_tools: bool) -> dict[str, Any] | None:
     asked = {key: payload[key] for key in _CHAT if key in payload}
-    # vLLM's default: "auto" beside tools, else "none"; under "none" its flag drops them.
-    choice = payload["tool_choice"] if "tool_choice" in payload else "auto" if asked.get("tools") else "none"
-    if exclude_tools and choice == "none":
+    # Beside tools vLLM's default is "auto"; only under "none" does its flag drop them.
+    if exclude_tools and payload.get("tool_choice", "auto") == "none":
         asked.pop("tools", None)
     kwargs = payload.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):

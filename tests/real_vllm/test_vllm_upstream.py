@@ -45,6 +45,7 @@ from engine_adapter.vllm.cpu import machine_flags
 from engine_adapter.vllm.model_store import DEFAULT_MODEL_NAME, ensure_default_model
 from tests.clients import engine_block_size, fresh_prompt, warm_hit
 from tests.real_vllm import test_vllm_apis as apis
+from tests.real_vllm.test_vllm_records import records_for
 from tests.servers import ENGINE_KV_FLAGS, ROOT, Pace, free_port, measure_pace, metric_value, running_server, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loopback]
@@ -142,14 +143,7 @@ class Stack:
     def records(self, request_ids: set[str]) -> list[dict[str, Any]]:
         """The usage records ``proxy`` wrote for ``request_ids``, once there is one for each
         (or 30 s are up)."""
-        deadline = time.monotonic() + 30
-        while True:
-            found = [record for path in sorted(self.usage.glob("*.jsonl"))
-                     for record in map(orjson.loads, path.read_bytes().splitlines())
-                     if record["request_id"] in request_ids]
-            if len(found) >= len(request_ids) or time.monotonic() > deadline:
-                return found
-            time.sleep(0.1)
+        return [record for found in records_for(self.usage, request_ids, timeout_s=30).values() for record in found]
 
     def send(self, base: str, route: str, payload: dict[str, Any]) -> bytes:
         """The raw response body (the SSE stream as it came, for a streaming request)."""
