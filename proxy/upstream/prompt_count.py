@@ -17,10 +17,11 @@ under ``tool_choice`` ``"none"`` where the upstream runs
 ``--exclude-tools-when-tool-choice-none`` (``exclude_tools_when_tool_choice_none``: set it as
 the upstream has it). SageMaker's ``/invocations`` is counted as the chat or completions body
 it runs (:func:`_invoked`). What cannot be counted so stays unknown, never a guess:
-``prompt_embeds``, a completions ``suffix`` (rendered for fill-in-the-middle), a chat or
-Responses body's ``kv_transfer_params.prompt_token_ids`` (with ``pd_legs`` on they reach vLLM,
-which runs them as the prompt, not the messages), and a
-truncation that may have cut the prompt (:func:`truncated`).
+``prompt_embeds``, a completions ``suffix`` (rendered for fill-in-the-middle), and a
+truncation that may have cut the prompt (:func:`truncated`). A chat or Responses body's
+``kv_transfer_params.prompt_token_ids`` (with ``pd_legs`` on they reach vLLM, which runs them
+as the prompt, not the messages) are counted as they are, unasked
+(:mod:`proxy.upstream.reused_prompt`).
 
 Bounded: :data:`MAX_ASKING` requests' asks at once (past it, unknown, counted ``busy``), the
 asks of one request (one per prompt) within :data:`TIMEOUT_S`, each answer within
@@ -42,6 +43,7 @@ import orjson
 from proxy.asgi.headers import Headers
 from proxy.upstream.client import UpstreamClient, UpstreamFailure
 from proxy.upstream.responses_prompt import chat_ask, limits
+from proxy.upstream.reused_prompt import reused
 
 TOKENIZE = b"/tokenize"
 #: How long one request's asks may take, the answers read whole: its record waits for them.
@@ -65,15 +67,12 @@ _DIGITS = re.compile(r"[+-]?[0-9]+")
 
 def tokenize_body(route: str, payload: dict[str, Any],
                   exclude_tools: bool = False) -> list[dict[str, Any] | int] | None:
-    """What ``/tokenize`` is asked for each prompt of ``payload`` (the body the upstream got),
-    or the count itself for a prompt of token ids; ``None`` when no ask counts it exactly.
+    """What ``/tokenize`` is asked for each prompt of ``payload`` (the body the upstream got,
+    sent to ``route``: chat, completions or responses), or the count itself for a prompt of
+    token ids; ``None`` when no ask counts it exactly. A body whose ``kv_transfer_params`` ids
+    vLLM runs as its prompt is counted before (:func:`~proxy.upstream.reused_prompt.reused`).
     ``exclude_tools``: the upstream drops ``tools`` under ``tool_choice`` ``"none"``."""
-    if route == "invocations" and (route := _invoked(payload)) is None:
-        return None
     if route in ("chat", "responses"):
-        transfer = payload.get("kv_transfer_params")
-        if isinstance(transfer, dict) and transfer.get("prompt_token_ids") is not None:
-            return None  # vLLM runs these ids as the prompt, the messages unrendered
         asked = _chat(payload, exclude_tools) if route == "chat" else chat_ask(payload, exclude_tools)
         return None if asked is None else [asked]
     if payload.get("prompt_embeds") is not None or payload.get("suffix") is not None:
@@ -213,11 +212,16 @@ class PromptCounter:
     async def count(self, client: UpstreamClient | None, route: str, body: bytes, headers: Headers) -> int | None:
         """The prompt tokens of ``body`` (sent to ``route``, with ``headers`` as forwarded), or ``None``."""
         payload = _read(body)
-        parts = None if payload is None else tokenize_body(route, payload, self.exclude_tools)
-        if parts is None or payload is None:
+        runs = _invoked(payload) if payload is not None and route == "invocations" else route
+        if payload is None or runs is None:
+            return self._done(None)
+        if runs in ("chat", "responses") and (ids := reused(runs, payload))[0]:
+            return self._done(ids[1])  # their number, untruncated, as vLLM runs them
+        parts = tokenize_body(runs, payload, self.exclude_tools)
+        if parts is None:
             return self._done(None)
         # A Responses body's truncation, as truncated() reads a chat's truncate_prompt_tokens.
-        kept = limits(payload) if route == "responses" else payload
+        kept = limits(payload) if runs == "responses" else payload
         if all(isinstance(part, int) for part in parts):
             return self._done(_sum(truncated(part, kept, None) for part in parts))
         if client is None or self.asking >= self.max_asking:

@@ -33,10 +33,29 @@ _FUNCTION = frozenset(("type", "name", "description", "parameters", "strict"))
 def chat_ask(payload: dict[str, Any], exclude_tools: bool = False) -> dict[str, Any] | None:
     """What ``/tokenize`` is asked for the prompt of Responses body ``payload``, or ``None``.
     ``exclude_tools``: the upstream drops ``tools`` under ``tool_choice`` ``"none"``."""
-    if any(payload.get(key) is not None for key in ("previous_response_id", "previous_input_messages")):
-        return None
+    messages = input_messages(payload)
     tools = _tools(payload, exclude_tools)
-    if tools is None:
+    if messages is None or tools is None:
+        return None
+    kwargs = _template_kwargs(payload)
+    if kwargs is None:
+        return None
+    # TokenizeParams adds the special tokens unless told not to; /tokenize's chat form does not.
+    asked: dict[str, Any] = {"messages": messages, "add_special_tokens": True}
+    if "model" in payload:
+        asked["model"] = payload["model"]
+    if kwargs:
+        asked["chat_template_kwargs"] = kwargs
+    if tools:
+        asked["tools"] = tools
+    return asked
+
+
+def input_messages(payload: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The chat messages vLLM makes of the body's ``instructions`` and ``input``
+    (``construct_input_messages``), text only; ``None`` for an earlier response's history or
+    an input of any other shape."""
+    if any(payload.get(key) is not None for key in ("previous_response_id", "previous_input_messages")):
         return None
     instructions = payload.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -53,18 +72,7 @@ def chat_ask(payload: dict[str, Any], exclude_tools: bool = False) -> dict[str, 
             messages.append(message)
     else:
         return None
-    kwargs = _template_kwargs(payload)
-    if kwargs is None:
-        return None
-    # TokenizeParams adds the special tokens unless told not to; /tokenize's chat form does not.
-    asked: dict[str, Any] = {"messages": messages, "add_special_tokens": True}
-    if "model" in payload:
-        asked["model"] = payload["model"]
-    if kwargs:
-        asked["chat_template_kwargs"] = kwargs
-    if tools:
-        asked["tools"] = tools
-    return asked
+    return messages
 
 
 def _tools(payload: dict[str, Any], exclude_tools: bool) -> list[dict[str, Any]] | None:

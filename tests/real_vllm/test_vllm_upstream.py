@@ -136,7 +136,8 @@ class Stack:
     vllm: str
     proxy: str  # cachetally serve --upstream, `missing` = zero (the default), with usage records
     omit: str  # the same with --missing omit
-    usage: Path  # where `proxy` writes its usage records
+    legs: str  # the same as `proxy` with --pd-legs: a client's kv_transfer_params reach vLLM
+    usage: Path  # where `proxy` and `legs` write their usage records
     pace: Pace  # one request on this vLLM, timed
     block: int  # this vLLM's prefix-cache block size, as it reports it
 
@@ -166,10 +167,11 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     with vllm_server(details, folder / "vllm.log") as upstream, contextlib.ExitStack() as proxies:
         # Entered after vLLM, so they stop before it.
         serve = ["-m", "proxy.server.cli", "serve", "--upstream", upstream, "--log-level", "warning"]
-        zero, _ = proxies.enter_context(running_server(
-            [*serve, "--usage-dir", str(usage), "--usage-flush-interval", "0.05"], timeout_s=120))
+        recorded = [*serve, "--usage-dir", str(usage), "--usage-flush-interval", "0.05"]
+        zero, _ = proxies.enter_context(running_server(recorded, timeout_s=120))
         omit, _ = proxies.enter_context(running_server([*serve, "--missing", "omit"], timeout_s=120))
-        yield Stack(details, upstream, zero, omit, usage, measure_pace(upstream, DEFAULT_MODEL_NAME),
+        legs, _ = proxies.enter_context(running_server([*recorded, "--pd-legs"], timeout_s=120))
+        yield Stack(details, upstream, zero, omit, legs, usage, measure_pace(upstream, DEFAULT_MODEL_NAME),
                     engine_block_size(upstream))
 
 
@@ -533,6 +535,61 @@ def test_a_responses_or_messages_stream_cut_before_its_usage_is_billed_the_promp
     assert len(found) == len(API_CUT_BODIES)
     assert got == {case: (route, "disconnected", expected[case], None, "tokenize" if route == "responses" else None)
                    for case, (route, _) in API_CUT_BODIES.items()}
+
+
+#: A prefill stage's token ids, as disaggregated serving hands them to the decode stage.
+REUSED_IDS = list(range(1000, 1300))
+#: Bodies that carry them in ``kv_transfer_params``: vLLM runs them as the prompt, untruncated,
+#: unless a chat asks to ``echo`` (then it renders the messages).
+REUSED_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "reused-chat": ("chat", {}),
+    "reused-chat-truncated": ("chat", {"truncate_prompt_tokens": 20}),
+    "reused-chat-echo": ("chat", {"echo": True}),
+    "reused-responses": ("responses", {}),
+}
+
+
+@ON
+def test_a_stream_cut_before_its_usage_is_billed_the_reused_ids_vllm_runs(stack: Stack) -> None:
+    """With ``--pd-legs`` a client's ``kv_transfer_params`` reach vLLM; ``prompt_token_ids`` in
+    them are the prompt it runs, not the messages. A client sends 300 of them beside a fresh
+    message, reads a few chunks and hangs up: the record bills the prompt vLLM's usage reports
+    for the same body read whole (on the code before, ``null``)."""
+    expected = {}
+    with openai.OpenAI(base_url=f"{stack.legs}/v1", api_key="unused", max_retries=0,
+                       timeout=stack.pace.timeout(4)) as client:
+        for case, (route, extra) in REUSED_BODIES.items():
+            prompt = fresh_prompt()
+            payload = {"model": DEFAULT_MODEL_NAME, "temperature": 0,
+                       "kv_transfer_params": {"prompt_token_ids": REUSED_IDS}, **extra}
+            headers, options = {"x-request-id": case}, {"ignore_eos": True, **extra}
+            if route == "chat":
+                messages = [{"role": "user", "content": prompt}]
+                whole = stack.send(stack.vllm, route, {**payload, "messages": messages, "max_tokens": 1})
+                expected[case] = orjson.loads(whole)["usage"]["prompt_tokens"]
+                stream: Any = client.chat.completions.create(
+                    model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=48, temperature=0, stream=True,
+                    extra_body={"kv_transfer_params": {"prompt_token_ids": REUSED_IDS}, **options},
+                    extra_headers=headers)
+                read = len([chunk for chunk, _ in zip(stream, range(3))])
+            else:
+                expected[case] = _whole_prompt(stack, route, {**payload, "input": prompt})
+                stream = client.responses.create(
+                    model=DEFAULT_MODEL_NAME, input=prompt, max_output_tokens=48, temperature=0, stream=True,
+                    extra_body={"kv_transfer_params": {"prompt_token_ids": REUSED_IDS}, **options},
+                    extra_headers=headers)
+                read = 0
+                for event in stream:
+                    read += event.type == "response.output_text.delta"
+                    if read == 3:
+                        break
+            stream.close()
+            assert read == 3
+    assert expected["reused-chat"] == expected["reused-chat-truncated"] == len(REUSED_IDS) != expected["reused-chat-echo"]
+    found = stack.records(set(REUSED_BODIES))
+    got = {r["request_id"]: (r["outcome"], r["prompt_tokens"], r["cached_tokens"], r["source"]) for r in found}
+    assert len(found) == len(REUSED_BODIES)
+    assert got == {case: ("disconnected", n, None, "tokenize") for case, n in expected.items()}
 
 
 # -- flag off: the `missing` policy, counted as unknown ----------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import signal
 import threading
 import time
@@ -38,6 +39,7 @@ from proxy.server.app import CachetallyApp
 from proxy.server.settings import Settings
 from proxy.upstream.prompt_count import truncated
 from proxy.upstream.responses_prompt import chat_ask
+from proxy.upstream.reused_prompt import reused
 from tests.servers import metric_value, running_server, serving_in_thread
 
 pytestmark = pytest.mark.loopback
@@ -349,22 +351,120 @@ class ReusingUpstream(Upstream):
         return len(ids) if ids else 42
 
 
-def test_a_cut_stream_whose_prompt_is_reused_token_ids_is_not_billed_its_messages(tmp_path: Path) -> None:
+REUSED = list(range(1, 3001))
+
+
+@pytest.mark.parametrize(("extra", "expected", "asked"), [
+    ({}, 3000, False),
+    ({"truncate_prompt_tokens": 50}, 3000, False),  # vLLM runs the ids as they are
+    ({"echo": "yes"}, 42, True),  # an echo renders the messages: vLLM ignores the ids
+], ids=["reused", "reused-truncation-not-applied", "echo-renders-the-messages"])
+def test_a_cut_stream_whose_prompt_is_reused_token_ids_is_billed_their_number(
+        tmp_path: Path, extra: dict[str, Any], expected: int, asked: bool) -> None:
     """With ``pd_legs`` on, a client's ``kv_transfer_params`` reach the upstream; one that is no
     leg but carries ``prompt_token_ids`` has vLLM run those ids and not render the messages. A
-    client sent 3000 ids beside a short message and hung up: ``/tokenize`` of the messages
-    counted 42, and the record billed 42 for a 3000-token prompt. Such a prompt is left unknown,
-    counted uncountable, never billed as its messages."""
+    client sent 3000 ids beside a short message and hung up: the first version billed the 42 that
+    ``/tokenize`` counted for the messages, the next left the prompt unknown (``null``). It is
+    billed the 3000 ids, unasked; where vLLM renders the messages instead (``echo``), theirs."""
     upstream = ReusingUpstream("count")
     with serving_in_thread(upstream.app, "upstream") as upstream_url, \
             cachetally(upstream_url, tmp_path, pd_legs=True) as (url, _app), \
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
         hang_up(client, "chat", [{"role": "user", "content": "hi"}],
-                extra_body={"kv_transfer_params": {"prompt_token_ids": list(range(1, 3001))}})
+                extra_body={"kv_transfer_params": {"prompt_token_ids": REUSED}, **extra})
         (record,) = records(tmp_path, 1)
-        uncountable = counted(url, "uncountable")
-    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"]) == ("disconnected", None, None)
-    assert uncountable == 1
+        results = {result: counted(url, result) for result in ("counted", "uncountable")}
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"], record["source"]) == (
+        "disconnected", expected, None, "tokenize")
+    assert results == {"counted": 1, "uncountable": 0}
+    assert bool(upstream.asked_bodies) == asked
+
+
+_PART = st.fixed_dictionaries(
+    {}, optional={"type": st.sampled_from(["text", "input_text", "refusal", "thinking", "image_url", "input_image",
+                                           "video", "file"]) | st.integers(0, 1),
+                  "text": st.just("hi"), "refusal": st.just("no"), "thinking": st.just("hm"),
+                  "image_url": st.just({"url": "data:image/png;base64,AA=="}), "input_image": st.just("x")})
+_CONTENT = st.just("hi") | st.lists(_PART | st.just("hi"), min_size=1, max_size=3)
+_IDS = (st.none() | st.lists(st.integers(0, 31), min_size=1, max_size=3)
+        | st.lists(st.integers(-1, 40) | st.booleans() | st.just(2.0), max_size=3) | st.just("12"))
+
+
+@pytest.mark.vllm
+@settings(max_examples=400, deadline=None)
+@given(role=st.sampled_from(["user", "assistant", "system"]), content=_CONTENT, ids=_IDS,
+       echo=st.sampled_from([None, True, False, "yes", "off", 1, 0, "maybe"]), truncate=st.none() | st.just(1))
+def test_a_chats_reused_ids_are_its_prompt_where_the_installed_vllm_runs_them(
+        role: str, content: Any, ids: Any, echo: Any, truncate: int | None) -> None:
+    """A chat body's ``kv_transfer_params.prompt_token_ids`` are billed as its prompt, their number,
+    exactly where the installed vLLM's chat route runs them (its model's validators, then
+    ``_reused_prompt_token_ids``); where it renders the messages, they are asked as before."""
+    with warnings.catch_warnings():  # torch, imported by vLLM, deprecates its own torch.jit
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.exceptions import VLLMClientError
+        from vllm.renderers.online_renderer import _reused_prompt_token_ids
+
+    payload: dict[str, Any] = {"model": "m", "messages": [{"role": role, "content": content}],
+                               "kv_transfer_params": {} if ids is None else {"prompt_token_ids": ids}}
+    payload |= {key: value for key, value in (("echo", echo), ("truncate_prompt_tokens", truncate)) if value is not None}
+    ours = reused("chat", copy.deepcopy(payload))
+    try:
+        request = ChatCompletionRequest.model_validate(payload)  # its validators pop ids beside media
+        vllms = _reused_prompt_token_ids(request, _Vocabulary(), request.messages)
+    except (ValidationError, VLLMClientError):
+        return  # answered 400: no stream to cut
+    assert ours == ((False, None) if vllms is None else (True, len(vllms)))
+
+
+@pytest.mark.vllm
+@settings(max_examples=300, deadline=None)
+@given(given_input=st.just("hi") | st.lists(st.fixed_dictionaries(
+           {"role": st.sampled_from(["user", "system"]),
+            "content": st.just("hi") | st.lists(st.sampled_from([{"type": "input_text", "text": "hi"},
+                                                                  {"type": "input_image", "image_url": "x"}]),
+                                                min_size=1, max_size=2)},
+           optional={"type": st.just("message")}), min_size=1, max_size=2),
+       ids=_IDS, instructions=st.none() | st.just("Be brief."))
+def test_a_responses_bodys_reused_ids_are_its_prompt_where_the_installed_vllm_runs_them(
+        given_input: Any, ids: Any, instructions: str | None) -> None:
+    """A Responses body's reused ids are billed their number where the installed vLLM's route
+    runs them over the messages it makes of the input (``construct_input_messages``), never the
+    messages' count; an input that may render them instead leaves the prompt unknown."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+        from vllm.entrypoints.openai.responses.utils import construct_input_messages
+        from vllm.exceptions import VLLMClientError
+        from vllm.renderers.online_renderer import _reused_prompt_token_ids
+
+    payload: dict[str, Any] = {"model": "m", "input": given_input,
+                               "kv_transfer_params": {} if ids is None else {"prompt_token_ids": ids}}
+    if instructions is not None:
+        payload["instructions"] = instructions
+    ours = reused("responses", copy.deepcopy(payload))
+    try:
+        request = ResponsesRequest.model_validate(payload)
+        messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input)
+        vllms = _reused_prompt_token_ids(request, _Vocabulary(), messages)
+    except (ValidationError, VLLMClientError):
+        return
+    if ours == (False, None):  # its messages are asked
+        assert vllms is None
+    elif ours[1] is not None:
+        assert vllms is not None and ours[1] == len(vllms)
+    if isinstance(given_input, str):
+        assert ours == ((False, None) if vllms is None else (True, len(vllms)))
+
+
+class _Vocabulary:
+    """A renderer's token-id check, over a vocabulary of 32 ids."""
+
+    @staticmethod
+    def validate_token_ids(ids: list[int], parameter: str) -> None:
+        from vllm.exceptions import VLLMValidationError
+        if any(one >= 32 for one in ids):
+            raise VLLMValidationError("out of vocabulary", parameter=parameter)
 
 
 @pytest.mark.parametrize(("keep", "expected"), [("4000", 42), (4000.0, 42), ("30", 30), (True, 1), ("+00030", 30)],
