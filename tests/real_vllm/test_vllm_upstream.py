@@ -457,7 +457,7 @@ def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(s
 #: Responses and Messages bodies cut the same way, each as the client sends it (``input`` and
 #: ``messages`` filled with a fresh prompt): a string input, instructions beside it, message
 #: items of string and ``input_text`` content (a system, a developer and an assistant turn),
-#: truncation ``auto``, a function tool, a reasoning effort; a Messages body with a system prompt.
+#: truncation ``auto``, a function tool, other tools, a reasoning effort; a Messages body with a system prompt.
 API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "responses-string": ("responses", {}),
     "responses-instructions": ("responses", {"instructions": "Answer in French."}),
@@ -470,6 +470,12 @@ API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "responses-tool": ("responses", {"tools": [
         {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": False,
          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]}),
+    # a custom tool (shown as a one-string function), a namespace's function, a built-in tool (not shown)
+    "responses-other-tools": ("responses", {"tools": [
+        {"type": "custom", "name": "run_sql", "description": "Runs a query."},
+        {"type": "namespace", "name": "crm", "description": "The CRM.", "tools": [
+            {"type": "function", "name": "find", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]},
+        {"type": "web_search"}]}),
     "responses-reasoning": ("responses", {"reasoning": {"effort": "low"}}),
     "messages-system": ("messages", {"system": "Answer in French."}),
 }

@@ -150,10 +150,10 @@ TOOL = {"type": "function", "function": {"name": "f", "description": LONG, "para
 @pytest.mark.parametrize(("route", "prompt", "extra"), [
     ("completions", LONG, {"suffix": "end"}),  # rendered for fill-in-the-middle
     ("completions", LONG, {"extra_body": {"prompt_embeds": "AAAA"}}),  # one more prompt, of embeddings
-    # Responses: a tool vLLM renders in a way of its own (a custom tool's shim), an earlier
+    # Responses: a tool field vLLM's types may drop or keep (none it knows), an earlier
     # response (history read from vLLM's store), an item other than a plain message (status
     # in_progress: continued)
-    ("responses", LONG, {"tools": [{"type": "custom", "name": "f"}]}),
+    ("responses", LONG, {"tools": [{"type": "function", "name": "f", "x": 1}]}),
     ("responses", LONG, {"previous_response_id": "resp_1"}),
     ("responses", [{"role": "user", "content": LONG}, {"role": "assistant", "content": "Sure",
                                                           "status": "in_progress"}], {}),
@@ -522,11 +522,23 @@ def test_a_cut_invocations_stream_is_billed_the_prompt_the_upstream_counts(
     assert upstream.asked_bodies == ([{"model": "m", "messages": MESSAGES}] if expected else [])
 
 
-_TOOL = st.fixed_dictionaries(
-    {"type": st.sampled_from(["function", "function", "function", "custom", "web_search"]), "name": st.text(max_size=3)},
+_FUNCTION_TOOL = st.fixed_dictionaries(
+    {"type": st.just("function"), "name": st.text(max_size=3)},
     optional={"description": st.none() | st.text(max_size=3), "strict": st.none() | st.booleans(),
               "parameters": st.none() | st.just({"type": "object", "properties": {"a": {"type": "string"}}}),
-              "defer_loading": st.booleans()})
+              "defer_loading": st.none() | st.booleans(), "x": st.just(1)})  # x: no field vLLM knows
+_CUSTOM_TOOL = st.fixed_dictionaries(
+    {"type": st.just("custom"), "name": st.text(max_size=3)},
+    optional={"description": st.none() | st.text(max_size=3), "format": st.sampled_from(
+        [{"type": "text"}, {"type": "grammar", "syntax": "lark", "definition": "start: 'a'"}])})
+_TOOL = st.one_of(
+    _FUNCTION_TOOL, _CUSTOM_TOOL,
+    st.fixed_dictionaries({"type": st.just("namespace"), "name": st.text(max_size=3),
+                           "tools": st.lists(_FUNCTION_TOOL | _CUSTOM_TOOL, min_size=1, max_size=2)},
+                          optional={"description": st.text(max_size=3)}),
+    st.sampled_from([{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["v"]},
+                     {"type": "code_interpreter", "container": "auto"}, {"type": "image_generation"},
+                     {"type": "local_shell"}, {"type": "tool_search"}]))
 
 
 @pytest.mark.vllm
@@ -535,9 +547,10 @@ _TOOL = st.fixed_dictionaries(
        excluded=st.booleans())
 def test_a_responses_bodys_tools_are_asked_as_the_installed_vllm_renders_them(
         tools: list[dict[str, Any]] | None, choice: str | None, excluded: bool) -> None:
-    """What ``/tokenize`` is asked for a Responses body's tools, read by the installed vLLM's
-    ``TokenizeChatRequest``, is the tools its Responses route renders (``construct_tool_dicts``,
-    under ``--exclude-tools-when-tool-choice-none`` or not); a tool it renders otherwise leaves
+    """What ``/tokenize`` is asked for a Responses body's tools (functions, custom tools,
+    namespaces, built-in tools), read by the installed vLLM's ``TokenizeChatRequest``, is the
+    tools its Responses route renders (``construct_tool_dicts``, under
+    ``--exclude-tools-when-tool-choice-none`` or not); a field it may render otherwise leaves
     the prompt unknown."""
     with warnings.catch_warnings():  # torch, imported by vLLM, deprecates its own torch.jit
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -554,8 +567,8 @@ def test_a_responses_bodys_tools_are_asked_as_the_installed_vllm_renders_them(
         return  # answered 400: no stream to cut
     rendered = construct_tool_dicts(request.tools, request.tool_choice, exclude_tools_when_tool_choice_none=excluded)
     asked = chat_ask(payload, excluded)
-    plain = all(tool["type"] == "function" and "defer_loading" not in tool for tool in tools or [])
-    assert (asked is not None) == (plain or rendered is None)  # no tool rendered: nothing to render otherwise
+    odd = any("x" in one for tool in tools or [] for one in [tool, *tool.get("tools", [])])
+    assert (asked is not None) == (not odd or rendered is None)  # no tool rendered: nothing to render otherwise
     if asked is not None:
         read = TokenizeChatRequest.model_validate(asked)
         assert (None if read.tools is None else [tool.model_dump() for tool in read.tools]) == rendered
