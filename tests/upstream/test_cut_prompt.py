@@ -354,21 +354,24 @@ class ReusingUpstream(Upstream):
 REUSED = list(range(1, 3001))
 
 
-@pytest.mark.parametrize(("extra", "expected", "asked"), [
-    ({}, 3000, False),
-    ({"truncate_prompt_tokens": 50}, 3000, False),  # vLLM runs the ids as they are
-    ({"echo": "yes"}, 42, True),  # an echo renders the messages: vLLM ignores the ids
-], ids=["reused", "reused-truncation-not-applied", "echo-renders-the-messages"])
+@pytest.mark.parametrize(("extra", "pd_legs", "expected", "asked"), [
+    ({}, True, 3000, False),
+    ({"truncate_prompt_tokens": 50}, True, 3000, False),  # vLLM runs the ids as they are
+    ({"echo": "yes"}, True, 42, True),  # an echo renders the messages: vLLM ignores the ids
+    ({}, False, 42, True),  # the ids never reach the upstream: the messages are its prompt
+], ids=["reused", "reused-truncation-not-applied", "echo-renders-the-messages", "without-pd-legs-dropped"])
 def test_a_cut_stream_whose_prompt_is_reused_token_ids_is_billed_their_number(
-        tmp_path: Path, extra: dict[str, Any], expected: int, asked: bool) -> None:
+        tmp_path: Path, extra: dict[str, Any], pd_legs: bool, expected: int, asked: bool) -> None:
     """With ``pd_legs`` on, a client's ``kv_transfer_params`` reach the upstream; one that is no
     leg but carries ``prompt_token_ids`` has vLLM run those ids and not render the messages. A
     client sent 3000 ids beside a short message and hung up: the first version billed the 42 that
     ``/tokenize`` counted for the messages, the next left the prompt unknown (``null``). It is
-    billed the 3000 ids, unasked; where vLLM renders the messages instead (``echo``), theirs."""
+    billed the 3000 ids, unasked; where vLLM renders the messages instead (``echo``), theirs.
+    Without ``pd_legs`` cachetally drops the client's ``kv_transfer_params``: its ids, whatever
+    their number, bill nothing, and the messages the upstream ran are billed."""
     upstream = ReusingUpstream("count")
     with serving_in_thread(upstream.app, "upstream") as upstream_url, \
-            cachetally(upstream_url, tmp_path, pd_legs=True) as (url, _app), \
+            cachetally(upstream_url, tmp_path, pd_legs=pd_legs) as (url, _app), \
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
         hang_up(client, "chat", [{"role": "user", "content": "hi"}],
                 extra_body={"kv_transfer_params": {"prompt_token_ids": REUSED}, **extra})
