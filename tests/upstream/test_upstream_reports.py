@@ -387,13 +387,19 @@ def test_a_client_that_leaves_while_the_done_is_held_is_disconnected(tmp_path: P
     assert record["outcome"] == "disconnected"
 
 
+@pytest.mark.parametrize("n", [None, 1], ids=["no-n", "n-1"])
 @pytest.mark.parametrize("include_usage", [True, False])
-def test_a_llama_cpp_stream_is_billed_the_tokens_its_final_chunk_reports(tmp_path: Path, include_usage: bool) -> None:
+def test_a_llama_cpp_stream_is_billed_the_tokens_its_final_chunk_reports(
+    tmp_path: Path, include_usage: bool, n: int | None
+) -> None:
     """llama.cpp reports usage on its finishing chunk, an event with an empty delta: the
     record takes the completion tokens it reports (2), not its events (3, the finishing one
-    too), and the cached tokens of ``timings.cache_n``."""
+    too), and the cached tokens of ``timings.cache_n``. An explicit ``n`` of 1 (many clients
+    send it) is one choice too."""
     with proxied(tmp_path) as (client, app):
-        options = {"stream_options": {"include_usage": True}} if include_usage else {}
+        options: dict[str, Any] = {"stream_options": {"include_usage": True}} if include_usage else {}
+        if n is not None:
+            options["n"] = n
         chunks = list(client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "llama.cpp"}], stream=True, **options))  # type: ignore[call-overload]
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
