@@ -208,7 +208,7 @@ def two_prompts_answer(streamed: bool) -> bytes:
 
 async def answer_completion(request: Request) -> Response:
     body = await request.json()
-    if isinstance(body.get("prompt"), list):
+    if isinstance(body.get("prompt"), list) or ("prompt_embeds" in body and not body.get("stream")):
         streamed = bool(body.get("stream"))
         return Response(two_prompts_answer(streamed), media_type="text/event-stream" if streamed else "application/json")
     return Response(per_prompt_usage_stream(), media_type="text/event-stream")
@@ -459,6 +459,25 @@ def test_an_upstreams_one_figure_for_several_prompts_is_unknown_not_billed(tmp_p
     assert record["source"] is None
     assert metric_value(metrics, "cachetally_requests_total", cache="unknown") == 1
     assert metric_value(metrics, "cachetally_cached_tokens_total") == 0
+
+
+@pytest.mark.parametrize(("extra", "several"), [
+    ({"prompt_embeds": "AAAA"}, False),
+    ({"prompt_embeds": ["AAAA"]}, False),
+    ({"prompt_embeds": ["AAAA", "BBBB"]}, True),
+    ({"prompt": "x", "prompt_embeds": "AAAA"}, True),
+], ids=["one-embedding", "a-list-of-one", "two-embeddings", "a-prompt-and-an-embedding"])
+def test_an_upstreams_figure_is_the_requests_only_where_prompt_embeds_make_one_prompt(
+    tmp_path: Path, extra: dict[str, Any], several: bool
+) -> None:
+    """vLLM's completions run each of ``prompt_embeds`` (one, or a list) as a prompt of its
+    own, then ``prompt``'s: the upstream's cache figure is billed for one prompt, and left
+    unknown for several (one prompt's reads, not the request's)."""
+    with proxied(tmp_path) as (client, _), httpx.Client(base_url=str(client.base_url), timeout=10) as http:
+        http.post("completions", json={"model": "m", "max_tokens": 2, **extra}).raise_for_status()
+        (record,) = records(tmp_path, 1)
+    expected = (184, None, None) if several else (184, 128, "upstream")
+    assert (record["prompt_tokens"], record["cached_tokens"], record["source"]) == expected
 
 
 def test_a_200_whose_body_is_an_error_is_recorded_as_an_error(tmp_path: Path) -> None:
