@@ -8,7 +8,7 @@ The options the engine acts on are read as the engine reads them: vLLM's request
 are pydantic models in lax mode, so ``"stream": "true"``, ``1`` or ``"on"`` is a stream
 there and must be one here (:func:`lax_bool`, held against pydantic's own parsing in
 tests/patching/test_request_body.py). A body whose options pydantic would reject is answered 400
-by the engine, so it is neither a stream nor rewritten here: ``valid`` is False. A body over the limit
+by the engine, so it is no stream here and its stream options are not rewritten. A body over the limit
 is refused from its ``Content-Length`` before any of it is read, or as soon as the bytes
 read pass the limit (with ``pd_legs``, after it is read to its end and not kept, for its leg:
 :mod:`proxy.patching.oversized_leg`).
@@ -83,10 +83,7 @@ class RequestOptions:
     model: str | None
     stream: bool
     include_usage: bool
-    continuous_usage: bool
     want_details: bool
-    #: The engine's request model accepts ``stream`` and ``stream_options`` as sent.
-    valid: bool = True
     #: orjson read the body (else the standard library did: :func:`editable`).
     orjson_read: bool = True
     #: vLLM's ``use_beam_search``: the engine runs one request per beam per step.
@@ -127,9 +124,9 @@ def optional_bool(value: object) -> bool:
     return False if value is None else lax_bool(value)
 
 
-def stream_options_of(payload: dict[str, Any]) -> tuple[bool, bool, bool]:
-    """``(stream, include_usage, continuous_usage)`` as vLLM reads them; ``ValueError`` for a
-    body it answers 400 (a field it cannot parse, or options without a stream).
+def stream_options_of(payload: dict[str, Any]) -> tuple[bool, bool]:
+    """``(stream, include_usage)`` as vLLM reads them; ``ValueError`` for a body it answers 400
+    (a field it cannot parse, ``continuous_usage_stats`` too, or options without a stream).
 
     vLLM checks the raw body before parsing it: options that are truthy as JSON with a
     ``stream`` that is not are refused, whatever the strings say.
@@ -139,12 +136,11 @@ def stream_options_of(payload: dict[str, Any]) -> tuple[bool, bool, bool]:
     if options and not payload.get("stream"):
         raise ValueError("stream options without stream")
     if options is None:
-        return stream, False, False
+        return stream, False
     if not isinstance(options, dict):
         raise ValueError("stream_options is not an object")
-    include = optional_bool(options.get("include_usage"))
-    continuous = optional_bool(options.get("continuous_usage_stats"))
-    return stream, include, include and continuous
+    optional_bool(options.get("continuous_usage_stats"))  # read only to refuse what vLLM refuses
+    return stream, optional_bool(options.get("include_usage"))
 
 
 def parse_request(body: bytes, stream_options: bool = True) -> tuple[dict[str, Any], RequestOptions]:
@@ -154,21 +150,18 @@ def parse_request(body: bytes, stream_options: bool = True) -> tuple[dict[str, A
     payload, orjson_read = _json_object(body)
     try:
         if stream_options:
-            stream, include_usage, continuous_usage = stream_options_of(payload)
+            stream, include_usage = stream_options_of(payload)
         else:
-            stream, include_usage, continuous_usage = optional_bool(payload.get("stream")), False, False
-        valid = True
+            stream, include_usage = optional_bool(payload.get("stream")), False
     except ValueError:
-        stream = include_usage = continuous_usage = valid = False
+        stream = include_usage = False
     model = payload.get("model")
     one_prompt = _one_prompt(payload)
     return payload, RequestOptions(
         model=model if isinstance(model, str) else None,
         stream=stream,
         include_usage=include_usage,
-        continuous_usage=continuous_usage,
         want_details=payload.get(DETAILS_FLAG) is True,
-        valid=valid,
         orjson_read=orjson_read,
         beam_search=_beam_search(payload),
         one_choice=not stream or (one_prompt and _one_n(payload)),  # read for a stream's chunks alone
