@@ -495,6 +495,18 @@ def _api_cut_body(case: str) -> tuple[str, dict[str, Any]]:
                    **extra, "input": given}
 
 
+def _read_deltas(stream: Any, wanted: int) -> int:
+    """Read a Responses or Messages stream up to ``wanted`` text deltas, then close it: how
+    many it read."""
+    deltas = 0
+    for event in stream:
+        deltas += event.type in ("response.output_text.delta", "content_block_delta")
+        if deltas == wanted:
+            break
+    stream.close()
+    return deltas
+
+
 def _whole_prompt(stack: Stack, route: str, payload: dict[str, Any]) -> int:
     """The prompt vLLM's usage reports for ``payload``'s prompt read whole, asked with one
     output token (Messages: all three parts)."""
@@ -528,13 +540,7 @@ def test_a_responses_or_messages_stream_cut_before_its_usage_is_billed_the_promp
             standard = {k: v for k, v in payload.items() if k not in extra}
             create = oai.responses.create if route == "responses" else claude.messages.create
             stream: Any = create(**standard, stream=True, extra_body=extra, extra_headers=headers)
-            deltas = 0
-            for event in stream:
-                deltas += event.type in ("response.output_text.delta", "content_block_delta")
-                if deltas == 2:
-                    break
-            stream.close()
-            assert deltas == 2
+            assert _read_deltas(stream, 2) == 2
     found = stack.records(set(API_CUT_BODIES))
     got = {r["request_id"]: (r["route"], r["outcome"], r["prompt_tokens"], r["cached_tokens"], r["source"])
            for r in found}
@@ -572,7 +578,7 @@ def test_a_stream_cut_before_its_usage_is_billed_the_reused_ids_vllm_runs(stack:
             if route == "chat":
                 messages = [{"role": "user", "content": prompt}]
                 whole = stack.send(stack.vllm, route, {**payload, "messages": messages, "max_tokens": 1})
-                expected[case] = orjson.loads(whole)["usage"]["prompt_tokens"]
+                expected[case] = usage_of(whole, False)["prompt_tokens"]
                 stream: Any = client.chat.completions.create(
                     model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=48, temperature=0, stream=True,
                     extra_body={"kv_transfer_params": {"prompt_token_ids": REUSED_IDS}, **options},
@@ -584,11 +590,7 @@ def test_a_stream_cut_before_its_usage_is_billed_the_reused_ids_vllm_runs(stack:
                     model=DEFAULT_MODEL_NAME, input=prompt, max_output_tokens=48, temperature=0, stream=True,
                     extra_body={"kv_transfer_params": {"prompt_token_ids": REUSED_IDS}, **options},
                     extra_headers=headers)
-                read = 0
-                for event in stream:
-                    read += event.type == "response.output_text.delta"
-                    if read == 3:
-                        break
+                read = _read_deltas(stream, 3)
             stream.close()
             assert read == 3
     assert expected["reused-chat"] == expected["reused-chat-truncated"] == len(REUSED_IDS) != expected["reused-chat-echo"]
