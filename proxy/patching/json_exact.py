@@ -7,12 +7,21 @@ wider than 64 bits (orjson reads those as floats, silently), and nesting deeper 
 standard library otherwise, and returns the encoder that writes the value back the same
 way; :func:`dumps` is orjson, falling back to the standard library past its depth.
 Clients (request bodies) and upstreams (response bodies and SSE events) may send any of it.
+
+The standard library recurses once a level, against the interpreter's recursion limit
+(1,000) less the frames of the server already on the stack, so deep in a request's
+handling it stopped short of the 1,024 levels orjson reads: a tool schema nested 1,000
+levels, which an upstream reads, failed the request here with a 500. :func:`standard_loads`
+and :func:`standard_dumps` run with room for 1,024 levels more than the stack holds.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import orjson
@@ -27,16 +36,40 @@ Encoder = Callable[[Any], bytes]
 _DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
 _WIDE_INT = b"0" * 19
 
+#: The levels orjson reads, and the frames of ``json``'s own calls above them.
+_ROOM = 1024 + 32
+#: The recursion limit is the interpreter's, not a thread's: raised and restored by one at a time.
+_limit = threading.Lock()
+
+
+@contextmanager
+def _room_for_depth() -> Iterator[None]:
+    with _limit:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(limit + _ROOM)
+        try:
+            yield
+        finally:
+            sys.setrecursionlimit(limit)
+
+
+def standard_loads(text: bytes) -> Any:
+    """``json.loads``, from any depth of the stack as from none (module docstring):
+    ``RecursionError`` only past 1,024 levels, ``ValueError`` for what is no JSON."""
+    with _room_for_depth():
+        return json.loads(text)
+
 
 def standard_dumps(value: Any) -> bytes:
     """NaN and Infinity kept, as ``json`` writes them, in orjson's compact form otherwise:
     the text read by ``json`` only because a string looked like a wide integer (an id's
     digits) comes back as orjson would write it. ASCII only with a lone surrogate, which
-    UTF-8 cannot hold."""
-    try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return json.dumps(value, separators=(",", ":")).encode()
+    UTF-8 cannot hold. Any depth read from JSON (module docstring)."""
+    with _room_for_depth():
+        try:
+            return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            return json.dumps(value, separators=(",", ":")).encode()
 
 
 def dumps(value: Any) -> bytes:
@@ -62,6 +95,6 @@ def loads(text: bytes) -> tuple[Any, Encoder]:
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(text), standard_dumps
+        return standard_loads(text), standard_dumps
     except (ValueError, RecursionError) as exc:
         raise ValueError(str(exc)) from None

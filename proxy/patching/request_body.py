@@ -25,7 +25,6 @@ write as one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ import orjson
 from starlette.types import Message, Receive
 
 from proxy.patching.body_budget import BodyBudgetFull, Hold
-from proxy.patching.json_exact import dumps, may_hold_wide_ints, standard_dumps
+from proxy.patching.json_exact import dumps, may_hold_wide_ints, standard_dumps, standard_loads
 
 DETAILS_FLAG = "return_cached_tokens_details"
 
@@ -207,7 +206,7 @@ def _json_object(body: bytes) -> tuple[dict[str, Any], bool]:
         payload, orjson_read = orjson.loads(body), True
     except orjson.JSONDecodeError as exc:
         try:
-            payload, orjson_read = json.loads(body), False
+            payload, orjson_read = standard_loads(body), False
         except (ValueError, RecursionError):  # RecursionError: nested deeper than it recurses
             raise ValueError(f"Request body is not valid JSON: {exc.msg}") from None
     if isinstance(payload, dict):
@@ -225,10 +224,7 @@ def editable(
         return payload, standard_dumps
     if not may_hold_wide_ints(body):
         return payload, dumps
-    try:
-        return json.loads(body), standard_dumps
-    except RecursionError:  # nested deeper than the standard library goes: orjson's read
-        return payload, dumps
+    return standard_loads(body), standard_dumps  # orjson read it: 1,024 levels at most
 
 
 def replay(body: bytes, receive: Receive, handed: Callable[[], None]) -> Receive:

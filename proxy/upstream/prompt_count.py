@@ -33,7 +33,6 @@ counted in ``cachetally_upstream_prompt_counts_total{result}``.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +40,7 @@ from typing import Any
 import orjson
 
 from proxy.asgi.headers import Headers
+from proxy.patching.json_exact import standard_dumps, standard_loads
 from proxy.upstream.client import UpstreamClient, UpstreamFailure
 from proxy.upstream.responses_prompt import chat_ask, limits
 from proxy.upstream.reused_prompt import reused
@@ -161,7 +161,7 @@ def _read(body: bytes) -> dict[str, Any] | None:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
         try:
-            payload = json.loads(body)
+            payload = standard_loads(body)
         except (ValueError, RecursionError):
             return None
     return payload if isinstance(payload, dict) else None
@@ -170,7 +170,7 @@ def _read(body: bytes) -> dict[str, Any] | None:
 async def _ask(client: UpstreamClient, asked: dict[str, Any], sent: list[tuple[bytes, bytes]]) -> Any:
     """The upstream's answer to one ``/tokenize`` ask, read whole, or ``None``."""
     try:
-        response = await client.send("POST", TOKENIZE, sent, json.dumps(asked).encode())
+        response = await client.send("POST", TOKENIZE, sent, standard_dumps(asked))
     except UpstreamFailure:
         return None
     try:

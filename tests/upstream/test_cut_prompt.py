@@ -316,6 +316,30 @@ def test_tools_beside_tool_choice_none_are_counted_as_the_upstream_renders_them(
     assert [("tools" in asked, asked.get("tool_choice")) for asked in upstream.asked_bodies] == [(not excluded, None)]
 
 
+def test_a_cut_stream_whose_tool_schema_nests_1000_levels_is_billed_its_count(tmp_path: Path) -> None:
+    """A tool's JSON schema nested 1,000 levels, which orjson reads and the upstream's parser
+    too. Written back by the standard library past orjson's 254 levels, from the depth of the
+    server's stack, it raised RecursionError: the body rewritten to ask for the usage chunk
+    failed the request with a 500, and then the ``/tokenize`` ask failed, leaving the cut
+    stream's prompt unbilled. The body is built as text: the client's own encoder stops at
+    that depth."""
+    upstream = Upstream("count")
+    deep = "[" * 1000 + "]" * 1000
+    body = ('{"model":"m","stream":true,"max_tokens":500,"messages":' + orjson.dumps(MESSAGES).decode()
+            + ',"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","x":' + deep
+            + '}}}],"tool_choice":"none"}').encode()
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app):
+        with httpx.stream("POST", f"{url}/v1/chat/completions", content=body, timeout=10,
+                          headers={"content-type": "application/json"}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")  # it read a token, then left
+        (record,) = records(tmp_path, 1)
+        assert counted(url, "counted") == 1
+    assert (record["outcome"], record["prompt_tokens"], record["source"]) == ("disconnected", 142, "tokenize")
+
+
 def test_a_graceful_stop_during_the_ask_writes_the_record_once_with_the_prompt_unknown(tmp_path: Path) -> None:
     """SIGTERM while the upstream's ``/tokenize`` is asked about a cut stream (it never
     answers): the stop ends the ask, and the record is written once, before the recorder's
