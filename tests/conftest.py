@@ -32,6 +32,12 @@ from tests.servers import ENGINE_KV_FLAGS, Pace, assert_no_traceback_in_vllm_log
 from tests.vllm_preloaded import Script, vllm_scripts
 
 
+#: A real-engine test's bound (pyproject.toml's ``timeout`` is every other test's), fixtures
+#: included: the longest start a fixture allows, two engines at once (600 s) and then a
+#: router (120 s), and the test's own few minutes on a slow machine.
+REAL_ENGINE_TIMEOUT_S = 1200
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def phase(item: pytest.Item) -> int:
         if item.get_closest_marker("vllm") is None:
@@ -39,6 +45,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 2 if "vllm_server" in getattr(item, "fixturenames", ()) else 1
 
     items.sort(key=phase)  # stable: file order within each phase
+    for item in items:
+        if phase(item) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(REAL_ENGINE_TIMEOUT_S))
 
 
 #: The folder of the tests that run on a real engine: one xdist lane (module docstring).
