@@ -252,7 +252,11 @@ async def test_one_record_per_request_and_records_equal_the_counters(tmp_path: P
                 # Asked only of a stream the upstream started; it may find the cap full (then unknown).
                 assert record["status"] == 200 and routes[i] in COUNTED_ROUTES and stream_meant(sent[i]), (i, record)
                 prompt = sim_prompt_tokens(routes[i], sent[i])
-            assert (record["outcome"], record["prompt_tokens"]) == ("disconnected", prompt), (i, record)
+            # A client that stalls after its body for longer than its whole answer (a loaded
+            # machine: seen once, ('completed', 126)) hangs up after the server sent the last
+            # byte: it completed, with the sim's figures. Never one the engine did not schedule.
+            outcome = "completed" if record["outcome"] == "completed" and not unscheduled else "disconnected"
+            assert (record["outcome"], record["prompt_tokens"]) == (outcome, prompt), (i, record)
             cut_in_prefill += unscheduled
     assert cut_in_prefill > 0
     assert sum(r["request_id"] != request_id(i) for i, r in ((i, records[p]) for i, p in in_files.items())) < REQUESTS / 5
