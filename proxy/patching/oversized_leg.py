@@ -25,6 +25,7 @@ import orjson
 from starlette.types import Receive
 
 from proxy.patching.body_budget import Hold
+from proxy.patching.json_exact import standard_loads
 from proxy.patching.request_body import ClientGone
 
 #: A run of string content, escapes included; it stops at the closing quote, or at a
@@ -167,6 +168,6 @@ async def member_of(
         return {name: orjson.loads(member.value)}
     except orjson.JSONDecodeError:
         try:  # what only the standard library reads (NaN, wide integers), as the engine would
-            return {name: json.loads(member.value)}
-        except ValueError:
+            return {name: standard_loads(member.value)}
+        except (ValueError, RecursionError):  # RecursionError: past the depth it reads
             return {}

@@ -172,6 +172,22 @@ def test_a_decode_leg_the_router_made_too_large_still_bills_its_prefill(tmp_path
     assert (requests, decode_legs) == (1, 1)
 
 
+def test_a_too_large_leg_whose_transfer_params_no_parser_reads_is_refused_413_and_recorded(tmp_path: Path) -> None:
+    """A ``kv_transfer_params`` only the standard library reads (a ``NaN``) and nested deeper
+    than it recurses, in a body over the limit: the value's read raised ``RecursionError``
+    out of the request (a 500, and no 413). It is no leg: refused as too large, recorded."""
+    limit = 8192
+    deep = b"[" * 3000 + b"]" * 3000
+    body = (b'{"model":"m","messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"x":NaN,"d":'
+            + deep + b'},"user":"' + b"u" * limit + b'"}')
+    with pd_fleet(tmp_path, max_request_bytes=limit) as (_, decode), httpx.Client(timeout=30) as http:
+        refused = http.post(f"{decode}/v1/chat/completions", content=body,
+                            headers={"x-request-id": "deep", "content-type": "application/json"})
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == 413
+    [record] = records(tmp_path)
+    assert (record["request_id"], record["outcome"], record["status"]) == ("deep", "error", 413)
+
+
 def test_without_pd_legs_a_body_claiming_to_be_a_prefill_leg_is_billed(tmp_path: Path) -> None:
     """A client cannot go unbilled by marking its own request as a prefill leg."""
     with pd_fleet(tmp_path, pd_legs=False) as (server, _), httpx.Client(timeout=30) as http:
