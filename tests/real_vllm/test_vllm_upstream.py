@@ -15,8 +15,9 @@ The warm value is deterministic: vLLM caches whole blocks and always recomputes 
 prompt token, so a repeated prompt reports ``((prompt_tokens - 1) // block) * block``, with
 the block size the engine reports on its ``/metrics``.
 
-Its chat template is the model's with the request's tools rendered first (:data:`TOOLS_FIRST`):
-SmolLM2's own renders none, and a tool's tokens are part of the prompt a client is billed.
+Its chat template is the model's with the request's tools and the messages' tool calls
+rendered first (:data:`TOOLS_FIRST`): SmolLM2's own renders neither, and their tokens are
+part of the prompt a client is billed.
 """
 
 from __future__ import annotations
@@ -66,9 +67,15 @@ def _family(pid: int) -> list[psutil.Process]:
     return []
 
 
-#: Put before the model's chat template: the tools as JSON in a system turn of their own, as
-#: templates that take tools write them (SmolLM2's ignores them).
-TOOLS_FIRST = "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+#: Put before the model's chat template: the tools as JSON in a system turn of their own, and
+#: each tool call's name and arguments in one each, as templates that take tools write them
+#: (SmolLM2's ignores them). Field by field, as tool-use templates write a call (Llama 3.x,
+#: Qwen2.5): vLLM's Responses route hands a template a call's function as ``name`` then
+#: ``arguments``, its ``/tokenize`` the other way round (docs/ACCOUNTING.md).
+TOOLS_FIRST = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+               "{% for m in messages %}{% for c in m.tool_calls or [] %}<|im_start|>system\nCall: "
+               '{"name": {{ c.function.name | tojson }}, "arguments": {{ c.function.arguments | tojson }}}'
+               "<|im_end|>\n{% endfor %}{% endfor %}")
 
 
 @contextlib.contextmanager
@@ -457,7 +464,8 @@ def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(s
 #: Responses and Messages bodies cut the same way, each as the client sends it (``input`` and
 #: ``messages`` filled with a fresh prompt): a string input, instructions beside it, message
 #: items of string and ``input_text`` content (a system, a developer and an assistant turn),
-#: truncation ``auto``, a function tool, other tools, a reasoning effort; a Messages body with a system prompt.
+#: truncation ``auto``, a function tool, other tools, a reasoning effort, function calls and
+#: their outputs; a Messages body with a system prompt.
 API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "responses-string": ("responses", {}),
     "responses-instructions": ("responses", {"instructions": "Answer in French."}),
@@ -477,6 +485,19 @@ API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
             {"type": "function", "name": "find", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]},
         {"type": "web_search"}]}),
     "responses-reasoning": ("responses", {"reasoning": {"effort": "low"}}),
+    # an agent's loop: two function calls (merged into one assistant message), their outputs,
+    # the assistant's answer, and the next user turn
+    "responses-tool-calls": ("responses", {"tools": [
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+        "input": [
+            {"role": "user", "content": "What is the weather in Paris and the time?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}", "id": "fc_2",
+             "status": "completed"},
+            {"type": "function_call_output", "call_id": "c1", "output": "Sunny, 21 C."},
+            {"type": "function_call_output", "call_id": "c2", "output": "Noon."},
+            {"role": "assistant", "content": "Sunny and noon."},
+            {"role": "user", "content": [{"type": "input_text"}]}]}),
     "messages-system": ("messages", {"system": "Answer in French."}),
 }
 

@@ -599,3 +599,67 @@ def test_a_responses_bodys_tools_are_asked_as_the_installed_vllm_renders_them(
     if asked is not None:
         read = TokenizeChatRequest.model_validate(asked)
         assert (None if read.tools is None else [tool.model_dump() for tool in read.tools]) == rendered
+
+
+#: An agent's turn as Responses input items: messages, function calls (with an id and status
+#: or not) and their outputs. ``x``, a ``namespace`` and an output of parts are what the
+#: prompt is left unknown for.
+_STATUS = st.none() | st.sampled_from(["in_progress", "completed", "incomplete"])
+_ITEMS = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]),
+                           "content": st.sampled_from(["hi", [{"type": "input_text", "text": "hi"}]])},
+                          optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.sampled_from(["ok", ""])},
+                          optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", "c2"]),
+                           "name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(["{}", '{"a": 1}'])},
+                          optional={"id": st.just("fc_1"), "status": _STATUS, "namespace": st.just("ns"),
+                                    "x": st.just(1)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c2"]),
+                           "output": st.just("sunny") | st.just([{"type": "input_text", "text": "sunny"}])},
+                          optional={"id": st.just("fco_1"), "status": _STATUS, "x": st.just(1)}),
+)
+
+
+def _as_chat_reads(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat renderer reads them: a message item's ``type`` is not read, and
+    ``input_text`` is text."""
+    def part(one: Any) -> Any:
+        return {**one, "type": "text"} if isinstance(one, dict) and one.get("type") == "input_text" else one
+
+    return [{key: [part(p) for p in value] if key == "content" and isinstance(value, list) else value
+             for key, value in message.items() if key != "type"} for message in messages]
+
+
+@pytest.mark.vllm
+@settings(max_examples=400, deadline=None)
+@given(items=st.lists(_ITEMS, min_size=1, max_size=6), instructions=st.none() | st.just("Be brief."))
+def test_a_responses_bodys_tool_calls_and_outputs_are_asked_as_the_installed_vllm_renders_them(
+        items: list[dict[str, Any]], instructions: str | None) -> None:
+    """An agent's loop sends its function calls and their outputs back as input items; vLLM
+    renders them as the chat's tool calls (merged into the assistant message before them)
+    and tool messages. What ``/tokenize`` is asked, read by the installed vLLM's
+    ``TokenizeChatRequest``, is the chat its Responses route makes of them
+    (``construct_input_messages``); a field it may read otherwise leaves the prompt unknown.
+    Such a cut stream was left unbilled."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+        from vllm.entrypoints.openai.responses.utils import construct_input_messages
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+        from vllm.exceptions import VLLMClientError
+
+    payload: dict[str, Any] = {"model": "m", "input": items}
+    if instructions is not None:
+        payload["instructions"] = instructions
+    asked = chat_ask(copy.deepcopy(payload))
+    odd = any("x" in item or "namespace" in item or isinstance(item.get("output"), list) for item in items)
+    try:
+        request = ResponsesRequest.model_validate(payload)
+        rendered = construct_input_messages(request_instructions=request.instructions, request_input=request.input)
+    except (ValidationError, VLLMClientError):
+        return  # answered 400: no stream to cut
+    assert (asked is not None) == (not odd)
+    if asked is not None:
+        read = TokenizeChatRequest.model_validate(asked).model_dump(exclude_unset=True)["messages"]
+        assert _as_chat_reads(read) == _as_chat_reads(rendered)
