@@ -444,6 +444,26 @@ def test_a_chats_reused_ids_are_its_prompt_where_the_installed_vllm_runs_them(
     assert ours == ((False, None) if vllms is None else (True, len(vllms)))
 
 
+#: An agent's turn as Responses input items: messages, function calls (with an id and status
+#: or not) and their outputs. ``x``, a ``namespace`` and an output of parts are what the
+#: prompt is left unknown for.
+_STATUS = st.none() | st.sampled_from(["in_progress", "completed", "incomplete"])
+_ITEMS = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]),
+                           "content": st.sampled_from(["hi", [{"type": "input_text", "text": "hi"}]])},
+                          optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.sampled_from(["ok", ""])},
+                          optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", "c2"]),
+                           "name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(["{}", '{"a": 1}'])},
+                          optional={"id": st.just("fc_1"), "status": _STATUS, "namespace": st.just("ns"),
+                                    "x": st.just(1)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c2"]),
+                           "output": st.just("sunny") | st.just([{"type": "input_text", "text": "sunny"}])},
+                          optional={"id": st.just("fco_1"), "status": _STATUS, "x": st.just(1)}),
+)
+
+
 @pytest.mark.vllm
 @settings(max_examples=300, deadline=None)
 @given(given_input=st.just("hi") | st.lists(st.fixed_dictionaries(
@@ -451,7 +471,7 @@ def test_a_chats_reused_ids_are_its_prompt_where_the_installed_vllm_runs_them(
             "content": st.just("hi") | st.lists(st.sampled_from([{"type": "input_text", "text": "hi"},
                                                                   {"type": "input_image", "image_url": "x"}]),
                                                 min_size=1, max_size=2)},
-           optional={"type": st.just("message")}), min_size=1, max_size=2),
+           optional={"type": st.just("message")}), min_size=1, max_size=2) | st.lists(_ITEMS, min_size=1, max_size=3),
        ids=_IDS, instructions=st.none() | st.just("Be brief."))
 def test_a_responses_bodys_reused_ids_are_its_prompt_where_the_installed_vllm_runs_them(
         given_input: Any, ids: Any, instructions: str | None) -> None:
@@ -599,26 +619,6 @@ def test_a_responses_bodys_tools_are_asked_as_the_installed_vllm_renders_them(
     if asked is not None:
         read = TokenizeChatRequest.model_validate(asked)
         assert (None if read.tools is None else [tool.model_dump() for tool in read.tools]) == rendered
-
-
-#: An agent's turn as Responses input items: messages, function calls (with an id and status
-#: or not) and their outputs. ``x``, a ``namespace`` and an output of parts are what the
-#: prompt is left unknown for.
-_STATUS = st.none() | st.sampled_from(["in_progress", "completed", "incomplete"])
-_ITEMS = st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]),
-                           "content": st.sampled_from(["hi", [{"type": "input_text", "text": "hi"}]])},
-                          optional={"type": st.just("message")}),
-    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.sampled_from(["ok", ""])},
-                          optional={"type": st.just("message")}),
-    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", "c2"]),
-                           "name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(["{}", '{"a": 1}'])},
-                          optional={"id": st.just("fc_1"), "status": _STATUS, "namespace": st.just("ns"),
-                                    "x": st.just(1)}),
-    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c2"]),
-                           "output": st.just("sunny") | st.just([{"type": "input_text", "text": "sunny"}])},
-                          optional={"id": st.just("fco_1"), "status": _STATUS, "x": st.just(1)}),
-)
 
 
 def _as_chat_reads(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
