@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.patching.request_body import lax_bool
-from proxy.upstream.responses_prompt import input_messages
+from proxy.upstream.responses_items import input_messages
 
 #: vLLM 0.32's content part types that carry no media (``renderers/chat_utils.py``
 #: ``_TEXT_CONTENT_PART_TYPES``), and the keys that mark a part as media whatever its type
