@@ -5,21 +5,30 @@ vLLM 0.32's Responses route (``entrypoints/openai/responses/utils.py``
 request before it renders it: ``instructions``, when not empty, as a first system message; a
 string ``input`` as one user message; each input item as a message, or merged into the
 assistant message before it. :func:`input_messages` is that chat, for the items whose
-message is only that: a message item of ``type`` ``"message"`` (or none) whose content is a
-string or ``input_text`` parts (an assistant's, a string); a ``function_call``, the chat's
-tool call, and its ``function_call_output`` of text, a tool message (an agent's loop).
-Anything else is left unknown (``None``): a previous response, items of other kinds (output
-messages, custom tool calls, reasoning, images, files), an item with more fields (a
-``status`` may ask for a message to be continued).
+message is only that, which are the items a client sends back of a conversation (an
+agent's loop, or ``input`` plus the last response's ``output``): a user's, system's or
+developer's message item whose content is a string or ``input_text`` parts; an assistant's
+message, as written or as an output item, read for its text (its first part's); a
+``function_call``, the chat's tool call; its ``function_call_output`` of text, a tool
+message; a ``reasoning`` item, the assistant's reasoning. Anything else is left unknown
+(``None``): a previous response, items of other kinds (custom tool calls, images, files), a
+call in a ``namespace``, an item with more fields, and a last message or reasoning item that
+vLLM continues (its ``status`` ``in_progress`` or ``incomplete``), rendered without the
+generation prompt.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_ROLES = frozenset(("user", "system", "developer", "assistant"))
+_ROLES = frozenset(("user", "system", "developer"))
 _ITEM = frozenset(("type", "role", "content"))
 _PART = frozenset(("type", "text"))
+#: An assistant's message as a response's output item writes it, and the parts vLLM reads its text from.
+_ASSISTANT = frozenset(("type", "role", "content", "id", "status"))
+_TEXTS = frozenset(("output_text", "input_text"))
+_OUTPUT_ONLY = frozenset(("id", "status"))
+_REASONING = frozenset(("type", "id", "summary", "content", "encrypted_content", "status"))
 #: A function call's and its output's fields, as input items.
 _CALL = frozenset(("type", "call_id", "name", "arguments", "id", "status"))
 _OUTPUT = frozenset(("type", "call_id", "output", "id", "status"))
@@ -39,7 +48,7 @@ def input_messages(payload: dict[str, Any]) -> list[dict[str, Any]] | None:
     given = payload.get("input")
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
-    elif isinstance(given, list) and given:
+    elif isinstance(given, list) and given and not _continued(given[-1]):
         items: list[dict[str, Any]] = []  # merged among themselves only, as vLLM merges them
         for item in given:
             if not _add(items, item):
@@ -50,32 +59,40 @@ def input_messages(payload: dict[str, Any]) -> list[dict[str, Any]] | None:
     return messages
 
 
+def _continued(item: object) -> bool:
+    """Whether vLLM continues the last item's message rather than start the reply
+    (``should_continue_final_message``: rendered without the generation prompt)."""
+    return isinstance(item, dict) and item.get("type", "message") in ("message", "reasoning") \
+        and item.get("status") in ("in_progress", "incomplete")
+
+
 def _add(messages: list[dict[str, Any]], item: object) -> bool:
     """Adds the chat message vLLM makes of one input item to ``messages``, or merges it into
     the assistant message before it (``_construct_message_from_response_item``): a function
     call into that message's ``tool_calls``, an assistant's text into a message without
-    content; ``False`` for an item of any other shape."""
+    content, reasoning into one without reasoning; ``False`` for an item of any other shape."""
     last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
-    kind = item.get("type") if isinstance(item, dict) else None
+    kind = item.get("type", "message") if isinstance(item, dict) else None
     if kind == "function_call":
-        call = _tool_call(item)
-        if call is None:
-            return False
-        if last is None:
-            messages.append({"role": "assistant", "tool_calls": [call]})
-        else:
+        call = _tool_call(item)  # type: ignore[arg-type]
+        if call is not None and last is not None:
             last.setdefault("tool_calls", []).append(call)
-        return True
+        elif call is not None:
+            messages.append({"role": "assistant", "tool_calls": [call]})
+        return call is not None
     if kind == "function_call_output":
-        output = _tool_output(item)
-        if output is not None:
-            messages.append(output)
-        return output is not None
-    message = _message(item)
+        message = _tool_output(item)  # type: ignore[arg-type]
+    elif kind == "reasoning":
+        message = _reasoning(item)  # type: ignore[arg-type]
+    elif kind == "message" and item.get("role") == "assistant":  # type: ignore[union-attr]
+        message = _assistant(item)  # type: ignore[arg-type]
+    else:
+        message = _message(item)
     if message is None:
         return False
-    if message["role"] == "assistant" and last is not None and last.get("content") is None:
-        last["content"] = message["content"]
+    field = "reasoning" if "reasoning" in message else "content"
+    if message["role"] == "assistant" and last is not None and last.get(field) is None:
+        last[field] = message[field]
     else:
         messages.append(message)
     return True
@@ -104,8 +121,41 @@ def _tool_output(item: dict[str, Any]) -> dict[str, Any] | None:
     return {"role": "tool", "content": item["output"], "tool_call_id": item["call_id"]}
 
 
+def _assistant(item: dict[str, Any]) -> dict[str, Any] | None:
+    """An assistant's message, as the client wrote it or as a response's output item (its
+    ``id`` and ``status``): its text, of its first part alone where it has parts, as vLLM
+    reads it (a refusal there fails vLLM's read: unknown)."""
+    content = item.get("content")
+    if isinstance(content, str) and item.keys() & _OUTPUT_ONLY:
+        return None  # read as an output item, whose content is parts: vLLM reads no text of it
+    if isinstance(content, list) and content and isinstance(first := content[0], dict) \
+            and first.get("type") in _TEXTS and isinstance(first.get("text"), str):
+        content = first["text"]
+    if not (item.keys() <= _ASSISTANT and isinstance(content, str) and _id_and_status(item)):
+        return None
+    return {"role": "assistant", "content": content}
+
+
+def _reasoning(item: dict[str, Any]) -> dict[str, Any] | None:
+    """A ``reasoning`` item as the assistant's reasoning: its first content part's text, else
+    its first summary part's, else empty (encrypted content is refused: no stream)."""
+    summary, content, encrypted = item.get("summary"), item.get("content") or [], item.get("encrypted_content")
+    if not (item.keys() <= _REASONING and isinstance(summary, list) and isinstance(content, list)
+            and isinstance(encrypted, str | None) and not encrypted
+            and all(_part_of(part, kind) for parts, kind in ((summary, "summary_text"), (content, "reasoning_text"))
+                    for part in parts) and _id_and_status(item)):
+        return None
+    first = (content or summary or [{"text": ""}])[0]
+    return {"role": "assistant", "reasoning": first["text"]}
+
+
+def _part_of(part: object, kind: str) -> bool:
+    return isinstance(part, dict) and part.keys() == _PART and part["type"] == kind and isinstance(part["text"], str)
+
+
 def _message(item: object) -> dict[str, Any] | None:
-    """The chat message vLLM makes of one input item, where it is that item as it is."""
+    """The chat message vLLM makes of a user's, system's or developer's message item, where
+    it is that item as it is."""
     if not isinstance(item, dict) or not item.keys() <= _ITEM or item.get("type", "message") != "message":
         return None
     role, content = item.get("role"), item.get("content")
@@ -113,13 +163,11 @@ def _message(item: object) -> dict[str, Any] | None:
         return None
     if isinstance(content, str):
         return {"role": role, "content": content}
-    # An assistant's list is read for its first part only; input_text is text to the chat parser.
-    if role == "assistant" or not isinstance(content, list) or not content:
+    if not isinstance(content, list) or not content:
         return None
     parts = []
     for part in content:
-        if not (isinstance(part, dict) and part.keys() == _PART and part["type"] == "input_text"
-                and isinstance(part["text"], str)):
+        if not _part_of(part, "input_text"):  # text to the chat parser
             return None
         parts.append({"type": "text", "text": part["text"]})
     return {"role": role, "content": parts}

@@ -68,12 +68,13 @@ def _family(pid: int) -> list[psutil.Process]:
 
 
 #: Put before the model's chat template: the tools as JSON in a system turn of their own, and
-#: each tool call's name and arguments in one each, as templates that take tools write them
-#: (SmolLM2's ignores them). Field by field, as tool-use templates write a call (Llama 3.x,
+#: each assistant message's reasoning and tool calls (name and arguments) in one each, as
+#: templates that take tools and reasoning write them (SmolLM2's ignores them). Field by field, as tool-use templates write a call (Llama 3.x,
 #: Qwen2.5): vLLM's Responses route hands a template a call's function as ``name`` then
 #: ``arguments``, its ``/tokenize`` the other way round (docs/ACCOUNTING.md).
 TOOLS_FIRST = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
-               "{% for m in messages %}{% for c in m.tool_calls or [] %}<|im_start|>system\nCall: "
+               "{% for m in messages %}{% if m.reasoning %}<|im_start|>system\nThought: {{ m.reasoning }}"
+               "<|im_end|>\n{% endif %}{% for c in m.tool_calls or [] %}<|im_start|>system\nCall: "
                '{"name": {{ c.function.name | tojson }}, "arguments": {{ c.function.arguments | tojson }}}'
                "<|im_end|>\n{% endfor %}{% endfor %}")
 
@@ -464,8 +465,8 @@ def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(s
 #: Responses and Messages bodies cut the same way, each as the client sends it (``input`` and
 #: ``messages`` filled with a fresh prompt): a string input, instructions beside it, message
 #: items of string and ``input_text`` content (a system, a developer and an assistant turn),
-#: truncation ``auto``, a function tool, other tools, a reasoning effort, function calls and
-#: their outputs; a Messages body with a system prompt.
+#: truncation ``auto``, a function tool, other tools, a reasoning effort, an agent's turn
+#: (reasoning, function calls, their outputs, an output item); a Messages body with a system prompt.
 API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "responses-string": ("responses", {}),
     "responses-instructions": ("responses", {"instructions": "Answer in French."}),
@@ -485,18 +486,22 @@ API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
             {"type": "function", "name": "find", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]},
         {"type": "web_search"}]}),
     "responses-reasoning": ("responses", {"reasoning": {"effort": "low"}}),
-    # an agent's loop: two function calls (merged into one assistant message), their outputs,
-    # the assistant's answer, and the next user turn
+    # an agent's loop: its reasoning and two function calls (merged into one assistant
+    # message), their outputs, the assistant's answer as the response's output item, and the
+    # next user turn
     "responses-tool-calls": ("responses", {"tools": [
         {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
         "input": [
             {"role": "user", "content": "What is the weather in Paris and the time?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "I need the weather tool and the time."}]},
             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
             {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}", "id": "fc_2",
              "status": "completed"},
             {"type": "function_call_output", "call_id": "c1", "output": "Sunny, 21 C."},
             {"type": "function_call_output", "call_id": "c2", "output": "Noon."},
-            {"role": "assistant", "content": "Sunny and noon."},
+            {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+             "content": [{"type": "output_text", "text": "Sunny and noon.", "annotations": []}]},
             {"role": "user", "content": [{"type": "input_text"}]}]}),
     "messages-system": ("messages", {"system": "Answer in French."}),
 }

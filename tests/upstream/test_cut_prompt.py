@@ -26,7 +26,7 @@ import openai
 from openai.types.chat import ChatCompletionChunk
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import Field, TypeAdapter, ValidationError
 from starlette.applications import Starlette
@@ -444,16 +444,20 @@ def test_a_chats_reused_ids_are_its_prompt_where_the_installed_vllm_runs_them(
     assert ours == ((False, None) if vllms is None else (True, len(vllms)))
 
 
-#: An agent's turn as Responses input items: messages, function calls (with an id and status
-#: or not) and their outputs. ``x``, a ``namespace`` and an output of parts are what the
-#: prompt is left unknown for.
+#: A conversation sent back as Responses input items: messages, an assistant's as written or
+#: as a response's output item (a refusal first, which vLLM fails to read), function calls
+#: (with an id and status or not) and their outputs, reasoning items. ``x``, a ``namespace``
+#: and an output of parts are what the prompt is left unknown for.
 _STATUS = st.none() | st.sampled_from(["in_progress", "completed", "incomplete"])
+_OUTPUT_TEXT = {"type": "output_text", "text": "ok", "annotations": []}
 _ITEMS = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]),
                            "content": st.sampled_from(["hi", [{"type": "input_text", "text": "hi"}]])},
                           optional={"type": st.just("message")}),
-    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.sampled_from(["ok", ""])},
-                          optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.sampled_from(
+        ["ok", "", [_OUTPUT_TEXT], [_OUTPUT_TEXT, {**_OUTPUT_TEXT, "text": "more"}], [{"type": "input_text", "text": "ok"}],
+         [{"type": "refusal", "refusal": "no"}]])},
+        optional={"type": st.just("message"), "id": st.just("msg_1"), "status": _STATUS}),
     st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", "c2"]),
                            "name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(["{}", '{"a": 1}'])},
                           optional={"id": st.just("fc_1"), "status": _STATUS, "namespace": st.just("ns"),
@@ -461,6 +465,12 @@ _ITEMS = st.one_of(
     st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c2"]),
                            "output": st.just("sunny") | st.just([{"type": "input_text", "text": "sunny"}])},
                           optional={"id": st.just("fco_1"), "status": _STATUS, "x": st.just(1)}),
+    st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.sampled_from(
+        [[], [{"type": "summary_text", "text": "sum"}]])},
+        optional={"id": st.just("rs_1"), "status": _STATUS, "encrypted_content": st.sampled_from([None, "", "xyz"]),
+                  "content": st.sampled_from([None, [], [{"type": "reasoning_text", "text": "think"}],
+                                              [{"type": "reasoning_text", "text": "a"},
+                                               {"type": "reasoning_text", "text": "b"}]])}),
 )
 
 
@@ -494,7 +504,7 @@ def test_a_responses_bodys_reused_ids_are_its_prompt_where_the_installed_vllm_ru
         request = ResponsesRequest.model_validate(payload)
         messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input)
         vllms = _reused_prompt_token_ids(request, _Vocabulary(), messages)
-    except (ValidationError, VLLMClientError):
+    except (ValidationError, VLLMClientError, AttributeError):  # AttributeError: a refusal read as text, a 500
         return
     if ours == (False, None):  # its messages are asked
         assert vllms is None
@@ -634,18 +644,22 @@ def _as_chat_reads(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @pytest.mark.vllm
 @settings(max_examples=400, deadline=None)
 @given(items=st.lists(_ITEMS, min_size=1, max_size=6), instructions=st.none() | st.just("Be brief."))
+@example(items=[{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [
+    {"type": "summary_text", "text": "sum"}], "content": [{"type": "reasoning_text", "text": "think"}]}], instructions=None)
 def test_a_responses_bodys_tool_calls_and_outputs_are_asked_as_the_installed_vllm_renders_them(
         items: list[dict[str, Any]], instructions: str | None) -> None:
-    """An agent's loop sends its function calls and their outputs back as input items; vLLM
-    renders them as the chat's tool calls (merged into the assistant message before them)
-    and tool messages. What ``/tokenize`` is asked, read by the installed vLLM's
+    """A conversation comes back as input items: an agent's loop sends its function calls and
+    their outputs, a client its last response's output (an assistant's message, reasoning).
+    vLLM renders them as the chat's messages, tool calls (merged into the assistant message
+    before them) and tool messages. What ``/tokenize`` is asked, read by the installed vLLM's
     ``TokenizeChatRequest``, is the chat its Responses route makes of them
-    (``construct_input_messages``); a field it may read otherwise leaves the prompt unknown.
-    Such a cut stream was left unbilled."""
+    (``construct_input_messages``); a field it may read otherwise, or a last message it
+    continues (``should_continue_final_message``), leaves the prompt unknown. Such a cut
+    stream was left unbilled."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
-        from vllm.entrypoints.openai.responses.utils import construct_input_messages
+        from vllm.entrypoints.openai.responses.utils import construct_input_messages, should_continue_final_message
         from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
         from vllm.exceptions import VLLMClientError
 
@@ -653,13 +667,18 @@ def test_a_responses_bodys_tool_calls_and_outputs_are_asked_as_the_installed_vll
     if instructions is not None:
         payload["instructions"] = instructions
     asked = chat_ask(copy.deepcopy(payload))
-    odd = any("x" in item or "namespace" in item or isinstance(item.get("output"), list) for item in items)
+    refusal = {"type": "refusal", "refusal": "no"}  # vLLM fails on it, or renders the item as it is
+    odd = any("x" in item or "namespace" in item or isinstance(item.get("output"), list)
+              or (item.get("content") or [None])[:1] == [refusal]
+              # an output item's fields beside text: pydantic may take it for one, whose content is parts
+              or (item.get("role") == "assistant" and isinstance(item["content"], str) and item.keys() & {"id", "status"})
+              for item in items)
     try:
         request = ResponsesRequest.model_validate(payload)
         rendered = construct_input_messages(request_instructions=request.instructions, request_input=request.input)
-    except (ValidationError, VLLMClientError):
-        return  # answered 400: no stream to cut
-    assert (asked is not None) == (not odd)
+    except (ValidationError, VLLMClientError, AttributeError):
+        return  # answered 400 (AttributeError: a 500, a refusal read as text): no stream to cut
+    assert (asked is not None) == (not odd and not should_continue_final_message(request.input))
     if asked is not None:
         read = TokenizeChatRequest.model_validate(asked).model_dump(exclude_unset=True)["messages"]
         assert _as_chat_reads(read) == _as_chat_reads(rendered)
