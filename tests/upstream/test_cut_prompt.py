@@ -85,6 +85,11 @@ def counted(url: str, result: str) -> float:
     return metric_value(httpx.get(f"{url}/metrics", timeout=5).text, COUNTS, result=result)
 
 
+def asks(url: str) -> float:
+    """The asks of ``/tokenize`` counted, whatever their result."""
+    return sum(counted(url, result) for result in ("counted", "busy", "failed", "uncountable"))
+
+
 def hang_up(client: openai.OpenAI, route: str, prompt: Any, chunks: int = 3, **extra: Any) -> str:
     """Stream 500 tokens at most, read ``chunks`` chunks (Responses: text deltas), close: what
     the client read."""
@@ -178,7 +183,7 @@ def test_a_stream_read_whole_is_billed_its_usage_not_a_count(sim: str, tmp_path:
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
         list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, stream=True))  # type: ignore[arg-type]
         (record,) = records(tmp_path, 1)
-        assert sum(counted(url, result) for result in ("counted", "busy", "failed", "uncountable")) == 0
+        assert asks(url) == 0
     assert (record["outcome"], record["prompt_tokens"], record["source"]) == (
         "completed", len(tokenize(render_chat(MESSAGES))), None)
 
@@ -193,10 +198,11 @@ TOKENS = 50
 class Upstream:
     """A chat stream of :data:`TOKENS` slow tokens and its usage chunk, and a ``/tokenize`` that answers
     as ``mode`` says: ``count`` 42 (to the upstream's key alone if ``key``), none (404),
-    a 500, a count that is no integer, or never."""
+    a 500, a count that is no integer, or never. ``late_s``: the stream answered that late;
+    ``usage``: whether the stream ends with its usage chunk (an upstream that sends none)."""
 
-    def __init__(self, mode: str, key: str | None = None) -> None:
-        self.mode, self.key = mode, key
+    def __init__(self, mode: str, key: str | None = None, late_s: float = 0.0, usage: bool = True) -> None:
+        self.mode, self.key, self.late_s, self.usage = mode, key, late_s, usage
         self.asked = threading.Event()
         self.asked_bodies: list[dict[str, Any]] = []
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -213,14 +219,17 @@ class Upstream:
     async def chat(self, request: Request) -> Response:
         prompt = self.reported_prompt(await request.body())
         head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        await asyncio.sleep(self.late_s)
 
         async def events() -> AsyncIterator[bytes]:
             for _ in range(TOKENS):
                 chunk = {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 await asyncio.sleep(0.02)
-            usage = {"prompt_tokens": prompt, "completion_tokens": TOKENS, "total_tokens": prompt + TOKENS}
-            yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
+            if self.usage:
+                usage = {"prompt_tokens": prompt, "completion_tokens": TOKENS, "total_tokens": prompt + TOKENS}
+                yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -297,6 +306,37 @@ def test_the_ask_carries_the_credentials_the_request_was_forwarded_with(tmp_path
         (record,) = records(usage, 1)
     assert (record["prompt_tokens"], record["source"]) == (42, "tokenize")
     assert upstream.asked_bodies == [{"model": "m", "messages": MESSAGES}]
+
+
+def test_a_stream_read_whole_without_a_usage_chunk_is_not_asked_about(tmp_path: Path) -> None:
+    """Only a stream whose client left is asked about: one read to its end from an upstream
+    that sends no usage chunk keeps its prompt unknown, its completion counted from the stream."""
+    upstream = Upstream("count", usage=False)
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, stream=True))  # type: ignore[arg-type]
+        (record,) = records(tmp_path, 1)
+        assert asks(url) == 0
+    assert len(chunks) == TOKENS
+    assert (record["outcome"], record["prompt_tokens"], record["completion_tokens"], record["source"]) == (
+        "completed", None, TOKENS, None)
+    assert upstream.asked_bodies == []
+
+
+def test_a_client_that_leaves_before_the_upstream_answers_is_not_asked_about(tmp_path: Path) -> None:
+    """The ask is for a stream the upstream started (200): a client that gives up before the
+    upstream answered at all leaves its prompt unknown, and ``/tokenize`` is not asked."""
+    upstream = Upstream("count", late_s=2.0)
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=0.5) as client:
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model="m", messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+        (record,) = records(tmp_path, 1)
+        assert asks(url) == 0
+    assert (record["outcome"], record["prompt_tokens"], record["source"]) == ("disconnected", None, None)
+    assert upstream.asked_bodies == []
 
 
 @pytest.mark.parametrize("excluded", [False, True], ids=["vllms-default", "exclude-tools-when-tool-choice-none"])
