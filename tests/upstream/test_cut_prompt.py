@@ -199,10 +199,12 @@ class Upstream:
     """A chat stream of :data:`TOKENS` slow tokens and its usage chunk, and a ``/tokenize`` that answers
     as ``mode`` says: ``count`` 42 (to the upstream's key alone if ``key``), none (404),
     a 500, a count that is no integer, or never. ``late_s``: the stream answered that late;
-    ``usage``: whether the stream ends with its usage chunk (an upstream that sends none)."""
+    ``usage``: whether the stream ends with its usage chunk (an upstream that sends none);
+    ``done_s``: how long after it ``[DONE]`` comes."""
 
-    def __init__(self, mode: str, key: str | None = None, late_s: float = 0.0, usage: bool = True) -> None:
-        self.mode, self.key, self.late_s, self.usage = mode, key, late_s, usage
+    def __init__(self, mode: str, key: str | None = None, late_s: float = 0.0, usage: bool = True,
+                 done_s: float = 0.0) -> None:
+        self.mode, self.key, self.late_s, self.usage, self.done_s = mode, key, late_s, usage, done_s
         self.asked = threading.Event()
         self.asked_bodies: list[dict[str, Any]] = []
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -229,6 +231,7 @@ class Upstream:
             if self.usage:
                 usage = {"prompt_tokens": prompt, "completion_tokens": TOKENS, "total_tokens": prompt + TOKENS}
                 yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+            await asyncio.sleep(self.done_s)
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -336,6 +339,25 @@ def test_a_client_that_leaves_before_the_upstream_answers_is_not_asked_about(tmp
         (record,) = records(tmp_path, 1)
         assert asks(url) == 0
     assert (record["outcome"], record["prompt_tokens"], record["source"]) == ("disconnected", None, None)
+    assert upstream.asked_bodies == []
+
+
+def test_a_client_that_leaves_after_the_usage_chunk_is_billed_it_and_not_asked_about(tmp_path: Path) -> None:
+    """A client that asked for usage, read it and left before ``[DONE]`` is billed the usage
+    its upstream reported, and ``/tokenize`` is not asked."""
+    upstream = Upstream("count", done_s=5.0)
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        stream = client.chat.completions.create(model="m", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+                                                stream_options={"include_usage": True})
+        usage = next(chunk.usage for chunk in stream if chunk.usage is not None)
+        stream.close()
+        (record,) = records(tmp_path, 1)
+        assert asks(url) == 0
+    assert usage.prompt_tokens == 42
+    assert (record["outcome"], record["prompt_tokens"], record["completion_tokens"], record["source"]) == (
+        "disconnected", 42, TOKENS, None)
     assert upstream.asked_bodies == []
 
 
