@@ -199,12 +199,12 @@ class Upstream:
     """A chat stream of :data:`TOKENS` slow tokens and its usage chunk, and a ``/tokenize`` that answers
     as ``mode`` says: ``count`` 42 (to the upstream's key alone if ``key``), none (404),
     a 500, a count that is no integer, or never. ``late_s``: the stream answered that late;
-    ``usage``: whether the stream ends with its usage chunk (an upstream that sends none);
-    ``done_s``: how long after it ``[DONE]`` comes."""
+    ``end``: what the tokens end with: the usage chunk, nothing (an upstream that sends none) or
+    vLLM's error event; ``done_s``: how long after it ``[DONE]`` comes."""
 
-    def __init__(self, mode: str, key: str | None = None, late_s: float = 0.0, usage: bool = True,
+    def __init__(self, mode: str, key: str | None = None, late_s: float = 0.0, end: str = "usage",
                  done_s: float = 0.0) -> None:
-        self.mode, self.key, self.late_s, self.usage, self.done_s = mode, key, late_s, usage, done_s
+        self.mode, self.key, self.late_s, self.end, self.done_s = mode, key, late_s, end, done_s
         self.asked = threading.Event()
         self.asked_bodies: list[dict[str, Any]] = []
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -228,9 +228,12 @@ class Upstream:
                 chunk = {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 await asyncio.sleep(0.02)
-            if self.usage:
+            if self.end == "usage":
                 usage = {"prompt_tokens": prompt, "completion_tokens": TOKENS, "total_tokens": prompt + TOKENS}
                 yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+            elif self.end == "error":
+                error = {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}
+                yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
             await asyncio.sleep(self.done_s)
             yield b"data: [DONE]\n\n"
 
@@ -314,7 +317,7 @@ def test_the_ask_carries_the_credentials_the_request_was_forwarded_with(tmp_path
 def test_a_stream_read_whole_without_a_usage_chunk_is_not_asked_about(tmp_path: Path) -> None:
     """Only a stream whose client left is asked about: one read to its end from an upstream
     that sends no usage chunk keeps its prompt unknown, its completion counted from the stream."""
-    upstream = Upstream("count", usage=False)
+    upstream = Upstream("count", end="none")
     with serving_in_thread(upstream.app, "upstream") as upstream_url, \
             cachetally(upstream_url, tmp_path) as (url, _app), \
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
@@ -358,6 +361,22 @@ def test_a_client_that_leaves_after_the_usage_chunk_is_billed_it_and_not_asked_a
     assert usage.prompt_tokens == 42
     assert (record["outcome"], record["prompt_tokens"], record["completion_tokens"], record["source"]) == (
         "disconnected", 42, TOKENS, None)
+    assert upstream.asked_bodies == []
+
+
+def test_a_client_that_leaves_after_an_error_event_is_recorded_an_error_and_not_asked_about(tmp_path: Path) -> None:
+    """A stream the upstream ended with an error event failed: its client leaving before
+    ``[DONE]`` makes it no cut stream, and ``/tokenize`` is not asked."""
+    upstream = Upstream("count", end="error", done_s=5.0)
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app), httpx.Client(timeout=10) as client:
+        body = {"model": "m", "messages": MESSAGES, "stream": True}
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert any(line.startswith('data: {"error"') for line in lines)
+        (record,) = records(tmp_path, 1)
+        assert asks(url) == 0
+    assert (record["outcome"], record["prompt_tokens"], record["completion_tokens"]) == ("error", None, TOKENS)
     assert upstream.asked_bodies == []
 
 
