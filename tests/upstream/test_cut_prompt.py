@@ -208,7 +208,8 @@ class Upstream:
         self.asked = threading.Event()
         self.asked_bodies: list[dict[str, Any]] = []
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/invocations", self.chat, methods=["POST"])]  # SageMaker's: a chat body here
+                  Route("/invocations", self.chat, methods=["POST"]),  # SageMaker's: a chat body here
+                  Route("/v1/messages", self.messages, methods=["POST"])]
         if mode != "missing":
             routes.append(Route("/tokenize", self.tokenize, methods=["POST"]))
         self.app = Starlette(routes=routes)
@@ -236,6 +237,19 @@ class Upstream:
                 yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
             await asyncio.sleep(self.done_s)
             yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def messages(self, request: Request) -> Response:
+        """A Messages stream started (200) whose ``message_start``, which carries the prompt as
+        vLLM's does, comes :attr:`done_s` later."""
+        start = {"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+            "stop_reason": None, "usage": {"input_tokens": 42, "output_tokens": 0}}}
+
+        async def events() -> AsyncIterator[bytes]:
+            await asyncio.sleep(self.done_s)
+            yield b"event: message_start\ndata: " + orjson.dumps(start) + b"\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -377,6 +391,21 @@ def test_a_client_that_leaves_after_an_error_event_is_recorded_an_error_and_not_
         (record,) = records(tmp_path, 1)
         assert asks(url) == 0
     assert (record["outcome"], record["prompt_tokens"], record["completion_tokens"]) == ("error", None, TOKENS)
+    assert upstream.asked_bodies == []
+
+
+def test_a_messages_stream_cut_before_its_message_start_is_not_asked_about(tmp_path: Path) -> None:
+    """A Messages stream needs no ask (its ``message_start`` carries the prompt): one whose
+    client leaves before it leaves the prompt unknown, and ``/tokenize`` is not asked."""
+    upstream = Upstream("count", done_s=5.0)
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app), httpx.Client(timeout=0.5) as client:
+        body = {"model": "m", "max_tokens": 50, "messages": MESSAGES[1:], "stream": True}
+        with pytest.raises(httpx.ReadTimeout), client.stream("POST", f"{url}/v1/messages", json=body) as response:
+            response.read()
+        (record,) = records(tmp_path, 1)
+        assert asks(url) == 0
+    assert (record["outcome"], record["prompt_tokens"]) == ("disconnected", None)
     assert upstream.asked_bodies == []
 
 
