@@ -935,6 +935,33 @@ async def test_a_cancellation_that_is_not_the_servers_stop_goes_on(point: str) -
     assert h.requests() == {"hit": 1}
 
 
+@pytest.mark.asyncio
+async def test_a_cancellation_during_a_cut_streams_prompt_ask_that_is_not_the_servers_stop_goes_on() -> None:
+    """Upstream mode's ask about the prompt of a stream its client cut ends on a caller's own
+    timeout as anything does: the timeout fires. Swallowed, the caller's timeout never fired."""
+    h = Harness()
+    client = Client(STREAM_BODY)
+    asked: list[str] = []
+
+    async def leave(receive: Receive) -> None:
+        client.leave()
+        assert (await receive())["type"] == "http.disconnect"
+
+    async def count_prompt(route: str, body: bytes, scope: Scope) -> int | None:
+        asked.append(route)
+        timeout.reschedule(asyncio.get_running_loop().time())  # the caller's deadline passes now
+        await asyncio.Event().wait()
+        return None
+
+    inner = h.middleware(stops_at("mid-body", leave), (64, 48)).app
+    mw = UsagePatchMiddleware(inner, ledger=h.ledger, metrics=h.metrics, config=h.config, count_prompt=count_prompt)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(None) as timeout:
+            await mw(http_scope(), client.receive, client.send)
+    assert asked == ["chat"]
+    h.assert_clean()
+
+
 class _Records:
     """A recorder that keeps what it is handed."""
 
