@@ -220,9 +220,12 @@ class Upstream:
         return 42
 
     async def chat(self, request: Request) -> Response:
-        prompt = self.reported_prompt(await request.body())
+        body = await request.body()
+        prompt = self.reported_prompt(body)
         head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
         await asyncio.sleep(self.late_s)
+        if not orjson.loads(body).get("stream"):
+            return self.answer(prompt)
 
         async def events() -> AsyncIterator[bytes]:
             for _ in range(TOKENS):
@@ -239,6 +242,19 @@ class Upstream:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    def answer(self, prompt: int) -> Response:
+        """A chat answer not streamed, its JSON cut in two :attr:`done_s` apart."""
+        usage = {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}
+        answer = orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "tok"}, "finish_reason": "stop"}], "usage": usage})
+
+        async def halves() -> AsyncIterator[bytes]:
+            yield answer[:20]
+            await asyncio.sleep(self.done_s)
+            yield answer[20:]
+
+        return StreamingResponse(halves(), media_type="application/json")
 
     async def messages(self, request: Request) -> Response:
         """A Messages stream started (200) whose ``message_start``, which carries the prompt as
@@ -391,6 +407,21 @@ def test_a_client_that_leaves_after_an_error_event_is_recorded_an_error_and_not_
         (record,) = records(tmp_path, 1)
         assert asks(url) == 0
     assert (record["outcome"], record["prompt_tokens"], record["completion_tokens"]) == ("error", None, TOKENS)
+    assert upstream.asked_bodies == []
+
+
+def test_a_client_that_leaves_an_answer_not_streamed_is_not_asked_about(tmp_path: Path) -> None:
+    """The ask is for streams: a client that leaves while the upstream's answer not streamed
+    is still coming (its usage in the part not sent) leaves the prompt unknown, nothing asked."""
+    upstream = Upstream("count", done_s=5.0)
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1) as client:
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
+        (record,) = records(tmp_path, 1)
+        assert asks(url) == 0
+    assert (record["outcome"], record["prompt_tokens"], record["source"]) == ("disconnected", None, None)
     assert upstream.asked_bodies == []
 
 
