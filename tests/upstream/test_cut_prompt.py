@@ -425,6 +425,23 @@ def test_a_client_that_leaves_an_answer_not_streamed_is_not_asked_about(tmp_path
     assert upstream.asked_bodies == []
 
 
+def test_a_cut_decode_leg_bills_its_handed_prefill_and_is_not_asked_about(tmp_path: Path) -> None:
+    """A P/D decode leg (``pd_legs`` on) whose client left before its usage chunk bills the
+    figures its prefill leg handed over, cache reads included; ``/tokenize`` is not asked."""
+    upstream = Upstream("count")
+    handed = {"prompt_tokens": 300, "cached_tokens": 100, "source": "upstream"}
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path, pd_legs=True) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10) as client:
+        hang_up(client, "chat", MESSAGES,
+                extra_body={"kv_transfer_params": {"do_remote_prefill": True, "cachetally_prefill": handed}})
+        (record,) = records(tmp_path, 1)
+        assert asks(url) == 0
+    assert (record["outcome"], record["prompt_tokens"], record["cached_tokens"], record["source"]) == (
+        "disconnected", 300, 100, "upstream")
+    assert upstream.asked_bodies == []
+
+
 def test_a_messages_stream_cut_before_its_message_start_is_not_asked_about(tmp_path: Path) -> None:
     """A Messages stream needs no ask (its ``message_start`` carries the prompt): one whose
     client leaves before it leaves the prompt unknown, and ``/tokenize`` is not asked."""
