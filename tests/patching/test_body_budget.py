@@ -103,7 +103,9 @@ def refused(client: Client) -> bool:
     if not client.sent or client.status != 503:
         return False
     assert client.header("retry-after") == "1"
-    assert client.json()["error"]["type"] == "ServiceUnavailableError"
+    error = client.json()["error"]
+    assert (error["type"], error["message"]) == (
+        "ServiceUnavailableError", "The server is receiving as many request bodies as it may hold; retry")
     return True
 
 
