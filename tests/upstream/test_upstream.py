@@ -475,7 +475,8 @@ async def test_request_is_forwarded_with_path_query_and_end_to_end_headers_only(
         assert seen["query"] == "a=1&b=%2F"
         assert headers["host"] == "fake-upstream:9"
         assert headers["authorization"] == "Bearer sk-secret"
-        assert headers["accept-encoding"] == "identity"
+        # the one value: the client's gzip beside it would have the upstream encode what is patched
+        assert [value for name, value in seen["headers"] if name == "accept-encoding"] == ["identity"]
         assert headers["x-custom"] == "kept"
         assert headers["x-request-id"]  # the proxy's request key, for the engine's logs
         assert int(headers["content-length"]) == len(seen["body"])
