@@ -1100,14 +1100,19 @@ async def test_a_decode_leg_over_the_limit_whose_client_leaves_is_recorded_disco
 
 @pytest.mark.asyncio
 async def test_disconnect_while_the_body_is_being_read() -> None:
-    h = Harness()
+    """Nothing answered, nothing counted, and the record says the client left."""
+    h, records = Harness(), _Records()
     client = Client([b'{"model": ', b"never"])
     client.pending.pop()  # the second half never comes
     client.leave()
-    await h.call(h.middleware(json_response(chat_completion())), client)
+    mw = UsagePatchMiddleware(h.middleware(json_response(chat_completion())).app, ledger=h.ledger,
+                              metrics=h.metrics, config=h.config, recorder=records)  # type: ignore[arg-type]
+    await h.call(mw, client)
     assert client.sent == []
     assert h.inner_keys == []
     assert h.requests() == {}
+    [record] = records.records
+    assert (record.status, record.outcome) == (None, "disconnected")
 
 
 @pytest.mark.asyncio
