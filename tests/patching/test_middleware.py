@@ -1520,6 +1520,19 @@ async def test_a_beam_search_over_one_prompt_is_served_and_billed_while_billing(
 
 
 @pytest.mark.asyncio
+async def test_several_prompts_without_a_beam_search_are_served_and_billed_while_billing() -> None:
+    """Only a beam search over several prompts is refused: a completions batch is metered, each
+    prompt its own engine request, and billed all of them."""
+    h = Harness(PatchConfig(refuse_unmetered=True))
+    client = Client(orjson.dumps({"model": "m", "prompt": ["a", "b"]}))
+    await h.call(h.middleware(json_response(text_completion(21)), (10, 0), (11, 0)), client,
+                 http_scope("/v1/completions"))
+    assert client.status == 200
+    assert h.sample("cachetally_refused_unmetered_total", route="/v1/completions") is None
+    assert h.sample("cachetally_prompt_tokens_total", model="m") == 21
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("drop", [True, False], ids=["upstream", "upstream-behind-a-pd-router"])
 async def test_a_clients_remote_prefill_claim_is_not_billed_as_cache_reads_in_upstream_mode(drop: bool) -> None:
     """Upstream mode without ``pd_legs``: vLLM reports a body's ``kv_transfer_params``
