@@ -611,6 +611,15 @@ async def test_details_flag_is_stripped_from_the_request_and_answered() -> None:
 
 
 @pytest.mark.asyncio
+async def test_details_flag_reaches_an_upstream_that_answers_it_itself() -> None:
+    """Upstream mode keeps the flag: it is SGLang's own, and SGLang answers it itself."""
+    h = Harness(PatchConfig(strip_details_flag=False))
+    body = chat_request(return_cached_tokens_details=True)
+    await h.call(h.middleware(json_response(chat_completion()), (64, 48)), Client(body))
+    assert h.inner_bodies == [body]
+
+
+@pytest.mark.asyncio
 async def test_details_are_answered_when_the_response_already_had_the_engines_figure() -> None:
     """Nothing else to change: the details alone still change the body the client gets."""
     h = Harness()
@@ -1300,6 +1309,20 @@ async def test_ghost_usage_does_not_touch_non_streaming_requests() -> None:
     body = chat_request()
     client = Client(body)
     await h.call(h.middleware(json_response(chat_completion()), (64, 48)), client)
+    assert h.inner_bodies == [body]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("route", ["responses", "messages"])
+async def test_ghost_usage_leaves_a_responses_or_messages_stream_alone(route: str) -> None:
+    """Their streams end with their usage whatever the body asks (Responses' ``response.completed``,
+    Messages' ``message_delta``), and their models have no ``stream_options``: the body goes as sent."""
+    h = Harness(PatchConfig(ghost_usage=True))
+    request = ({"model": "m", "input": "hi", "stream": True} if route == "responses" else
+               {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    body = orjson.dumps(request)
+    await h.call(h.middleware(json_response(b'{"error": {"message": "no"}}', status=400)), Client(body),
+                 http_scope(f"/v1/{route}"))
     assert h.inner_bodies == [body]
 
 
