@@ -1316,14 +1316,27 @@ async def test_ghost_usage_does_not_touch_non_streaming_requests() -> None:
 @pytest.mark.parametrize("route", ["responses", "messages"])
 async def test_ghost_usage_leaves_a_responses_or_messages_stream_alone(route: str) -> None:
     """Their streams end with their usage whatever the body asks (Responses' ``response.completed``,
-    Messages' ``message_delta``), and their models have no ``stream_options``: the body goes as sent."""
+    Messages' ``message_delta``), and their models have no ``stream_options`` nor ``stream_interval``
+    (vLLM reads that on chat and completions alone): the body goes as sent."""
     h = Harness(PatchConfig(ghost_usage=True))
     request = ({"model": "m", "input": "hi", "stream": True} if route == "responses" else
                {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    request["stream_interval"] = 8
     body = orjson.dumps(request)
     await h.call(h.middleware(json_response(b'{"error": {"message": "no"}}', status=400)), Client(body),
                  http_scope(f"/v1/{route}"))
     assert h.inner_bodies == [body]
+
+
+@pytest.mark.asyncio
+async def test_ghost_usage_keeps_the_clients_other_stream_options() -> None:
+    """An upstream's own options stay beside the usage asked for (OpenAI's ``include_obfuscation``
+    shapes its stream)."""
+    h = Harness(PatchConfig(ghost_usage=True))
+    client = Client(chat_request(stream=True, stream_options={"include_obfuscation": False}))
+    await h.call(h.middleware(sse_response(ROLE, TOKEN, DONE)), client)
+    assert orjson.loads(h.inner_bodies[0])["stream_options"] == {
+        "include_obfuscation": False, "include_usage": True, "continuous_usage_stats": False}
 
 
 # -- one count per request, with the right cache label -------------------------------------------
