@@ -1541,6 +1541,16 @@ async def test_a_beam_search_over_several_prompts_is_refused_and_counted_while_b
 
 
 @pytest.mark.asyncio
+async def test_a_beam_search_over_several_prompts_is_served_while_billing_is_off() -> None:
+    """The refusal is billing's: a server that does not bill serves the search as vLLM does."""
+    h = Harness(PatchConfig(refuse_unmetered=False))
+    client = Client(orjson.dumps({"model": "m", "prompt": ["a", "b"], "n": 2, "use_beam_search": True}))
+    await h.call(h.middleware(json_response(text_completion()), (10, 0)), client, http_scope("/v1/completions"))
+    assert client.status == 200
+    assert h.sample("cachetally_refused_unmetered_total", route="/v1/completions") is None
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("prompt", ["a", ["a"], [1, 2, 3], [1.0, 2.0], [True, 2]],
                          ids=["string", "one-string", "token-ids", "float-ids", "bool-id"])
 async def test_a_beam_search_over_one_prompt_is_served_and_billed_while_billing(prompt: Any) -> None:
@@ -1556,10 +1566,11 @@ async def test_a_beam_search_over_one_prompt_is_served_and_billed_while_billing(
 
 
 @pytest.mark.asyncio
-async def test_several_prompts_without_a_beam_search_are_served_and_billed_while_billing() -> None:
+@pytest.mark.parametrize("billing", [True, False], ids=["billing", "not-billing"])
+async def test_several_prompts_without_a_beam_search_are_served_and_billed_all(billing: bool) -> None:
     """Only a beam search over several prompts is refused: a completions batch is metered, each
-    prompt its own engine request, and billed all of them."""
-    h = Harness(PatchConfig(refuse_unmetered=True))
+    prompt its own engine request, and billed all of them (not the first alone, as a beam search)."""
+    h = Harness(PatchConfig(refuse_unmetered=billing))
     client = Client(orjson.dumps({"model": "m", "prompt": ["a", "b"]}))
     await h.call(h.middleware(json_response(text_completion(21)), (10, 0), (11, 0)), client,
                  http_scope("/v1/completions"))
