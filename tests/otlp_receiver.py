@@ -54,6 +54,7 @@ class ReceivedSpan:
     trace_id: str
     parent_span_id: str
     span_id: str
+    scope: tuple[str, str]  # the instrumentation scope's name and version
 
 
 @dataclass
@@ -110,11 +111,12 @@ def otlp_receiver() -> Iterator[Receiver]:
                 for resource_spans in request.resource_spans if status in (200, RESET) else ():
                     resource = _attributes(resource_spans.resource.attributes)
                     for scope_spans in resource_spans.scope_spans:
+                        scope = (scope_spans.scope.name, scope_spans.scope.version)
                         for span in scope_spans.spans:
                             received.append(ReceivedSpan(
                                 span.name, span.kind, _attributes(span.attributes), resource,
                                 span.start_time_unix_nano, span.end_time_unix_nano, span.status.code,
-                                span.trace_id.hex(), span.parent_span_id.hex(), span.span_id.hex(),
+                                span.trace_id.hex(), span.parent_span_id.hex(), span.span_id.hex(), scope,
                             ))
                 receiver.spans.extend(received[: max(len(received) - reject, 0)])
             if status == RESET:

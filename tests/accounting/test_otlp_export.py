@@ -14,6 +14,7 @@ import logging
 import socket
 import time
 import uuid
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -103,6 +104,51 @@ def test_a_span_names_the_model_asked_for_and_the_one_that_answered_and_marks_a_
                   s.end_ns - s.start_ns) for rid, s in spans.items()}
     assert seen == {"asked": ("alias", "served", 0, 1_500_000_000),  # status UNSET
                     "failed": ("served", "served", 2, 500_000_000)}  # status ERROR
+
+
+#: Each route's records, with every field set or none of the optional ones: (record, the
+#: span name, every attribute the collector holds). docs/ACCOUNTING.md lists them.
+FULL = dict(tenant="acme", stream=True, start_unix=1.7e9, end_unix=1.7e9 + 2, model="served",
+            request_model="alias", response_id="resp-1", status=200, outcome="completed", prompt_tokens=90,
+            cached_tokens=64, cache_creation_tokens=16, source="engine", completion_tokens=7,
+            completion_source="usage")
+SPANS = [
+    (UsageRecord(request_id="chat", route="chat", **FULL), "chat served", "chat"),
+    (UsageRecord(request_id="completions", route="completions", **FULL), "text_completion served", "text_completion"),
+    (UsageRecord(request_id="responses", route="responses", **FULL), "chat served", "chat"),
+    (UsageRecord(request_id="messages", route="messages", **FULL), "chat served", "chat"),
+    (UsageRecord(request_id="invocations", route="invocations", **FULL), "invocations served", "invocations"),
+]
+
+
+def test_a_span_holds_every_attribute_the_docs_name_under_its_operations_name() -> None:
+    """What a pipeline reading the collector bills from: the span's name, kind, resource and
+    scope, and each documented attribute with the record's value; an unknown figure (a
+    request that failed before any response) is absent, not 0."""
+    bare = UsageRecord(request_id="bare", tenant="t", route="chat", stream=False, start_unix=1.7e9)
+    with otlp_receiver() as receiver:
+        assert export(receiver, [record for record, _, _ in SPANS] + [bare]) == (len(SPANS) + 1, {})
+    spans = {s.attributes["cachetally.request_id"]: s for s in receiver.snapshot()}
+    for record, name, operation in SPANS:
+        span = spans[record.request_id]
+        assert (span.name, span.kind, span.resource["service.name"]) == (name, 2, "cachetally")  # 2: SERVER
+        assert span.scope == ("cachetally", version("cachetally"))
+        assert span.attributes == {
+            "gen_ai.operation.name": operation, "gen_ai.request.model": "alias", "gen_ai.response.model": "served",
+            "gen_ai.response.id": "resp-1", "gen_ai.usage.input_tokens": 90,
+            "gen_ai.usage.cache_read.input_tokens": 64, "gen_ai.usage.cache_write.input_tokens": 16,
+            "gen_ai.usage.output_tokens": 7, "http.response.status_code": 200, "cachetally.tenant": "acme",
+            "cachetally.record_id": record.record_id, "cachetally.request_id": record.request_id,
+            "cachetally.outcome": "completed", "cachetally.stream": True, "cachetally.cached_tokens.source": "engine",
+            "cachetally.completion_tokens.source": "usage",
+        }
+    assert spans["bare"].name == "chat unknown"
+    assert spans["bare"].attributes == {
+        "gen_ai.operation.name": "chat", "gen_ai.request.model": "unknown", "gen_ai.response.model": "unknown",
+        "gen_ai.usage.output_tokens": 0, "cachetally.tenant": "t", "cachetally.record_id": bare.record_id,
+        "cachetally.request_id": "bare", "cachetally.outcome": "error", "cachetally.stream": False,
+        "cachetally.completion_tokens.source": "none",
+    }
 
 
 @pytest.mark.parametrize("status", [400, 503, 302, 308])
