@@ -1,11 +1,12 @@
 """A test OTLP/HTTP trace receiver on 127.0.0.1: decodes what an exporter sends with
 opentelemetry-proto (not with our code) and keeps every span's attributes.
 
-``status`` (default 200) is what it answers; only spans of a request it answers 200 are
-kept, as a collector that refuses a request (4xx) or fails it (5xx) has not taken them.
-``reject`` (default 0) makes each 200 a partial success, as OTLP/HTTP defines it: the last
-``reject`` spans of the request (all, if it has fewer) are not kept, and the answer's
-``partial_success.rejected_spans`` says ``reject``. ``script`` holds one ``(status,
+``status`` (default 200) is what it answers; only spans of a request it answers with a 2xx are
+kept, as a collector that redirects a request (3xx), refuses it (4xx) or fails it (5xx) has not
+taken them. ``reject`` (default 0) makes each 2xx a partial success, as OTLP/HTTP defines it: the
+last ``reject`` spans of the request (all, if it has fewer) are not kept, and the answer's
+``partial_success.rejected_spans`` says ``reject`` (a negative one keeps them all). ``body``, when set, is the answer's body in place of an
+OTLP response (a proxy's ``OK``). ``script`` holds one ``(status,
 reject)`` for each of the next requests, answered in turn before those defaults apply.
 A status of :data:`RESET` keeps the request's spans and resets the connection without an
 answer; ``delay_s`` keeps them and waits that long before answering: a collector that took
@@ -64,6 +65,7 @@ class Receiver:
     requests: int = 0
     status: int = 200
     reject: int = 0
+    body: bytes | None = None
     delay_s: float = 0.0
     max_body: int | None = None
     drip: int = 0
@@ -108,7 +110,8 @@ def otlp_receiver() -> Iterator[Receiver]:
                     status, reject = 413, 0
                 dripping, receiver.drip = receiver.drip > 0, max(receiver.drip - 1, 0)
                 received = []
-                for resource_spans in request.resource_spans if status in (200, RESET) else ():
+                taken = 200 <= status < 300 or status == RESET
+                for resource_spans in request.resource_spans if taken else ():
                     resource = _attributes(resource_spans.resource.attributes)
                     for scope_spans in resource_spans.scope_spans:
                         scope = (scope_spans.scope.name, scope_spans.scope.version)
@@ -132,6 +135,8 @@ def otlp_receiver() -> Iterator[Receiver]:
                         time.sleep(0.2)
             partial = ExportTracePartialSuccess(rejected_spans=reject, error_message="span too large")
             answer = ExportTraceServiceResponse(partial_success=partial if reject else None).SerializeToString()
+            if receiver.body is not None:
+                answer = receiver.body
             with contextlib.suppress(OSError):  # an exporter that stopped waiting has left
                 self.send_response(status)
                 self.send_header("content-type", "application/x-protobuf")

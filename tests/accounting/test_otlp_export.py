@@ -151,7 +151,7 @@ def test_a_span_holds_every_attribute_the_docs_name_under_its_operations_name() 
     }
 
 
-@pytest.mark.parametrize("status", [400, 503, 302, 308])
+@pytest.mark.parametrize("status", [400, 503, 300, 302, 308])
 def test_a_collector_that_refuses_gets_each_flush_once_and_every_record_is_counted_dropped(status: int) -> None:
     """400 and 503 refuse; a redirect (an http URL sent to https, a sign-in page) delivers
     nothing either, though the SDK's exporter takes any status below 400 for a success."""
@@ -165,6 +165,19 @@ def test_a_collector_that_refuses_gets_each_flush_once_and_every_record_is_count
         assert receiver.requests == 1
     else:  # retried within the timeout, then the rest of the flush is not tried
         assert receiver.requests >= 1
+
+
+@pytest.mark.parametrize("answer", [{"status": 202}, {"status": 299}, {"body": b"OK"}, {"reject": -3}])
+def test_a_collector_answering_any_2xx_took_the_spans_whatever_the_body_says(answer: dict) -> None:
+    """Any 2xx takes the request; its body is read only for a partial success. A body that is
+    no OTLP answer (a proxy's ``OK``) or a negative ``rejected_spans`` rejects nothing: no
+    record at the collector is counted dropped, none is counted written twice."""
+    with otlp_receiver() as receiver:
+        for name, value in answer.items():
+            setattr(receiver, name, value)
+        written, dropped = export(receiver, [usage(n) for n in range(5)])
+    assert sorted(s.attributes["cachetally.request_id"] for s in receiver.snapshot()) == [f"r{n}" for n in range(5)]
+    assert (written, dropped) == (5, {})
 
 
 @pytest.mark.parametrize("collector", ["takes the spans, then resets", "answers after the timeout", "is not there"])
