@@ -5,7 +5,8 @@ opentelemetry-proto (not with our code) and keeps every span's attributes.
 kept, as a collector that redirects a request (3xx), refuses it (4xx) or fails it (5xx) has not
 taken them. ``reject`` (default 0) makes each 2xx a partial success, as OTLP/HTTP defines it: the
 last ``reject`` spans of the request (all, if it has fewer) are not kept, and the answer's
-``partial_success.rejected_spans`` says ``reject`` (a negative one keeps them all). ``body``, when set, is the answer's body in place of an
+``partial_success.rejected_spans`` says ``reject`` (a negative one keeps them all), with
+``message`` as its ``error_message``. ``body``, when set, is the answer's body in place of an
 OTLP response (a proxy's ``OK``). ``script`` holds one ``(status,
 reject)`` for each of the next requests, answered in turn before those defaults apply.
 A status of :data:`RESET` keeps the request's spans and resets the connection without an
@@ -65,6 +66,7 @@ class Receiver:
     requests: int = 0
     status: int = 200
     reject: int = 0
+    message: str = "span too large"
     body: bytes | None = None
     delay_s: float = 0.0
     max_body: int | None = None
@@ -133,7 +135,7 @@ def otlp_receiver() -> Iterator[Receiver]:
                     while True:
                         self.wfile.write(b"x")
                         time.sleep(0.2)
-            partial = ExportTracePartialSuccess(rejected_spans=reject, error_message="span too large")
+            partial = ExportTracePartialSuccess(rejected_spans=reject, error_message=receiver.message)
             answer = ExportTraceServiceResponse(partial_success=partial if reject else None).SerializeToString()
             if receiver.body is not None:
                 answer = receiver.body

@@ -180,6 +180,19 @@ def test_a_collector_answering_any_2xx_took_the_spans_whatever_the_body_says(ans
     assert (written, dropped) == (5, {})
 
 
+def test_the_log_gives_the_collectors_reason_for_a_partial_success_cut_to_200_characters(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The operator reads why records were dropped: the collector's own message, however long
+    a collector makes it, cut to 200 characters, though a later chunk of the flush was taken
+    whole."""
+    with otlp_receiver() as receiver, caplog.at_level(logging.WARNING, logger="cachetally.records"):
+        receiver.script, receiver.message = [(200, 3)], "x" * 1000
+        assert export(receiver, [usage(n) for n in range(MAX_BATCH + 10)]) == (MAX_BATCH + 7, {"export_failed": 3})
+    reason = f"last error: the collector rejected 3 of {MAX_BATCH} spans: {'x' * 200!r}"
+    assert [r.getMessage() for r in caplog.records] == [f"usage records dropped: 3 (otlp: export_failed); {reason}"]
+
+
 @pytest.mark.parametrize("collector", ["takes the spans, then resets", "answers after the timeout", "is not there"])
 def test_records_a_collector_may_hold_are_unconfirmed_and_only_those_it_cannot_are_export_failed(
     collector: str,
