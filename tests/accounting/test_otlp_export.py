@@ -219,6 +219,19 @@ def test_records_a_collector_may_hold_are_unconfirmed_and_only_those_it_cannot_a
         assert (written, dropped) == (0, {"unconfirmed": 5})
 
 
+def test_a_chunk_refused_after_one_taken_on_a_retry_is_export_failed_not_unconfirmed() -> None:
+    """The first chunk of a flush is taken when sent again after a reset; the second is
+    refused (400), and no attempt at it went unanswered: its records certainly are not at
+    the collector. Counted ``unconfirmed``, a pipeline reconciling with the collector would
+    take them for records it may hold, not for ones to send again."""
+    with otlp_receiver() as receiver:
+        receiver.script = [(RESET, 0), (200, 0), (400, 0)]
+        written, dropped = export(receiver, [usage(n) for n in range(MAX_BATCH + 10)])
+    held = {s.attributes["cachetally.request_id"] for s in receiver.snapshot()}
+    assert held == {f"r{n}" for n in range(MAX_BATCH)}
+    assert (written, dropped) == (MAX_BATCH, {"export_failed": 10})
+
+
 def test_a_chunk_too_large_for_the_collector_is_sent_in_parts_and_one_clients_long_names_lose_no_other_record() -> None:
     """A collector, or a proxy in front of it, refuses a request over its size limit with
     413, which the SDK does not retry. A chunk of 512 fair spans is under 300 KB here; a
