@@ -232,6 +232,17 @@ def test_a_chunk_refused_after_one_taken_on_a_retry_is_export_failed_not_unconfi
     assert (written, dropped) == (MAX_BATCH, {"export_failed": 10})
 
 
+def test_spans_rejected_in_part_after_an_unanswered_attempt_are_unconfirmed_and_counted_once() -> None:
+    """The collector takes a chunk and resets; the retry is a partial success rejecting 3:
+    those 3 may be held from the first attempt, so they are ``unconfirmed``, each once, and
+    the other 2 written."""
+    with otlp_receiver() as receiver:
+        receiver.script = [(RESET, 0), (200, 3)]
+        written, dropped = export(receiver, [usage(n) for n in range(5)])
+    assert {s.attributes["cachetally.request_id"] for s in receiver.snapshot()} == {f"r{n}" for n in range(5)}
+    assert (written, dropped) == (2, {"unconfirmed": 3})
+
+
 def test_a_chunk_too_large_for_the_collector_is_sent_in_parts_and_one_clients_long_names_lose_no_other_record() -> None:
     """A collector, or a proxy in front of it, refuses a request over its size limit with
     413, which the SDK does not retry. A chunk of 512 fair spans is under 300 KB here; a
