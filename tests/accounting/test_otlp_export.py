@@ -167,6 +167,19 @@ def test_a_collector_that_refuses_gets_each_flush_once_and_every_record_is_count
         assert receiver.requests >= 1
 
 
+def test_a_refusing_collector_draws_no_line_from_the_exporter_per_export(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each failed export made the SDK's exporter log a line of its own; the recorder's
+    rate-limited line says the same, once."""
+    with otlp_receiver() as receiver, caplog.at_level(logging.DEBUG):
+        receiver.status = 400
+        sink = OtlpSink(receiver.url, timeout_s=1.0)
+        for n in range(3):
+            assert sink.write([usage(n)]).lost == 1
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")] == []
+
+
 @pytest.mark.parametrize("answer", [{"status": 202}, {"status": 299}, {"body": b"OK"}, {"reject": -3}])
 def test_a_collector_answering_any_2xx_took_the_spans_whatever_the_body_says(answer: dict) -> None:
     """Any 2xx takes the request; its body is read only for a partial success. A body that is
