@@ -160,10 +160,14 @@ def test_a_collector_that_refuses_gets_each_flush_once_and_every_record_is_count
         receiver.status = status
         written, dropped = export(receiver, records, timeout_s=1.0)
     assert receiver.spans == []
-    assert (written, dropped) == (0, {"export_failed": len(records)})
     if status != 503:  # not retryable: one request for the whole flush, not one per span batch
+        assert (written, dropped) == (0, {"export_failed": len(records)})
         assert receiver.requests == 1
     else:  # retried within the timeout, then the rest of the flush is not tried
+        # A retry the SDK sends with little of the second left may go unanswered on a loaded
+        # machine: those records are unconfirmed (RELIABILITY.md), each still counted once.
+        assert written == 0 and set(dropped) <= {"export_failed", "unconfirmed"}
+        assert sum(dropped.values()) == len(records)
         assert receiver.requests >= 1
 
 
