@@ -71,21 +71,23 @@ def _add(messages: list[dict[str, Any]], item: object) -> bool:
     the assistant message before it (``_construct_message_from_response_item``): a function
     call into that message's ``tool_calls``, an assistant's text into a message without
     content, reasoning into one without reasoning; ``False`` for an item of any other shape."""
+    if not isinstance(item, dict):
+        return False
     last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
-    kind = item.get("type", "message") if isinstance(item, dict) else None
+    kind = item.get("type", "message")
     if kind == "function_call":
-        call = _tool_call(item)  # type: ignore[arg-type]
+        call = _tool_call(item)
         if call is not None and last is not None:
             last.setdefault("tool_calls", []).append(call)
         elif call is not None:
             messages.append({"role": "assistant", "tool_calls": [call]})
         return call is not None
     if kind == "function_call_output":
-        message = _tool_output(item)  # type: ignore[arg-type]
+        message = _tool_output(item)
     elif kind == "reasoning":
-        message = _reasoning(item)  # type: ignore[arg-type]
-    elif kind == "message" and item.get("role") == "assistant":  # type: ignore[union-attr]
-        message = _assistant(item)  # type: ignore[arg-type]
+        message = _reasoning(item)
+    elif kind == "message" and item.get("role") == "assistant":
+        message = _assistant(item)
     else:
         message = _message(item)
     if message is None:
@@ -153,10 +155,10 @@ def _part_of(part: object, kind: str) -> bool:
     return isinstance(part, dict) and part.keys() == _PART and part["type"] == kind and isinstance(part["text"], str)
 
 
-def _message(item: object) -> dict[str, Any] | None:
+def _message(item: dict[str, Any]) -> dict[str, Any] | None:
     """The chat message vLLM makes of a user's, system's or developer's message item, where
     it is that item as it is."""
-    if not isinstance(item, dict) or not item.keys() <= _ITEM or item.get("type", "message") != "message":
+    if not item.keys() <= _ITEM or item.get("type", "message") != "message":
         return None
     role, content = item.get("role"), item.get("content")
     if not isinstance(role, str) or role not in _ROLES:
