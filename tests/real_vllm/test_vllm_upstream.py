@@ -465,8 +465,9 @@ def test_a_stream_cut_before_its_usage_chunk_is_billed_the_prompt_vllm_reports(s
 #: Responses and Messages bodies cut the same way, each as the client sends it (``input`` and
 #: ``messages`` filled with a fresh prompt): a string input, instructions beside it, message
 #: items of string and ``input_text`` content (a system, a developer and an assistant turn),
-#: truncation ``auto``, a function tool, other tools, a reasoning effort, an agent's turn
-#: (reasoning, function calls, their outputs, an output item); a Messages body with a system prompt.
+#: truncation ``auto``, other tools, a reasoning effort, a function tool beside an agent's
+#: turn (reasoning, function calls, their outputs, an output item); a Messages body with a
+#: system prompt.
 API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "responses-string": ("responses", {}),
     "responses-instructions": ("responses", {"instructions": "Answer in French."}),
@@ -476,9 +477,6 @@ API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello, how can I help?"},
         {"role": "user", "content": [{"type": "input_text"}, {"type": "input_text", "text": "Thanks."}]}]}),
     "responses-truncation-auto": ("responses", {"truncation": "auto"}),
-    "responses-tool": ("responses", {"tools": [
-        {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": False,
-         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]}),
     # a custom tool (shown as a one-string function), a namespace's function, a built-in tool (not shown)
     "responses-other-tools": ("responses", {"tools": [
         {"type": "custom", "name": "run_sql", "description": "Runs a query."},
@@ -486,11 +484,12 @@ API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
             {"type": "function", "name": "find", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]},
         {"type": "web_search"}]}),
     "responses-reasoning": ("responses", {"reasoning": {"effort": "low"}}),
-    # an agent's loop: its reasoning and two function calls (merged into one assistant
-    # message), their outputs, the assistant's answer as the response's output item, and the
-    # next user turn
+    # a function tool, and an agent's loop: its reasoning and two function calls (merged into
+    # one assistant message), their outputs, the assistant's answer as the response's output
+    # item, and the next user turn
     "responses-tool-calls": ("responses", {"tools": [
-        {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+        {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": False,
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
         "input": [
             {"role": "user", "content": "What is the weather in Paris and the time?"},
             {"type": "reasoning", "id": "rs_1", "summary": [],
