@@ -21,11 +21,10 @@ import json
 import re
 from typing import Any
 
-import orjson
 from starlette.types import Receive
 
 from proxy.patching.body_budget import Hold
-from proxy.patching.json_exact import standard_loads
+from proxy.patching.json_exact import loads
 from proxy.patching.request_body import ClientGone
 
 #: A run of string content, escapes included; it stops at the closing quote, or at a
@@ -164,10 +163,7 @@ async def member_of(
         more = message.get("more_body", False)
     if member.value is None:
         return {}
-    try:
-        return {name: orjson.loads(member.value)}
-    except orjson.JSONDecodeError:
-        try:  # what only the standard library reads (NaN, wide integers), as the engine would
-            return {name: standard_loads(member.value)}
-        except (ValueError, RecursionError):  # RecursionError: past the depth it reads
-            return {}
+    try:  # as the engine reads it: NaN, wide integers, any depth (json_exact)
+        return {name: loads(member.value)[0]}
+    except ValueError:
+        return {}

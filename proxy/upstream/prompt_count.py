@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 
 from proxy.asgi.headers import Headers
-from proxy.patching.json_exact import standard_dumps, standard_loads
+from proxy.patching.json_exact import loads, standard_dumps
 from proxy.upstream.client import UpstreamClient, UpstreamFailure
 from proxy.upstream.responses_prompt import chat_ask, limits
 from proxy.upstream.reused_prompt import reused
@@ -155,15 +155,12 @@ def _lax_int(value: object) -> int | None:
 
 
 def _read(body: bytes) -> dict[str, Any] | None:
-    """The body as vLLM reads it: orjson, else the standard library's ``json`` (``NaN``,
-    integers past 64 bits, lone surrogates)."""
+    """The body as vLLM reads it (:func:`proxy.patching.json_exact.loads`: ``NaN``, integers
+    past 64 bits, lone surrogates, any depth), or ``None``."""
     try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        try:
-            payload = standard_loads(body)
-        except (ValueError, RecursionError):
-            return None
+        payload, _ = loads(body)
+    except ValueError:
+        return None
     return payload if isinstance(payload, dict) else None
 
 
