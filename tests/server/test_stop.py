@@ -347,6 +347,53 @@ def test_ctrl_c_twice_ends_each_request_in_flight_with_an_openai_error_and_keeps
     assert outcomes == {rids["json"]: "error", rids["stream"]: "error"}, (outcomes, text[-3000:])
 
 
+def _workers(pid: int) -> list[int]:
+    """The workers among ``pid``'s children, in the order they were started (not
+    multiprocessing's resource tracker)."""
+    return [child for child in _processes(pid)[1:] if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie until its parent reaps it, or gone)."""
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return True
+
+
+def test_a_worker_that_the_stop_itself_ended_is_not_replaced(tmp_path: Path) -> None:
+    """A Ctrl-C reaches the supervisor and every worker. One with nothing to drain stops at
+    once, while the supervisor is still in a round of health checks and has not read the
+    signal: it must not start a replacement for it. Found in CI by the Ctrl-C test above:
+    the replacement, cut in the middle of its imports by the second Ctrl-C, logged a
+    traceback. The schedule is forced: the first worker, paused, holds the supervisor in its
+    health check while the stop reaches the supervisor and the second worker."""
+    log = tmp_path / "serve.log"
+    args = ["-m", "proxy.server.cli", "serve", "--usage-dir", str(tmp_path / "usage"), "--engine", "sim",
+            "--workers", "2"]
+    with running_server(args, log_path=log) as (_, proc):
+        first, second = _workers(proc.pid)
+        os.kill(first, signal.SIGSTOP)
+        try:
+            time.sleep(1.0)  # the supervisor's round (every 0.5 s) now waits on the first's answer (5 s)
+            os.kill(proc.pid, signal.SIGINT)
+            os.kill(second, signal.SIGINT)
+            deadline = time.monotonic() + 30
+            while not _exited(second):
+                assert time.monotonic() < deadline, "the second worker did not stop"
+                time.sleep(0.01)
+        finally:
+            os.kill(first, signal.SIGINT)
+            os.kill(first, signal.SIGCONT)
+        started = set()
+        while proc.poll() is None:  # type: ignore[attr-defined]
+            with contextlib.suppress(FileNotFoundError):
+                started.update(_workers(proc.pid))
+            time.sleep(0.01)
+        assert proc.returncode == 0  # type: ignore[attr-defined]
+    text = log.read_text()
+    assert started <= {first, second} and "died" not in text and "Traceback" not in text, (started, text[-3000:])
+
+
 def test_a_request_pipelined_behind_one_the_drain_ended_is_told_the_server_stopped(
     tmp_path: Path, upstream_sim: str
 ) -> None:
