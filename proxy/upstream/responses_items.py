@@ -10,15 +10,20 @@ agent's loop, or ``input`` plus the last response's ``output``): a user's, syste
 developer's message item whose content is a string or ``input_text`` parts; an assistant's
 message, as written or as an output item, read for its text (its first part's); a
 ``function_call``, the chat's tool call; its ``function_call_output`` of text, a tool
-message; a ``reasoning`` item, the assistant's reasoning. Anything else is left unknown
-(``None``): a previous response, items of other kinds (custom tool calls, images, files), a
-call in a ``namespace``, an item with more fields, and a last message or reasoning item that
-vLLM continues (its ``status`` ``in_progress`` or ``incomplete``), rendered without the
+message; a ``reasoning`` item, the assistant's reasoning. A call in a ``namespace`` is named
+as the namespace's tools are (``<namespace>__<name>``); a ``custom_tool_call`` is the call of
+the function shown in the custom tool's place, its ``input`` in the one-string arguments
+vLLM writes; an output of ``input_text`` parts, or a custom call's output of text, a tool
+message too. Anything else is left unknown (``None``): a previous response, items of other
+kinds (images, files), a custom call's output of parts (vLLM hands the template a one-pass
+iterator), an item with more fields, and a last message or reasoning item that vLLM
+continues (its ``status`` ``in_progress`` or ``incomplete``), rendered without the
 generation prompt.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 _ROLES = frozenset(("user", "system", "developer"))
@@ -29,10 +34,17 @@ _ASSISTANT = frozenset(("type", "role", "content", "id", "status"))
 _TEXTS = frozenset(("output_text", "input_text"))
 _OUTPUT_ONLY = frozenset(("id", "status"))
 _REASONING = frozenset(("type", "id", "summary", "content", "encrypted_content", "status"))
-#: A function call's and its output's fields, as input items.
-_CALL = frozenset(("type", "call_id", "name", "arguments", "id", "status"))
+#: A function call's and its output's fields, as input items, and a custom tool's call's and its output's.
+_CALL = frozenset(("type", "call_id", "name", "arguments", "id", "status", "namespace"))
 _OUTPUT = frozenset(("type", "call_id", "output", "id", "status"))
+_CUSTOM_CALL = frozenset(("type", "call_id", "name", "input", "id", "namespace"))
+_CUSTOM_OUTPUT = frozenset(("type", "call_id", "output", "id"))
 _STATUSES = frozenset((None, "in_progress", "completed", "incomplete"))
+
+
+def namespaced(namespace: str, name: object) -> str:
+    """A tool's name in a ``namespace``, as vLLM shows it to the model (``flat_namespace_tool_name``)."""
+    return f"{namespace}__{name}"
 
 
 def input_messages(payload: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -75,15 +87,15 @@ def _add(messages: list[dict[str, Any]], item: object) -> bool:
         return False
     last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
     kind = item.get("type", "message")
-    if kind == "function_call":
-        call = _tool_call(item)
+    if kind in ("function_call", "custom_tool_call"):
+        call = _tool_call(item) if kind == "function_call" else _custom_call(item)
         if call is not None and last is not None:
             last.setdefault("tool_calls", []).append(call)
         elif call is not None:
             messages.append({"role": "assistant", "tool_calls": [call]})
         return call is not None
-    if kind == "function_call_output":
-        message = _tool_output(item)
+    if kind in ("function_call_output", "custom_tool_call_output"):
+        message = _tool_output(item, _OUTPUT if kind == "function_call_output" else _CUSTOM_OUTPUT)
     elif kind == "reasoning":
         message = _reasoning(item)
     elif kind == "message" and item.get("role") == "assistant":
@@ -102,12 +114,25 @@ def _add(messages: list[dict[str, Any]], item: object) -> bool:
 
 def _tool_call(item: dict[str, Any]) -> dict[str, Any] | None:
     """A ``function_call`` item as the chat's tool call, for the fields vLLM's
-    ``ResponseFunctionToolCall`` reads as they are (a ``namespace`` renames it: unknown)."""
+    ``ResponseFunctionToolCall`` reads as they are; one in a ``namespace`` named as that
+    namespace's tools are."""
+    namespace = item.get("namespace")
     if not (item.keys() <= _CALL and all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments"))
-            and _id_and_status(item)):
+            and isinstance(namespace, str | None) and _id_and_status(item)):
         return None
-    return {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]},
-            "type": "function"}
+    name = namespaced(namespace, item["name"]) if namespace else item["name"]
+    return {"id": item["call_id"], "function": {"name": name, "arguments": item["arguments"]}, "type": "function"}
+
+
+def _custom_call(item: dict[str, Any]) -> dict[str, Any] | None:
+    """A ``custom_tool_call`` item as the call of the function shown in the custom tool's
+    place: under the tool's own name (a ``namespace`` is not read), its ``input`` as vLLM
+    writes the shim's arguments (``encode_custom_tool_input``: ``json.dumps``, not ASCII)."""
+    if not (item.keys() <= _CUSTOM_CALL and all(isinstance(item.get(key), str) for key in ("call_id", "name", "input"))
+            and all(isinstance(item.get(key, ""), str) for key in ("id", "namespace"))):
+        return None
+    arguments = json.dumps({"input": item["input"]}, ensure_ascii=False)
+    return {"id": item["call_id"], "function": {"name": item["name"], "arguments": arguments}, "type": "function"}
 
 
 def _id_and_status(item: dict[str, Any]) -> bool:
@@ -115,12 +140,17 @@ def _id_and_status(item: dict[str, Any]) -> bool:
     return isinstance(item.get("id"), str | None) and isinstance(status, str | None) and status in _STATUSES
 
 
-def _tool_output(item: dict[str, Any]) -> dict[str, Any] | None:
-    """A ``function_call_output`` item of text as the chat's tool message."""
-    if not (item.keys() <= _OUTPUT and isinstance(item.get("call_id"), str) and isinstance(item.get("output"), str)
-            and _id_and_status(item)):
+def _tool_output(item: dict[str, Any], fields: frozenset[str]) -> dict[str, Any] | None:
+    """A call's output item as the chat's tool message: its text, or (a function call's) its
+    ``input_text`` parts, text parts to the chat parser."""
+    output = item.get("output")
+    if isinstance(output, list) and fields is _OUTPUT and output and all(_part_of(part, "input_text") for part in output):
+        output = [{"type": "text", "text": part["text"]} for part in output]
+    elif not isinstance(output, str):
         return None
-    return {"role": "tool", "content": item["output"], "tool_call_id": item["call_id"]}
+    if not (item.keys() <= fields and isinstance(item.get("call_id"), str) and _id_and_status(item)):
+        return None
+    return {"role": "tool", "content": output, "tool_call_id": item["call_id"]}
 
 
 def _assistant(item: dict[str, Any]) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.upstream.responses_items import input_messages
+from proxy.upstream.responses_items import input_messages, namespaced
 
 #: A function tool's fields, each of which vLLM renders as it is.
 _FUNCTION = frozenset(("type", "name", "description", "parameters", "strict", "defer_loading"))
@@ -132,7 +132,7 @@ def _namespace(tool: dict[str, Any]) -> list[dict[str, Any]] | None:
         if not isinstance(nested, dict) or nested.get("type") not in ("function", "custom"):
             return None
         if nested["type"] == "function":
-            if (function := _function(nested, f"{name}__{nested.get('name')}")) is None:
+            if (function := _function(nested, namespaced(name, nested.get('name')))) is None:
                 return None
             functions.append(function)
     return functions

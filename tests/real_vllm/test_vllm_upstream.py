@@ -484,21 +484,27 @@ API_CUT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
             {"type": "function", "name": "find", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]},
         {"type": "web_search"}]}),
     "responses-reasoning": ("responses", {"reasoning": {"effort": "low"}}),
-    # a function tool, and an agent's loop: its reasoning and two function calls (merged into
-    # one assistant message), their outputs, the assistant's answer as the response's output
-    # item, and the next user turn
+    # function, namespace and custom tools, and an agent's loop: its reasoning and three calls
+    # (a function's, a namespace's, a custom tool's: merged into one assistant message), their
+    # outputs (text, text parts), the assistant's answer as the response's output item, and
+    # the next user turn
     "responses-tool-calls": ("responses", {"tools": [
         {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": False,
-         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        {"type": "namespace", "name": "clock", "description": "Time.", "tools": [{"type": "function", "name": "now"}]},
+        {"type": "custom", "name": "run_python", "description": "Runs Python."}],
         "input": [
             {"role": "user", "content": "What is the weather in Paris and the time?"},
             {"type": "reasoning", "id": "rs_1", "summary": [],
              "content": [{"type": "reasoning_text", "text": "I need the weather tool and the time."}]},
             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-            {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}", "id": "fc_2",
-             "status": "completed"},
-            {"type": "function_call_output", "call_id": "c1", "output": "Sunny, 21 C."},
+            {"type": "function_call", "call_id": "c2", "namespace": "clock", "name": "now", "arguments": "{}",
+             "id": "fc_2", "status": "completed"},
+            {"type": "custom_tool_call", "call_id": "c3", "name": "run_python", "input": 'print("21 °C")'},
+            {"type": "function_call_output", "call_id": "c1", "output": [
+                {"type": "input_text", "text": "Sunny,"}, {"type": "input_text", "text": "21 C."}]},
             {"type": "function_call_output", "call_id": "c2", "output": "Noon."},
+            {"type": "custom_tool_call_output", "call_id": "c3", "output": "21 °C"},
             {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
              "content": [{"type": "output_text", "text": "Sunny and noon.", "annotations": []}]},
             {"role": "user", "content": [{"type": "input_text"}]}]}),

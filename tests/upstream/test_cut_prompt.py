@@ -604,8 +604,9 @@ def test_a_chats_reused_ids_are_its_prompt_where_the_installed_vllm_runs_them(
 
 #: A conversation sent back as Responses input items: messages, an assistant's as written or
 #: as a response's output item (a refusal first, which vLLM fails to read), function calls
-#: (with an id and status or not) and their outputs, reasoning items. ``x``, a ``namespace``
-#: and an output of parts are what the prompt is left unknown for.
+#: (with an id, status or namespace or not) and custom tools' calls, their outputs (text, or
+#: parts), reasoning items. ``x``, an output with a part other than text, and a custom call's
+#: output of parts are what the prompt is left unknown for.
 _STATUS = st.none() | st.sampled_from(["in_progress", "completed", "incomplete"])
 _OUTPUT_TEXT = {"type": "output_text", "text": "ok", "annotations": []}
 _ITEMS = st.one_of(
@@ -618,11 +619,19 @@ _ITEMS = st.one_of(
         optional={"type": st.just("message"), "id": st.just("msg_1"), "status": _STATUS}),
     st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", "c2"]),
                            "name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(["{}", '{"a": 1}'])},
-                          optional={"id": st.just("fc_1"), "status": _STATUS, "namespace": st.just("ns"),
+                          optional={"id": st.just("fc_1"), "status": _STATUS, "namespace": st.sampled_from(["ns", ""]),
                                     "x": st.just(1)}),
-    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c2"]),
-                           "output": st.just("sunny") | st.just([{"type": "input_text", "text": "sunny"}])},
-                          optional={"id": st.just("fco_1"), "status": _STATUS, "x": st.just(1)}),
+    st.fixed_dictionaries({"type": st.just("custom_tool_call"), "call_id": st.sampled_from(["c1", "c2"]),
+                           "name": st.sampled_from(["f", "g"]), "input": st.sampled_from(["", "print('é')", 'a"\\\n'])},
+                          optional={"id": st.just("ctc_1"), "namespace": st.just("ns"), "x": st.just(1)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call_output", "custom_tool_call_output"]),
+                           "call_id": st.sampled_from(["c1", "c2"]),
+                           "output": st.sampled_from(["sunny", [{"type": "input_text", "text": "sunny"}],
+                                                      [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+                                                      [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}]])},
+                          optional={"id": st.just("fco_1"), "x": st.just(1)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.just("c1"), "output": st.just("sunny"),
+                           "status": _STATUS}),
     st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.sampled_from(
         [[], [{"type": "summary_text", "text": "sum"}]])},
         optional={"id": st.just("rs_1"), "status": _STATUS, "encrypted_content": st.sampled_from([None, "", "xyz"]),
@@ -826,7 +835,8 @@ def test_a_responses_bodys_tool_calls_and_outputs_are_asked_as_the_installed_vll
         payload["instructions"] = instructions
     asked = chat_ask(copy.deepcopy(payload))
     refusal = {"type": "refusal", "refusal": "no"}  # vLLM fails on it, or renders the item as it is
-    odd = any("x" in item or "namespace" in item or isinstance(item.get("output"), list)
+    odd = any("x" in item or (isinstance(item.get("output"), list) and (item["type"] == "custom_tool_call_output" or any(
+                  part["type"] != "input_text" for part in item["output"])))
               or (item.get("content") or [None])[:1] == [refusal]
               # an output item's fields beside text: pydantic may take it for one, whose content is parts
               or (item.get("role") == "assistant" and isinstance(item["content"], str) and item.keys() & {"id", "status"})
