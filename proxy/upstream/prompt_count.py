@@ -11,7 +11,8 @@ chat its route renders (:mod:`proxy.upstream.responses_prompt`, its ``truncation
 :func:`truncated` reads a chat's). Its ``count`` is the prompt vLLM's usage reports for that
 body (the Responses usage's ``input_tokens``), where vLLM renders the chat itself
 (its chat template; not gpt-oss's Harmony, whose chat rendering ``/tokenize`` does not run).
-Several prompts are asked one by one and summed, as vLLM's usage sums them; ``tools`` are
+Several prompts are asked one by one and summed, as vLLM's usage sums them, each distinct
+prompt once (a prompt sent many times is not asked many times over); ``tools`` are
 asked with the messages (a Responses body's function tools as the chat's), or without them
 under ``tool_choice`` ``"none"`` where the upstream runs
 ``--exclude-tools-when-tool-choice-none`` (``exclude_tools_when_tool_choice_none``: set it as
@@ -164,10 +165,10 @@ def _read(body: bytes) -> dict[str, Any] | None:
     return payload if isinstance(payload, dict) else None
 
 
-async def _ask(client: UpstreamClient, asked: dict[str, Any], sent: list[tuple[bytes, bytes]]) -> Any:
+async def _ask(client: UpstreamClient, asked: bytes, sent: list[tuple[bytes, bytes]]) -> Any:
     """The upstream's answer to one ``/tokenize`` ask, read whole, or ``None``."""
     try:
-        response = await client.send("POST", TOKENIZE, sent, standard_dumps(asked))
+        response = await client.send("POST", TOKENIZE, sent, asked)
     except UpstreamFailure:
         return None
     try:
@@ -237,21 +238,25 @@ class PromptCounter:
     async def _ask_each(self, client: UpstreamClient, parts: list[dict[str, Any] | int], payload: dict[str, Any],
                         headers: Headers) -> list[int | None] | None:
         """Each prompt's count (``None``: truncation may have cut it), or ``None`` where an ask
-        failed; every ask within one :attr:`timeout_s`."""
+        failed; every ask within one :attr:`timeout_s`, each distinct ask once."""
         credentials = [(name, value) for name, value in headers if name.lower() in _CREDENTIALS]
         sent = [(b"content-type", b"application/json"), *credentials]
         counts: list[int | None] = []
+        known: dict[bytes, int | None] = {}  # an ask's body: its prompt's count
         try:
             async with asyncio.timeout(self.timeout_s):
                 for part in parts:
                     if isinstance(part, int):
                         counts.append(truncated(part, payload, None))
                         continue
-                    answer = await _ask(client, part, sent)
-                    count = answer.get("count") if isinstance(answer, dict) else None
-                    if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= _MAX_COUNT:
-                        return None
-                    counts.append(truncated(count, payload, answer.get("max_model_len")))
+                    asked = standard_dumps(part)
+                    if asked not in known:
+                        answer = await _ask(client, asked, sent)
+                        count = answer.get("count") if isinstance(answer, dict) else None
+                        if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= _MAX_COUNT:
+                            return None
+                        known[asked] = truncated(count, payload, answer.get("max_model_len"))
+                    counts.append(known[asked])
         except TimeoutError:
             return None
         return counts

@@ -196,9 +196,10 @@ TOKENS = 50
 
 
 class Upstream:
-    """A chat stream of :data:`TOKENS` slow tokens and its usage chunk, and a ``/tokenize`` that answers
-    as ``mode`` says: ``count`` 42 (to the upstream's key alone if ``key``), none (404),
-    a 500, a count that is no integer, or never. ``late_s``: the stream answered that late;
+    """A chat (or completions) stream of :data:`TOKENS` slow tokens and its usage chunk, and a
+    ``/tokenize`` that answers as ``mode`` says: ``count`` 42 (to the upstream's key alone if
+    ``key``; ``slow``: after 0.2 s), none (404), a 500, a count that is no integer, or never.
+    ``late_s``: the stream answered that late;
     ``end``: what the tokens end with: the usage chunk, nothing (an upstream that sends none) or
     vLLM's error event; ``done_s``: how long after it ``[DONE]`` comes."""
 
@@ -208,6 +209,7 @@ class Upstream:
         self.asked = threading.Event()
         self.asked_bodies: list[dict[str, Any]] = []
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.chat, methods=["POST"]),
                   Route("/invocations", self.chat, methods=["POST"]),  # SageMaker's: a chat body here
                   Route("/v1/messages", self.messages, methods=["POST"])]
         if mode != "missing":
@@ -223,13 +225,16 @@ class Upstream:
         body = await request.body()
         prompt = self.reported_prompt(body)
         head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        choice = {"index": 0, "delta": {"content": "tok"}, "finish_reason": None}
+        if request.url.path == "/v1/completions":
+            head, choice = {**head, "object": "text_completion"}, {"index": 0, "text": "tok", "finish_reason": None}
         await asyncio.sleep(self.late_s)
         if not orjson.loads(body).get("stream"):
             return self.answer(prompt)
 
         async def events() -> AsyncIterator[bytes]:
             for _ in range(TOKENS):
-                chunk = {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
+                chunk = {**head, "choices": [choice]}
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 await asyncio.sleep(0.02)
             if self.end == "usage":
@@ -276,6 +281,8 @@ class Upstream:
             return JSONResponse({"error": {"message": "Unauthorized"}}, 401)
         if self.mode == "hang":
             await asyncio.Event().wait()
+        if self.mode == "slow":
+            await asyncio.sleep(0.2)
         if self.mode == "error":
             return JSONResponse({"error": {"message": "boom", "code": 500}}, 500)
         # A template that renders tools makes them part of the prompt: 100 tokens more.
@@ -319,6 +326,21 @@ def test_past_the_cap_a_cut_stream_is_left_unknown_and_counted_busy(tmp_path: Pa
     assert len(upstream.asked_bodies) == 1
     assert [(r["outcome"], r["prompt_tokens"], r["cached_tokens"]) for r in found] == [
         ("disconnected", None, None)] * 2
+
+
+def test_a_cut_stream_of_one_prompt_sent_many_times_is_billed_every_copy_with_one_ask(tmp_path: Path) -> None:
+    """A completions stream of the same prompt 100 times, cut before its usage: vLLM runs (and
+    its usage counts) every copy. Each prompt was asked in turn within the count's 5 s, so a
+    client that repeated its prompt enough kept all of them off the bill (``null``; here 100
+    asks of 0.2 s). Each distinct prompt is asked once."""
+    upstream = Upstream("slow")
+    with serving_in_thread(upstream.app, "upstream") as upstream_url, \
+            cachetally(upstream_url, tmp_path) as (url, _app), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        assert hang_up(client, "completions", ["Say hi.", *["Repeat me."] * 99]) == "tok" * 3
+        (record,) = records(tmp_path, 1, timeout_s=15)
+    assert (record["outcome"], record["prompt_tokens"], record["source"]) == ("disconnected", 100 * 42, "tokenize")
+    assert sorted(body["prompt"] for body in upstream.asked_bodies) == ["Repeat me.", "Say hi."]
 
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["clients-key", "upstreams-key"])
