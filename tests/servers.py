@@ -220,16 +220,18 @@ def tracebacks_in_vllm_log(text: str) -> list[str]:
     it cancels the output handler, which may first see the client's ``EngineDeadError``
     and log "AsyncLLM output_handler failed." with a traceback, although nothing died
     (vllm-project/vllm#48745; fix proposed in #49000). Seen in 1 of 3 CI runs here, with
-    two API servers, after every request had been answered. Only that block is excused:
-    logged by ``async_llm.py`` in a process whose engine client had already shut down
-    (``[shutdown] MPClient: complete``), ending in ``EngineDeadError``.
+    two API servers, after every request had been answered, and later in a fleet replica
+    while its client was still cleaning up (before ``complete``). Only that block is excused:
+    logged by ``async_llm.py`` in a process whose engine client had begun to shut down
+    (``[shutdown] MPClient: start``: its engine manager then stops the engines), ending in
+    ``EngineDeadError``.
     """
     lines = text.splitlines()
     shut_down: set[str] = set()
     found: list[str] = []
     for i, line in enumerate(lines):
         who = line.split(")", 1)[0] if line.startswith("(") else ""
-        if "[shutdown] MPClient: complete" in line:
+        if "[shutdown] MPClient: start" in line:
             shut_down.add(who)
         if "Traceback" not in line:
             continue
