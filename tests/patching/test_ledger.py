@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.types import Receive, Scope, Send
 
 from engine_adapter.events import EventSink, Scheduled
@@ -73,6 +75,43 @@ def test_tiers_sum_and_unknown_tiers_stay_none() -> None:
     assert usage.external_cached_tokens == 16
     # Only the second event knew cache creation: the sum is its value, not None.
     assert usage.cache_creation_tokens == 8
+
+
+_TIERS = ("local_cached_tokens", "external_cached_tokens", "cache_creation_tokens", "transferred_tokens",
+          "decode_local_tokens")
+
+
+@st.composite
+def _engine_requests(draw: st.DrawFn) -> list[Scheduled]:
+    """An HTTP request's engine requests (one per prompt, or ``n`` of them), each with its own
+    figures; any tier may be unknown to any of them."""
+    out = []
+    for _ in range(draw(st.integers(1, 4))):
+        prompt = draw(st.integers(1, 100))
+        tiers = {name: draw(st.none() | st.integers(1, prompt)) for name in _TIERS}
+        out.append(Scheduled("r1", prompt, draw(st.integers(0, prompt)), **tiers))
+    return out
+
+
+@given(requests=_engine_requests(), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_a_requests_figures_are_its_engine_requests_summed_in_whatever_order_they_come(
+    requests: list[Scheduled], data: st.DataObject
+) -> None:
+    """The record of a request over several prompts (or ``n > 1``) bills each figure as the sum
+    of what its engine requests reported, whichever engine request's ``Scheduled`` comes
+    first; a tier only some of them knew is the sum of theirs, one none knew stays ``None``."""
+    ledger = UsageLedger()
+    ledger.open("r1")
+    for event in data.draw(st.permutations(requests)):
+        ledger.publish(event)
+    usage = ledger.close("r1")
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.cached_tokens) == (
+        sum(r.prompt_tokens for r in requests), sum(r.cached_tokens for r in requests))
+    for name in _TIERS:
+        known = [getattr(r, name) for r in requests if getattr(r, name) is not None]
+        assert getattr(usage, name) == (sum(known) if known else None), name
 
 
 def test_tiers_nobody_reported_stay_none() -> None:
