@@ -300,3 +300,35 @@ def test_multiprocess_mode_sums_every_process(tmp_path: Path) -> None:
     collected = generate_latest(registry)
     assert samples(collected, "cachetally_ledger_open_slots") == {"cachetally_ledger_open_slots": 2.0}
     assert samples(collected, "cachetally_requests") == samples(theirs, "cachetally_requests")
+
+
+# One worker whose requests left three slots open (a missed drop guard) before one more opened:
+# past the TTL, the sweep evicts the three.
+_SWEPT = """
+from proxy.accounting.metrics import Metrics
+from proxy.patching.ledger import UsageLedger
+now = [0.0]
+ledger = UsageLedger(ttl_s=10, clock=lambda: now[0])
+metrics = Metrics(ledger)
+for i in range(3):
+    ledger.open(f"leaked-{i}")
+now[0] = 11.0
+ledger.open("fresh")
+assert ledger.sweep() == 3
+"""
+
+
+def test_in_multiprocess_mode_the_slots_the_sweep_evicts_leave_the_open_slots_gauge(tmp_path: Path) -> None:
+    """With ``--workers N`` the gauge is written by each process, not read from its ledger at
+    the scrape: slots the TTL sweep evicted must leave it, or an operator reads a leak the
+    sweep already ended, for as long as the worker lives."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", _SWEPT], env=env, cwd=ROOT, check=True, timeout=60)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, str(tmp_path))
+    collected = generate_latest(registry)
+    assert samples(collected, "cachetally_ledger_open_slots") == {"cachetally_ledger_open_slots": 1.0}
+    assert samples(collected, "cachetally_ledger_evicted") == {
+        'cachetally_ledger_evicted_total{reason="cap"}': 0.0,
+        'cachetally_ledger_evicted_total{reason="ttl"}': 3.0,
+    }
