@@ -17,7 +17,6 @@ import socket
 import ssl
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -328,7 +328,7 @@ def test_killing_the_upstream_before_a_json_response_is_502(start_sim: Any, star
 async def dies_mid_json(scope: Any, receive: Any, send: Any) -> None:
     """An upstream that starts a 200 JSON answer to a chat and dies in its body."""
     if scope["type"] == "lifespan":
-        while (message := await receive())["type"] != "lifespan.shutdown":
+        while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
