@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 import orjson
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.patching.sse import SSEPatcher, patch_event
@@ -292,14 +292,24 @@ def test_any_chunking_patches_usage_events_exactly_and_passes_the_rest_byte_for_
     st.lists(st.one_of(usage_payload(), null_usage_payload(), non_usage_payload()), min_size=1, max_size=6),
     st.sampled_from([b"data: ", b"data:"]),
 )
+@example([{"choices": [], "usage": {"prompt_tokens": 0}, "model": 3.43723854294319e-05}], b"data: ")
 def test_engine_framed_chunks_are_patched_byte_exact_one_event_at_a_time(payloads: list[Any], prefix: bytes) -> None:
     """vLLM, SGLang and OpenAI send each chunk as one ``data:`` line and a blank line, LF
-    only: a usage event comes back as exactly its patched JSON, every other event as it was."""
+    only: a usage event comes back as one compact ``data:`` line of exactly its patched
+    JSON, every other event as it was. Compared as the client's ``json`` reads it: a float's
+    text may change form (``0.0000343723854294319`` and ``3.43723854294319e-05`` are one
+    number; a run of 19 digits sends the text through the standard library, json_exact.py)."""
     patcher = SSEPatcher(set_seven)
     for payload in payloads:
         event = prefix + orjson.dumps(payload) + b"\n\n"
         want = expected_patch(event)
-        assert patcher.feed(event) == (event if want is None else b"data: " + orjson.dumps(want) + b"\n\n")
+        out = patcher.feed(event)
+        if want is None:
+            assert out == event
+        else:
+            line = out.removeprefix(b"data: ").removesuffix(b"\n\n")
+            assert out == b"data: " + line + b"\n\n" and b"\n" not in line and b"\r" not in line
+            assert json.loads(line) == want
     assert patcher.flush() == b""
 
 
