@@ -202,3 +202,21 @@ async def test_a_client_that_leaves_while_done_is_held_is_recorded_disconnected(
     assert client.body == ROLE
     [record] = records.records
     assert record.outcome == "disconnected"
+
+
+_HEAD, _TAIL = GHOST_USAGE.split(b'"usage":')
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("usage_chunk", [
+    GHOST_USAGE.replace(b"\n", b"\r\n"),  # sse-starlette's default line end
+    GHOST_USAGE.replace(b"\n", b"\r"),
+    _HEAD + b'\ndata: "usage":' + _TAIL,  # its JSON over two data lines
+], ids=["crlf", "cr", "two-data-lines"])
+async def test_the_usage_chunk_the_client_did_not_ask_for_is_dropped_however_the_upstream_frames_it(
+    usage_chunk: bytes,
+) -> None:
+    """Any SSE framing an upstream may use: the usage chunk asked for on the client's behalf
+    never reaches it (it was sent on, re-serialized, or the response failed)."""
+    body = await _client_gets([ROLE, finishing(0), usage_chunk, DONE])
+    assert body == ROLE + finishing(0, system_fingerprint="fp-1") + DONE
