@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -434,6 +435,50 @@ def test_patch_event_leaves_null_usage_non_json_and_unchanged_verdicts_alone() -
     assert patch_event(b'data: ["usage"]\n\n', set_seven) is None
     assert patch_event(b': "usage"\n\n', set_seven) is None
     assert patch_event(USAGE_EVENT, lambda payload: None) is None
+
+
+NOT_DATA = [b": ab", b"id:1", b":    ", b"id:  ", b"name:", b"data_: ", b"datax", b"dat: ", b"event:"]
+
+
+@pytest.mark.parametrize("line", NOT_DATA)
+def test_only_data_lines_are_data_however_a_line_looks(line: bytes) -> None:
+    """A line is data when its field name is exactly ``data`` (WHATWG: the name runs up to its
+    first colon, or is the whole line): a 4-byte comment, a field whose value starts at byte
+    5, a ``data_`` field, each holding usage JSON, stays as the client reads it, unpatched and
+    in its place; the usage in the event's real data line is patched."""
+    usage_json = USAGE_EVENT.removeprefix(b"data: ").removesuffix(b"\n\n")
+    alone = line + usage_json + b"\n\n"
+    beside = line + usage_json + b"\r\n" + USAGE_EVENT + b"event: usage\n" + line + b"\n\n"
+    stream = alone + beside + TOKEN_EVENT
+    for chunks in ([stream], [bytes([b]) for b in stream]):
+        out = run(SSEPatcher(set_seven), chunks)
+        assert_patched_stream(stream, out)
+        events, _ = split_events(out)
+        assert events[0] == alone
+        assert orjson.loads(parse_event(events[1])[0] or b"") == PATCHED_USAGE
+
+
+def test_a_bare_data_line_is_data_and_the_event_still_ends_where_it_did() -> None:
+    """``data`` alone is a data line with an empty value (an empty line in the JSON, which
+    JSON allows). As the last data line, before a blank line after a lone CR, it is where the
+    patched line goes: put anywhere else, its CR would meet the blank line's LF, one line
+    end, and the event would swallow the next one."""
+    usage_json = USAGE_EVENT.removeprefix(b"data: ").removesuffix(b"\n\n")
+    stream = (b"data: " + usage_json + b"\rdata\r\n\n" + TOKEN_EVENT
+              + b"data\r: c\rdata:" + usage_json + b"\rdata\r\n\n" + TOKEN_EVENT)
+    out = run(SSEPatcher(set_seven), [stream])
+    assert_patched_stream(stream, out)
+    events, _ = split_events(out)
+    assert [events[1], events[3]] == [TOKEN_EVENT, TOKEN_EVENT]
+    assert parse_event(events[2])[1] == [b": c"]
+
+
+def test_data_lines_join_with_a_line_feed_so_json_they_split_is_not_patched() -> None:
+    """``12`` and ``34`` on two data lines are ``12\\n34`` to the client: no JSON, so the event
+    goes on as it came, never read as 1234 and rewritten."""
+    split = b'data: {"choices":[],"usage":{"prompt_tokens":12\ndata: 34}}\n\n'
+    assert run(SSEPatcher(set_seven), [split + USAGE_EVENT])[: len(split)] == split
+    assert patch_event(split, set_seven) is None
 
 
 # -- oversize -----------------------------------------------------------------------------
