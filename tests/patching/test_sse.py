@@ -473,6 +473,19 @@ def test_a_bare_data_line_is_data_and_the_event_still_ends_where_it_did() -> Non
     assert parse_event(events[2])[1] == [b": c"]
 
 
+@pytest.mark.parametrize("event", [
+    b'data: {"choices":[{"index":0,"delta":{},"usage":null}],"usage":{"prompt_tokens":30}}\n\n',
+    b'data: {"usage": null, "choices": [], "usage": {"prompt_tokens": 30}}\n\n',  # the last key wins
+    b'data: {"choices":[],\ndata: "x":{"usage":null},"usage":{"prompt_tokens":30}}\r\n\r\n',
+], ids=["null-in-a-choice", "twice", "multi-line"])
+def test_a_real_usage_beside_a_null_one_is_patched(event: bytes) -> None:
+    """``"usage": null`` is skipped unparsed only when it is the event's one usage: a real
+    usage object beside it is patched as the client reads it."""
+    out = run(SSEPatcher(set_seven), [event])
+    assert json.loads(parse_event(out)[0] or b"")["usage"] == {
+        "prompt_tokens": 30, "prompt_tokens_details": {"cached_tokens": 7}}
+
+
 def test_data_lines_join_with_a_line_feed_so_json_they_split_is_not_patched() -> None:
     """``12`` and ``34`` on two data lines are ``12\\n34`` to the client: no JSON, so the event
     goes on as it came, never read as 1234 and rewritten."""
