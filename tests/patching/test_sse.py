@@ -349,6 +349,18 @@ def test_first_complete_non_usage_event_is_returned_immediately() -> None:
     assert patcher.flush() == b""
 
 
+@pytest.mark.parametrize("blank", [b"\n", b"\r\n"])
+def test_a_stream_that_opens_with_a_blank_line_passes_it_at_once(blank: bytes) -> None:
+    """A blank line before any field is an empty event (a keep-alive some servers send
+    first): complete, so nothing of it is held; the event after it is patched."""
+    patcher = SSEPatcher(set_seven)
+    assert patcher.feed(blank) == blank
+    assert patcher.feed(USAGE_EVENT[:9]) == b""
+    out = patcher.feed(USAGE_EVENT[9:])
+    assert orjson.loads(out.removeprefix(b"data: ").removesuffix(b"\n\n")) == PATCHED_USAGE
+    assert patcher.flush() == b""
+
+
 def test_usage_event_is_returned_as_soon_as_its_blank_line_arrives() -> None:
     patcher = SSEPatcher(set_seven)
     assert patcher.feed(USAGE_EVENT[:-1]) == b""
