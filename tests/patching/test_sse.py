@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from proxy.patching.response_budget import BUDGET_FULL, ResponseBudget, ResponseHold
 from proxy.patching.sse import SSEPatcher, patch_event
 
 # -- an independent, spec-following SSE splitter ---------------------------------------
@@ -564,3 +565,27 @@ def test_byte_by_byte_holds_at_most_the_current_partial_event() -> None:
         assert held <= fed - partial_start  # never more than the partial event
         assert held <= max_event  # and never more than the limit
     assert out + patcher.flush() == stream
+
+
+def test_a_partial_event_within_its_free_bytes_takes_none_of_the_process_budget() -> None:
+    """What a partial event holds past its free bound is counted in its process's
+    budget, nothing below it: beside one within its bound, another is held (and patched) up
+    to the budget's last byte, and one byte more goes on unpatched, as the budget's."""
+    budget, calls = ResponseBudget(100), []
+
+    def patcher() -> SSEPatcher:
+        return SSEPatcher(set_seven, max_event_bytes=1_000, budget=(ResponseHold(budget), 50),
+                          on_oversize=calls.append)
+
+    small = patcher()
+    assert small.feed(USAGE_EVENT[:30]) == b""  # held, 20 bytes within its free 50
+    padded = USAGE_EVENT.replace(b'{"choices"', b'{"pad":"' + b"x" * 52 + b'","choices"')
+    assert len(padded) == 152  # 150 before its blank line: 100 past the free 50
+    fits = patcher()
+    assert fits.feed(padded[:-2]) == b""
+    assert orjson.loads(fits.feed(b"\n\n").removeprefix(b"data: "))["usage"] == PATCHED_USAGE["usage"]
+    past = patcher()
+    wider = padded.replace(b'"pad":"', b'"pad":"x')
+    assert past.feed(wider[:-2]) + past.feed(b"\n\n") == wider  # as the upstream sent it
+    assert calls == [BUDGET_FULL]
+    assert small.feed(USAGE_EVENT[30:]) != USAGE_EVENT  # the small one patched all along
