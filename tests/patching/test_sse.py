@@ -542,6 +542,18 @@ def test_each_oversize_event_is_reported_once() -> None:
     assert calls == ["event_too_large"] * 2
 
 
+def test_the_rest_of_an_oversize_event_passes_as_it_comes() -> None:
+    """Once an event went out unpatched for its size, each later part of it goes to the
+    client as it arrives, however small, not held again up to ``max_event_bytes``."""
+    patcher = SSEPatcher(set_seven, max_event_bytes=128)
+    assert patcher.feed(BIG_USAGE[:150]) == BIG_USAGE[:150]
+    for i in range(150, len(BIG_USAGE) - 2, 7):
+        part = BIG_USAGE[i : min(i + 7, len(BIG_USAGE) - 2)]
+        assert patcher.feed(part) == part
+    out = patcher.feed(b"\n\n" + USAGE_EVENT)  # its end, then an ordinary event: patched
+    assert out[:2] == b"\n\n" and orjson.loads(out[2:].removeprefix(b"data: ")) == PATCHED_USAGE
+
+
 def test_byte_by_byte_holds_at_most_the_current_partial_event() -> None:
     max_event = 48
     patcher = SSEPatcher(set_seven, max_event_bytes=max_event)
@@ -573,8 +585,8 @@ def test_a_partial_event_within_its_free_bytes_takes_none_of_the_process_budget(
     to the budget's last byte, and one byte more goes on unpatched, as the budget's."""
     budget, calls = ResponseBudget(100), []
 
-    def patcher() -> SSEPatcher:
-        return SSEPatcher(set_seven, max_event_bytes=1_000, budget=(ResponseHold(budget), 50),
+    def patcher(max_event_bytes: int = 1_000) -> SSEPatcher:
+        return SSEPatcher(set_seven, max_event_bytes=max_event_bytes, budget=(ResponseHold(budget), 50),
                           on_oversize=calls.append)
 
     small = patcher()
@@ -584,8 +596,8 @@ def test_a_partial_event_within_its_free_bytes_takes_none_of_the_process_budget(
     fits = patcher()
     assert fits.feed(padded[:-2]) == b""
     assert orjson.loads(fits.feed(b"\n\n").removeprefix(b"data: "))["usage"] == PATCHED_USAGE["usage"]
-    past = patcher()
     wider = padded.replace(b'"pad":"', b'"pad":"x')
+    past = patcher(max_event_bytes=len(wider) - 2)  # at its own bound, not past it: the budget's
     assert past.feed(wider[:-2]) + past.feed(b"\n\n") == wider  # as the upstream sent it
     assert calls == [BUDGET_FULL]
     assert small.feed(USAGE_EVENT[30:]) != USAGE_EVENT  # the small one patched all along
