@@ -95,7 +95,7 @@ def _add(messages: list[dict[str, Any]], item: object) -> bool:
             messages.append({"role": "assistant", "tool_calls": [call]})
         return call is not None
     if kind in ("function_call_output", "custom_tool_call_output"):
-        message = _tool_output(item, _OUTPUT if kind == "function_call_output" else _CUSTOM_OUTPUT)
+        message = _tool_output(item, custom=kind == "custom_tool_call_output")
     elif kind == "reasoning":
         message = _reasoning(item)
     elif kind == "message" and item.get("role") == "assistant":
@@ -140,15 +140,14 @@ def _id_and_status(item: dict[str, Any]) -> bool:
     return isinstance(item.get("id"), str | None) and isinstance(status, str | None) and status in _STATUSES
 
 
-def _tool_output(item: dict[str, Any], fields: frozenset[str]) -> dict[str, Any] | None:
-    """A call's output item as the chat's tool message: its text, or (a function call's) its
-    ``input_text`` parts, text parts to the chat parser."""
+def _tool_output(item: dict[str, Any], custom: bool) -> dict[str, Any] | None:
+    """A call's output item as the chat's tool message: its text, or (a function call's, not
+    a ``custom`` one's) its ``input_text`` parts."""
     output = item.get("output")
-    if isinstance(output, list) and fields is _OUTPUT and output and all(_part_of(part, "input_text") for part in output):
-        output = [{"type": "text", "text": part["text"]} for part in output]
-    elif not isinstance(output, str):
-        return None
-    if not (item.keys() <= fields and isinstance(item.get("call_id"), str) and _id_and_status(item)):
+    if isinstance(output, list):  # a custom call's parts: a one-pass iterator to vLLM's template
+        output = None if custom else _text_parts(output)
+    if not (isinstance(output, str | list) and item.keys() <= (_CUSTOM_OUTPUT if custom else _OUTPUT)
+            and isinstance(item.get("call_id"), str) and _id_and_status(item)):
         return None
     return {"role": "tool", "content": output, "tool_call_id": item["call_id"]}
 
@@ -193,13 +192,14 @@ def _message(item: dict[str, Any]) -> dict[str, Any] | None:
     role, content = item.get("role"), item.get("content")
     if not isinstance(role, str) or role not in _ROLES:
         return None
-    if isinstance(content, str):
-        return {"role": role, "content": content}
-    if not isinstance(content, list) or not content:
+    if isinstance(content, list):
+        content = _text_parts(content)
+    return {"role": role, "content": content} if isinstance(content, str | list) else None
+
+
+def _text_parts(parts: list[Any]) -> list[dict[str, str]] | None:
+    """``input_text`` parts as the chat parser's text parts; ``None`` for none, or for any
+    other part."""
+    if not parts or not all(_part_of(part, "input_text") for part in parts):
         return None
-    parts = []
-    for part in content:
-        if not _part_of(part, "input_text"):  # text to the chat parser
-            return None
-        parts.append({"type": "text", "text": part["text"]})
-    return {"role": role, "content": parts}
+    return [{"type": "text", "text": part["text"]} for part in parts]
